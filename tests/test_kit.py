@@ -1,0 +1,144 @@
+import csv
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import kit
+import pytest
+import torch
+from conftest import ROOT
+
+FAKE_ENV = {
+    "gpu": "Some GPU 80GB",
+    "driver": "1.2.3",
+    "cuda": "13.0",
+    "torch": "2.11.0",
+    "triton": "3.6.0",
+    "date": "2026-11-22",
+    "command": "make bench",
+    "limits": {"GB/s": 3000.0, "TFLOP/s": 700.0},
+}
+
+
+def copy_benchmark(**overrides):
+    fields = dict(
+        name="copy",
+        x_name="elements",
+        x_values=[2**10, 2**12],
+        providers=["triton", "torch"],
+        make=lambda provider, n, dtype: lambda: torch.ones(n, dtype=dtype).clone(),
+        work=lambda n, dtype: 2 * n * dtype.itemsize,
+        smoke_x=16,
+        headline_x=2**12,
+    )
+    return kit.Benchmark(**{**fields, **overrides})
+
+
+POINTS = [
+    kit.Point("triton", "float32", 2**10, 1500.0),
+    kit.Point("torch", "float32", 2**10, 1400.0),
+    kit.Point("triton", "float32", 2**12, 2700.0),
+    kit.Point("torch", "float32", 2**12, 2600.0),
+]
+
+
+def test_without_a_gpu_kernels_run_interpreted_on_the_cpu():
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    assert kit.INTERPRET and not kit.ON_GPU and kit.DEVICE.type == "cpu"
+    assert os.environ["TRITON_INTERPRET"] == "1"
+    assert kit.choose(gpu=10**9, cpu=10) == 10
+    assert kit.autotune_configs(["a", "b", "c"]) == ["a"]
+
+
+def test_importing_kit_after_triton_is_refused_without_a_gpu():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["CUDA_VISIBLE_DEVICES"] = ""
+    probe = subprocess.run(
+        [sys.executable, "-c", "import triton, kit"], env=env, capture_output=True, text=True, cwd=ROOT / "tutorials"
+    )
+    assert probe.returncode != 0 and "import kit before triton" in probe.stderr
+
+
+def test_check_tensor_accepts_a_good_input():
+    kit.check_tensor(torch.ones(3, device=kit.DEVICE), "x", (torch.float32,))
+
+
+def test_record_writes_exactly_the_agreed_columns(tmp_path):
+    path = kit.record(copy_benchmark(), POINTS, FAKE_ENV, results_dir=tmp_path)
+    assert path == tmp_path / "some-gpu-80gb" / "copy.csv"
+    with path.open() as f:
+        rows = list(csv.reader(f))
+    assert rows[0] == ["benchmark", "provider", "dtype", "x_name", "x", "value", "unit"]
+    assert rows[1] == ["copy", "triton", "float32", "elements", "1024", "1500", "GB/s"]
+    env = json.loads((path.parent / "environment.json").read_text())
+    assert env["gpu"] == "Some GPU 80GB" and env["benchmarks"]["copy"]["triton"] == "3.6.0"
+
+
+def test_recorded_points_come_back_as_written(tmp_path):
+    kit.record(copy_benchmark(), POINTS, FAKE_ENV, results_dir=tmp_path)
+    points, env = kit.load_recorded("copy", results_dir=tmp_path)
+    assert [(p.provider, p.x, p.value) for p in points] == [(p.provider, p.x, p.value) for p in POINTS]
+    assert env["date"] == "2026-11-22"
+    assert kit.load_recorded("missing", results_dir=tmp_path) is None
+
+
+def test_newest_recording_is_shown(tmp_path, monkeypatch):
+    kit.record(copy_benchmark(), POINTS, FAKE_ENV, results_dir=tmp_path)
+    kit.record(copy_benchmark(), POINTS, {**FAKE_ENV, "gpu": "Other GPU", "date": "2026-12-01"}, results_dir=tmp_path)
+    assert kit.recorded_gpu_dir(tmp_path).name == "other-gpu"
+    monkeypatch.setenv("KIT_RESULTS_GPU", "some-gpu-80gb")
+    assert kit.recorded_gpu_dir(tmp_path).name == "some-gpu-80gb"
+
+
+def test_plot_says_recorded_and_draws_the_limit():
+    fig = kit.plot(copy_benchmark(), POINTS, FAKE_ENV, live=False)
+    assert "recorded on Some GPU 80GB" in fig._suptitle.get_text()
+    (ax,) = fig.axes
+    assert any(list(line.get_ydata()) == [3000.0, 3000.0] for line in ax.get_lines())
+
+
+def test_summary_states_the_share_of_the_limit(capsys):
+    kit.summarize(copy_benchmark(), POINTS, FAKE_ENV)
+    assert "90.0% of 3,000" in capsys.readouterr().out
+
+
+def test_run_without_a_gpu_smoke_runs_providers_and_shows_no_timings(tmp_path, monkeypatch):
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    calls = []
+    bench = copy_benchmark(make=lambda provider, n, dtype: lambda: calls.append((provider, n)))
+    monkeypatch.setattr(kit, "RESULTS_DIR", tmp_path)
+    assert kit.run(bench) == []
+    assert calls == [("triton", 16), ("torch", 16)]
+
+
+def test_readme_results_table_is_up_to_date():
+    table = subprocess.run(
+        [sys.executable, "tools/results_table.py", "README.md", "--check"], cwd=ROOT, capture_output=True, text=True
+    )
+    assert table.returncode == 0, table.stderr
+
+
+def test_results_table_reads_recordings(tmp_path):
+    spec = importlib.util.spec_from_file_location("results_table", ROOT / "tools" / "results_table.py")
+    results_table = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(results_table)
+    kit.record(copy_benchmark(), POINTS, FAKE_ENV, results_dir=tmp_path)
+    markdown = results_table.results_markdown(tmp_path)
+    assert "### Some GPU 80GB" in markdown
+    assert "| float32 | triton | 1,500 (50%) | 2,700 (90%) |" in markdown
+
+
+def test_downloaded_notebook_writes_its_own_kit(tmp_path):
+    spec = importlib.util.spec_from_file_location("conf", ROOT / "conf.py")
+    conf = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(conf)
+    cell = conf.notebook_setup_cell().replace("%matplotlib inline\n", "")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    script = cell + "\nimport kit\nprint(kit.DEVICE)\n"
+    ran = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert ran.returncode == 0, ran.stderr
+    assert (tmp_path / "kit.py").read_text() == (ROOT / "tutorials" / "kit.py").read_text()

@@ -1,0 +1,79 @@
+"""Write the README's results table from the recordings in results/.
+
+    python tools/results_table.py README.md           # rewrite the table in place
+    python tools/results_table.py README.md --check   # fail if the table is out of date
+
+The table sits between the markers <!-- results:begin --> and <!-- results:end -->.
+"""
+
+import csv
+import json
+import re
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tutorials"))
+import kit  # noqa: E402
+
+BEGIN, END = "<!-- results:begin -->", "<!-- results:end -->"
+COLUMNS = 5  # sizes shown per benchmark, spread evenly over its sweep
+
+
+def x_label(x: float) -> str:
+    x = int(x) if float(x).is_integer() else x
+    if isinstance(x, int) and x >= 1024 and x & (x - 1) == 0:
+        return f"2^{x.bit_length() - 1}"
+    return f"{x:,}"
+
+
+def benchmark_table(csv_path: Path, env: dict) -> list[str]:
+    points = kit.read_points(csv_path)
+    with csv_path.open() as f:
+        first = next(csv.DictReader(f))
+    x_name, unit = first["x_name"], first["unit"]
+    limit = env["limits"][unit]
+    xs = sorted({p.x for p in points})
+    shown = sorted({xs[round(i * (len(xs) - 1) / (COLUMNS - 1))] for i in range(COLUMNS)}) if len(xs) > 1 else xs
+    lines = [
+        f"**{csv_path.stem}**: {unit} by {x_name}; in brackets, the share of the {kit.LIMIT_NAME[unit]} "
+        f"({limit:,.0f} {unit})",
+        "",
+        "| dtype | provider | " + " | ".join(x_label(x) for x in shown) + " |",
+        "|---|---|" + "---:|" * len(shown),
+    ]
+    rows = dict.fromkeys((p.dtype, p.provider) for p in points)
+    for dtype, provider in rows:
+        value = {p.x: p.value for p in points if p.dtype == dtype and p.provider == provider}
+        cells = [f"{value[x]:,.0f} ({value[x] / limit:.0%})" if x in value else "" for x in shown]
+        lines.append(f"| {dtype} | {provider} | " + " | ".join(cells) + " |")
+    return [*lines, ""]
+
+
+def results_markdown(results_dir: Path = kit.RESULTS_DIR) -> str:
+    lines = []
+    for env_path in sorted(results_dir.glob("*/environment.json")):
+        env = json.loads(env_path.read_text())
+        lines += [f"### {env['gpu']}", ""]
+        for csv_path in sorted(env_path.parent.glob("*.csv")):
+            recorded = env["benchmarks"].get(csv_path.stem, env)
+            lines += [f"Recorded {kit.describe(recorded).split(', ', 1)[1]} by `{recorded['command']}`.", ""]
+            lines += benchmark_table(csv_path, recorded)
+    return "\n".join(lines) if lines else "No results recorded yet: run `make bench` on a GPU.\n"
+
+
+def main(readme: str, *flags: str) -> None:
+    path = Path(readme)
+    text = path.read_text()
+    pattern = re.compile(re.escape(BEGIN) + ".*?" + re.escape(END), re.S)
+    if not pattern.search(text):
+        sys.exit(f"{readme} has no {BEGIN} ... {END} markers")
+    updated = pattern.sub(lambda _: f"{BEGIN}\n{results_markdown()}{END}", text)
+    if "--check" in flags:
+        if updated != text:
+            sys.exit(f"The results table in {readme} is out of date: run `make results-table`.")
+    else:
+        path.write_text(updated)
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])

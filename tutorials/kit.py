@@ -1,0 +1,335 @@
+r"""The plumbing every chapter shares: where kernels run, problem sizes, input checks,
+timing, plots, and the GPU results recorded in ``results/``.
+
+Import it before ``triton``. Without a GPU it turns on Triton's interpreter, and Triton
+reads that setting when it is imported.
+"""
+
+from __future__ import annotations
+
+import csv
+import datetime
+import json
+import os
+import re
+import subprocess
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+# ----------------------------------------------------------------------- where kernels run
+HAS_GPU = torch.cuda.is_available()
+if not HAS_GPU and os.environ.get("TRITON_INTERPRET") != "1":
+    if "triton" in sys.modules:
+        raise ImportError(
+            "No GPU here, so Triton must run under its interpreter, which has to be chosen "
+            "before triton is imported: import kit before triton, or set TRITON_INTERPRET=1."
+        )
+    os.environ["TRITON_INTERPRET"] = "1"
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+ON_GPU = HAS_GPU and not INTERPRET
+DEVICE = torch.device("cuda" if ON_GPU else "cpu")
+
+import triton  # noqa: E402  (after the interpreter switch above)
+
+RESULTS_DIR = Path(os.environ.get("KIT_RESULTS", Path(__file__).resolve().parent.parent / "results"))
+
+
+def announce() -> None:
+    """Print one line saying where this chapter's kernels run."""
+    if ON_GPU:
+        print(
+            f"Running on {torch.cuda.get_device_name()} with torch {torch.__version__} "
+            f"and triton {triton.__version__}: full problem sizes, live timings."
+        )
+    else:
+        print(
+            "No GPU in use: kernels run under Triton's interpreter on the CPU at reduced size; "
+            "the plots show results recorded on a GPU, never interpreter timings."
+        )
+
+
+def choose(gpu, cpu):
+    """The full-size value on a GPU, the small one under the interpreter."""
+    return gpu if ON_GPU else cpu
+
+
+def autotune_configs(configs: list) -> list:
+    """All configs on a GPU; the first alone under the interpreter, which cannot time kernels."""
+    return list(configs) if ON_GPU else list(configs)[:1]
+
+
+def check_tensor(tensor, name: str, dtypes=None, contiguous: bool = True) -> None:
+    """Reject an input the kernels cannot take, saying what to do instead."""
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
+    if tensor.device.type != DEVICE.type:
+        raise ValueError(
+            f"{name} is on {tensor.device}, but kernels here run on {DEVICE.type}: "
+            f"move it with {name}.to('{DEVICE.type}')"
+        )
+    if dtypes is not None and tensor.dtype not in dtypes:
+        names = ", ".join(str(d).replace("torch.", "") for d in dtypes)
+        raise TypeError(f"{name} has dtype {tensor.dtype}; supported: {names}. Convert with {name}.to(...)")
+    if contiguous and not tensor.is_contiguous():
+        raise ValueError(f"{name} is not contiguous (strides {tuple(tensor.stride())}): pass {name}.contiguous()")
+
+
+# ----------------------------------------------------------------------- pictures
+def draw_programs(n_elements: int, block_size: int):
+    """Draw a vector cut into blocks, one program each, with the masked-off tail greyed out."""
+    import matplotlib.pyplot as plt
+
+    n_programs = -(-n_elements // block_size)
+    colors = plt.get_cmap("tab10")
+    fig, ax = plt.subplots(figsize=(0.42 * n_programs * block_size + 1, 1.9))
+    for index in range(n_programs * block_size):
+        program, in_bounds = index // block_size, index < n_elements
+        face = colors(program % 10) if in_bounds else "white"
+        ax.add_patch(
+            plt.Rectangle(
+                (index, 0), 0.94, 1, facecolor=face, alpha=0.75, edgecolor="0.4", hatch=None if in_bounds else "//"
+            )
+        )
+        ax.text(index + 0.47, 0.5, str(index), ha="center", va="center", fontsize=8)
+    for program in range(n_programs):
+        ax.text((program + 0.5) * block_size, 1.25, f"program_id = {program}", ha="center", fontsize=9)
+    ax.text(n_elements, -0.35, "masked off: offsets >= n_elements", fontsize=8, color="0.3")
+    ax.set(xlim=(-0.3, n_programs * block_size + 0.3), ylim=(-0.6, 1.6))
+    ax.axis("off")
+    ax.set_title(
+        f"n_elements = {n_elements}, BLOCK_SIZE = {block_size}: "
+        f"grid = cdiv({n_elements}, {block_size}) = {n_programs} programs",
+        fontsize=9,
+    )
+    fig.tight_layout()
+    return fig
+
+
+# ----------------------------------------------------------------------- benchmarks
+@dataclass
+class Benchmark:
+    """One sweep: every provider at every x, for each dtype.
+
+    ``make(provider, x, dtype)`` builds the inputs and returns the zero-argument call to time;
+    ``work(x, dtype)`` counts the compulsory bytes (unit GB/s) or FLOPs (unit TFLOP/s) of one
+    call, which turns a time into a rate.
+    """
+
+    name: str
+    x_name: str
+    x_values: list
+    providers: list
+    make: Callable
+    work: Callable
+    unit: str = "GB/s"
+    dtypes: tuple = (torch.float32,)
+    smoke_x: object = None
+    headline_x: object = None
+    x_log2: bool = True
+
+
+@dataclass
+class Point:
+    provider: str
+    dtype: str
+    x: float
+    value: float
+    low: float | None = None
+    high: float | None = None
+
+
+UNIT_SCALE = {"GB/s": 1e9, "TFLOP/s": 1e12}
+LIMIT_NAME = {"GB/s": "copy bandwidth", "TFLOP/s": "cuBLAS fp16 matmul at 4096³"}
+STYLE = {"triton": "tab:blue", "torch": "tab:red", "torch.compile": "tab:orange", "naive": "tab:gray"}
+_limits: dict = {}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def measure_ms(fn: Callable) -> tuple[float, float, float]:
+    """Median, 20% and 80% quantile of ``fn``'s time in ms; do_bench flushes L2 before each call."""
+    median, q20, q80 = triton.testing.do_bench(fn, quantiles=[0.5, 0.2, 0.8])
+    return median, q20, q80
+
+
+def hardware_limits() -> dict:
+    """Measure this GPU's ceilings once: device-to-device copy bandwidth and cuBLAS fp16 4096³."""
+    if not _limits:
+        src = torch.empty(2**28, dtype=torch.float32, device=DEVICE).normal_()
+        dst = torch.empty_like(src)
+        copy_ms = measure_ms(lambda: dst.copy_(src))[0]
+        _limits["GB/s"] = 2 * src.numel() * 4 / (copy_ms * 1e-3) / 1e9
+        del src, dst
+        a, b = (torch.randn(4096, 4096, dtype=torch.float16, device=DEVICE) for _ in range(2))
+        _limits["TFLOP/s"] = 2 * 4096**3 / (measure_ms(lambda: a @ b)[0] * 1e-3) / 1e12
+    return dict(_limits)
+
+
+def environment() -> dict:
+    """What a reader needs to reproduce a measurement on this machine."""
+    try:
+        smi = ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"]
+        driver = subprocess.run(smi, capture_output=True, text=True, timeout=30).stdout.split("\n")[0].strip()
+    except (OSError, subprocess.SubprocessError):
+        driver = "unknown"
+    return {
+        "gpu": torch.cuda.get_device_name(),
+        "driver": driver or "unknown",
+        "cuda": torch.version.cuda,
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "date": datetime.date.today().isoformat(),
+        "command": os.environ.get("KIT_COMMAND", " ".join([Path(sys.argv[0]).name, *sys.argv[1:]])),
+        "limits": hardware_limits(),
+    }
+
+
+def gpu_slug(gpu_name: str) -> str:
+    return re.sub(r"[^a-z0-9]+", "-", gpu_name.lower()).strip("-")
+
+
+def measure(bench: Benchmark) -> list[Point]:
+    points = []
+    for dtype in bench.dtypes:
+        for x in bench.x_values:
+            for provider in bench.providers:
+                try:
+                    ms, q20, q80 = measure_ms(bench.make(provider, x, dtype))
+                except torch.OutOfMemoryError:
+                    print(f"  {provider} at {bench.x_name}={x}: out of GPU memory, skipped")
+                    continue
+                finally:
+                    torch.cuda.empty_cache()
+                rate = bench.work(x, dtype) / UNIT_SCALE[bench.unit] * 1e3
+                points.append(Point(provider, dtype_name(dtype), x, rate / ms, rate / q80, rate / q20))
+    return points
+
+
+def record(bench: Benchmark, points: list[Point], env: dict, results_dir: Path = RESULTS_DIR) -> Path:
+    """Write the points as results/<gpu>/<benchmark>.csv and note the environment they ran in."""
+    folder = results_dir / gpu_slug(env["gpu"])
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"{bench.name}.csv"
+    with path.open("w", newline="") as f:
+        writer = csv.writer(f, lineterminator="\n")
+        writer.writerow(["benchmark", "provider", "dtype", "x_name", "x", "value", "unit"])
+        for p in points:
+            writer.writerow([bench.name, p.provider, p.dtype, bench.x_name, p.x, f"{p.value:.6g}", bench.unit])
+    env_path = folder / "environment.json"
+    recorded = json.loads(env_path.read_text()) if env_path.exists() else {}
+    benchmarks = {**recorded.get("benchmarks", {}), bench.name: env}
+    env_path.write_text(json.dumps({**env, "benchmarks": dict(sorted(benchmarks.items()))}, indent=1) + "\n")
+    return path
+
+
+def recorded_gpu_dir(results_dir: Path = RESULTS_DIR) -> Path | None:
+    """The results folder to show without a GPU: $KIT_RESULTS_GPU, else the newest recording."""
+    folders = [p.parent for p in results_dir.glob("*/environment.json")]
+    wanted = os.environ.get("KIT_RESULTS_GPU")
+    if wanted:
+        folders = [f for f in folders if f.name == wanted]
+    newest_first = sorted(folders, key=lambda f: (json.loads((f / "environment.json").read_text())["date"], f.name))
+    return newest_first[-1] if newest_first else None
+
+
+def load_recorded(name: str, results_dir: Path = RESULTS_DIR) -> tuple[list[Point], dict] | None:
+    folder = recorded_gpu_dir(results_dir)
+    if folder is None or not (folder / f"{name}.csv").exists():
+        return None
+    env = json.loads((folder / "environment.json").read_text())
+    return read_points(folder / f"{name}.csv"), env["benchmarks"].get(name, env)
+
+
+def read_points(path: Path) -> list[Point]:
+    with path.open() as f:
+        return [Point(r["provider"], r["dtype"], float(r["x"]), float(r["value"])) for r in csv.DictReader(f)]
+
+
+def smoke(bench: Benchmark) -> None:
+    """Under the interpreter: call every provider once at a small size, so the code runs."""
+    for dtype in bench.dtypes:
+        for provider in bench.providers:
+            if provider != "torch.compile":  # compiles C++ on a CPU: slow, and says nothing here
+                bench.make(provider, bench.smoke_x, dtype)()
+
+
+def describe(env: dict) -> str:
+    return (
+        f"{env['gpu']}, {env['date']} (driver {env['driver']}, CUDA {env['cuda']}, "
+        f"torch {env['torch']}, triton {env['triton']})"
+    )
+
+
+def plot(bench: Benchmark, points: list[Point], env: dict, live: bool):
+    import matplotlib.pyplot as plt
+
+    dtypes = list(dict.fromkeys(p.dtype for p in points))
+    fig, axes = plt.subplots(1, len(dtypes), figsize=(6.2 * len(dtypes), 4.2), squeeze=False, sharey=True)
+    limit = env["limits"][bench.unit]
+    for ax, dtype in zip(axes[0], dtypes, strict=True):
+        for provider in bench.providers:
+            mine = sorted((p for p in points if p.provider == provider and p.dtype == dtype), key=lambda p: p.x)
+            if not mine:
+                continue
+            xs = [p.x for p in mine]
+            ax.plot(xs, [p.value for p in mine], marker="o", ms=3, label=provider, color=STYLE.get(provider))
+            if live:
+                ax.fill_between(xs, [p.low for p in mine], [p.high for p in mine], alpha=0.2, color=STYLE.get(provider))
+        ax.axhline(limit, ls="--", lw=1, color="0.35")
+        ax.annotate(
+            f"{LIMIT_NAME[bench.unit]} {limit:,.0f} {bench.unit} (measured)",
+            (0.01, limit),
+            xycoords=("axes fraction", "data"),
+            va="bottom",
+            fontsize=8,
+            color="0.35",
+        )
+        if bench.x_log2:
+            ax.set_xscale("log", base=2)
+        ax.set(title=dtype, xlabel=bench.x_name, ylim=(0, 1.12 * max(limit, *(p.value for p in points))))
+        ax.grid(alpha=0.3)
+        ax.legend(loc="lower right")
+    axes[0][0].set_ylabel(bench.unit)
+    how = "measured now" if live else "recorded"
+    fig.suptitle(f"{bench.name}: {how} on {describe(env)}", fontsize=9)
+    fig.tight_layout()
+    return fig
+
+
+def summarize(bench: Benchmark, points: list[Point], env: dict) -> None:
+    """Print each provider's rate at the headline size and its share of the hardware limit."""
+    if bench.headline_x is None:
+        return
+    limit = env["limits"][bench.unit]
+    for dtype in dict.fromkeys(p.dtype for p in points):
+        print(f"{bench.name}, {dtype}, {bench.x_name} = {bench.headline_x:,}:")
+        for p in points:
+            if p.dtype == dtype and p.x == bench.headline_x:
+                print(f"  {p.provider:<14} {p.value:>9,.1f} {bench.unit}  {p.value / limit:6.1%} of {limit:,.0f}")
+
+
+def run(bench: Benchmark) -> list[Point]:
+    """Measure (GPU) or show the recording (no GPU), draw the plot and print the summary.
+
+    With KIT_RECORD=1 (``make bench``) the measurement is also written to results/.
+    """
+    if ON_GPU:
+        points, env = measure(bench), environment()
+        if os.environ.get("KIT_RECORD") == "1":
+            print(f"recorded {record(bench, points, env)}")
+    else:
+        smoke(bench)
+        found = load_recorded(bench.name)
+        if found is None:
+            print(f"No recorded GPU results for {bench.name!r} under {RESULTS_DIR}: run `make bench` on a GPU.")
+            return []
+        points, env = found
+    plot(bench, points, env, live=ON_GPU)
+    summarize(bench, points, env)
+    return points
