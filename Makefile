@@ -3,7 +3,8 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 CHAPTERS ?= $(sort $(wildcard tutorials/[0-9][0-9]-*.py))
-SPHINX := $(PY) -m sphinx -c . -W --keep-going
+SPHINXOPTS ?=
+SPHINX := $(PY) -m sphinx -c . -W --keep-going $(SPHINXOPTS)
 
 export PYTHONPATH := $(CURDIR)/tutorials
 export MPLBACKEND := agg

@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import kit
+import matplotlib.pyplot as plt
 import pytest
 import torch
 from conftest import ROOT
@@ -105,14 +106,27 @@ def test_summary_states_the_share_of_the_limit(capsys):
     assert "90.0% of 3,000" in capsys.readouterr().out
 
 
-def test_run_without_a_gpu_smoke_runs_providers_and_shows_no_timings(tmp_path, monkeypatch):
+def test_run_without_a_gpu_smoke_runs_providers_and_shows_no_timings(tmp_path, monkeypatch, capsys):
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU")
     calls = []
     bench = copy_benchmark(make=lambda provider, n, dtype: lambda: calls.append((provider, n)))
     monkeypatch.setattr(kit, "RESULTS_DIR", tmp_path)
-    assert kit.run(bench) == []
+    kit.run(bench)
     assert calls == [("triton", 16), ("torch", 16)]
+    assert "No recorded GPU results for 'copy'" in capsys.readouterr().out
+    assert not plt.get_fignums()
+
+
+def test_run_without_a_gpu_plots_the_recording(tmp_path, monkeypatch, capsys):
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    kit.record(copy_benchmark(), POINTS, FAKE_ENV, results_dir=tmp_path)
+    monkeypatch.setattr(kit, "RESULTS_DIR", tmp_path)
+    kit.run(copy_benchmark())
+    assert "recorded on Some GPU 80GB" in plt.gcf()._suptitle.get_text()
+    lines = capsys.readouterr().out.splitlines()
+    assert ["triton", "2,700.0", "GB/s", "90.0%", "of", "3,000"] in [line.split() for line in lines]
 
 
 def test_readme_results_table_is_up_to_date():

@@ -21,7 +21,7 @@ COLUMNS = 5  # sizes shown per benchmark, spread evenly over its sweep
 
 def x_label(x: float) -> str:
     x = int(x) if float(x).is_integer() else x
-    if isinstance(x, int) and x >= 1024 and x & (x - 1) == 0:
+    if isinstance(x, int) and x >= 2**14 and x & (x - 1) == 0:
         return f"2^{x.bit_length() - 1}"
     return f"{x:,}"
 

@@ -10,6 +10,7 @@ PIP_NO_INDEX=1 PIP_FIND_LINKS=wheels/ installs offline.
 """
 
 import re
+import site
 import subprocess
 import sys
 import tempfile
@@ -33,12 +34,26 @@ def installed(python: Path, name: str) -> bool:
     return subprocess.run([python, "-c", probe], capture_output=True).returncode == 0
 
 
+def see_packages_of_this_python(python: Path) -> None:
+    """Make the new environment see this interpreter's packages.
+
+    --system-site-packages shows only the base interpreter's; when python3 is itself a virtual
+    environment (as on our GPU machine), its packages are added through a .pth file.
+    """
+    purelib = "import sysconfig; print(sysconfig.get_paths()['purelib'])"
+    target = subprocess.run([python, "-c", purelib], check=True, capture_output=True, text=True).stdout.strip()
+    (Path(target) / "reuse-system-packages.pth").write_text("\n".join(site.getsitepackages()) + "\n")
+
+
 def main(venv: str, *requirement_files: str) -> None:
     reuse = subprocess.run([sys.executable, "-c", CUDA_STACK_CHECK], capture_output=True).returncode == 0
     python = Path(venv) / "bin" / "python"
     if not python.exists():
-        flags = ["--system-site-packages"] if reuse else []
+        # Reusing: the parent's pip serves too, so no ensurepip (which some system Pythons lack).
+        flags = ["--system-site-packages", "--without-pip"] if reuse else []
         subprocess.run([sys.executable, "-m", "venv", *flags, venv], check=True)
+        if reuse:
+            see_packages_of_this_python(python)
     wanted = requirement_lines(list(requirement_files))
     if reuse:
         print("This python3 has a CUDA build of torch and triton: reusing it and every package already installed.")

@@ -35,7 +35,9 @@ DEVICE = torch.device("cuda" if ON_GPU else "cpu")
 
 import triton  # noqa: E402  (after the interpreter switch above)
 
-RESULTS_DIR = Path(os.environ.get("KIT_RESULTS", Path(__file__).resolve().parent.parent / "results"))
+RESULTS_DIR = Path(
+    os.environ.get("KIT_RESULTS", Path(__file__).resolve().parent.parent / "results")
+)
 
 
 def announce() -> None:
@@ -73,14 +75,18 @@ def check_tensor(tensor, name: str, dtypes=None, contiguous: bool = True) -> Non
         )
     if dtypes is not None and tensor.dtype not in dtypes:
         names = ", ".join(str(d).replace("torch.", "") for d in dtypes)
-        raise TypeError(f"{name} has dtype {tensor.dtype}; supported: {names}. Convert with {name}.to(...)")
+        raise TypeError(
+            f"{name} has dtype {tensor.dtype}; supported: {names}. Convert with {name}.to(...)"
+        )
     if contiguous and not tensor.is_contiguous():
-        raise ValueError(f"{name} is not contiguous (strides {tuple(tensor.stride())}): pass {name}.contiguous()")
+        raise ValueError(
+            f"{name} is not contiguous (strides {tuple(tensor.stride())}): pass {name}.contiguous()"
+        )
 
 
 # ----------------------------------------------------------------------- pictures
-def draw_programs(n_elements: int, block_size: int):
-    """Draw a vector cut into blocks, one program each, with the masked-off tail greyed out."""
+def draw_programs(n_elements: int, block_size: int) -> None:
+    """Draw a vector cut into blocks, one program each, with the masked-off tail hatched."""
     import matplotlib.pyplot as plt
 
     n_programs = -(-n_elements // block_size)
@@ -91,13 +97,27 @@ def draw_programs(n_elements: int, block_size: int):
         face = colors(program % 10) if in_bounds else "white"
         ax.add_patch(
             plt.Rectangle(
-                (index, 0), 0.94, 1, facecolor=face, alpha=0.75, edgecolor="0.4", hatch=None if in_bounds else "//"
+                (index, 0),
+                0.94,
+                1,
+                facecolor=face,
+                alpha=0.75,
+                edgecolor="0.4",
+                hatch=None if in_bounds else "//",
             )
         )
         ax.text(index + 0.47, 0.5, str(index), ha="center", va="center", fontsize=8)
     for program in range(n_programs):
-        ax.text((program + 0.5) * block_size, 1.25, f"program_id = {program}", ha="center", fontsize=9)
-    ax.text(n_elements, -0.35, "masked off: offsets >= n_elements", fontsize=8, color="0.3")
+        ax.text(
+            (program + 0.5) * block_size,
+            1.25,
+            f"program_id = {program}",
+            ha="center",
+            fontsize=9,
+        )
+    ax.text(
+        n_elements, -0.35, "masked off: offsets >= n_elements", fontsize=8, color="0.3"
+    )
     ax.set(xlim=(-0.3, n_programs * block_size + 0.3), ylim=(-0.6, 1.6))
     ax.axis("off")
     ax.set_title(
@@ -106,7 +126,6 @@ def draw_programs(n_elements: int, block_size: int):
         fontsize=9,
     )
     fig.tight_layout()
-    return fig
 
 
 # ----------------------------------------------------------------------- benchmarks
@@ -144,7 +163,12 @@ class Point:
 
 UNIT_SCALE = {"GB/s": 1e9, "TFLOP/s": 1e12}
 LIMIT_NAME = {"GB/s": "copy bandwidth", "TFLOP/s": "cuBLAS fp16 matmul at 4096³"}
-STYLE = {"triton": "tab:blue", "torch": "tab:red", "torch.compile": "tab:orange", "naive": "tab:gray"}
+STYLE = {
+    "triton": "tab:blue",
+    "torch": "tab:red",
+    "torch.compile": "tab:orange",
+    "naive": "tab:gray",
+}
 _limits: dict = {}
 
 
@@ -166,7 +190,10 @@ def hardware_limits() -> dict:
         copy_ms = measure_ms(lambda: dst.copy_(src))[0]
         _limits["GB/s"] = 2 * src.numel() * 4 / (copy_ms * 1e-3) / 1e9
         del src, dst
-        a, b = (torch.randn(4096, 4096, dtype=torch.float16, device=DEVICE) for _ in range(2))
+        a, b = (
+            torch.randn(4096, 4096, dtype=torch.float16, device=DEVICE)
+            for _ in range(2)
+        )
         _limits["TFLOP/s"] = 2 * 4096**3 / (measure_ms(lambda: a @ b)[0] * 1e-3) / 1e12
     return dict(_limits)
 
@@ -175,7 +202,11 @@ def environment() -> dict:
     """What a reader needs to reproduce a measurement on this machine."""
     try:
         smi = ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"]
-        driver = subprocess.run(smi, capture_output=True, text=True, timeout=30).stdout.split("\n")[0].strip()
+        driver = (
+            subprocess.run(smi, capture_output=True, text=True, timeout=30)
+            .stdout.split("\n")[0]
+            .strip()
+        )
     except (OSError, subprocess.SubprocessError):
         driver = "unknown"
     return {
@@ -185,7 +216,9 @@ def environment() -> dict:
         "torch": torch.__version__,
         "triton": triton.__version__,
         "date": datetime.date.today().isoformat(),
-        "command": os.environ.get("KIT_COMMAND", " ".join([Path(sys.argv[0]).name, *sys.argv[1:]])),
+        "command": os.environ.get(
+            "KIT_COMMAND", " ".join([Path(sys.argv[0]).name, *sys.argv[1:]])
+        ),
         "limits": hardware_limits(),
     }
 
@@ -202,43 +235,81 @@ def measure(bench: Benchmark) -> list[Point]:
                 try:
                     ms, q20, q80 = measure_ms(bench.make(provider, x, dtype))
                 except torch.OutOfMemoryError:
-                    print(f"  {provider} at {bench.x_name}={x}: out of GPU memory, skipped")
+                    print(
+                        f"  {provider} at {bench.x_name}={x}: out of GPU memory, skipped"
+                    )
                     continue
                 finally:
                     torch.cuda.empty_cache()
                 rate = bench.work(x, dtype) / UNIT_SCALE[bench.unit] * 1e3
-                points.append(Point(provider, dtype_name(dtype), x, rate / ms, rate / q80, rate / q20))
+                points.append(
+                    Point(
+                        provider,
+                        dtype_name(dtype),
+                        x,
+                        rate / ms,
+                        rate / q80,
+                        rate / q20,
+                    )
+                )
     return points
 
 
-def record(bench: Benchmark, points: list[Point], env: dict, results_dir: Path = RESULTS_DIR) -> Path:
+def record(
+    bench: Benchmark, points: list[Point], env: dict, results_dir: Path | None = None
+) -> Path:
     """Write the points as results/<gpu>/<benchmark>.csv and note the environment they ran in."""
-    folder = results_dir / gpu_slug(env["gpu"])
+    folder = (results_dir or RESULTS_DIR) / gpu_slug(env["gpu"])
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / f"{bench.name}.csv"
     with path.open("w", newline="") as f:
         writer = csv.writer(f, lineterminator="\n")
-        writer.writerow(["benchmark", "provider", "dtype", "x_name", "x", "value", "unit"])
+        writer.writerow(
+            ["benchmark", "provider", "dtype", "x_name", "x", "value", "unit"]
+        )
         for p in points:
-            writer.writerow([bench.name, p.provider, p.dtype, bench.x_name, p.x, f"{p.value:.6g}", bench.unit])
+            writer.writerow(
+                [
+                    bench.name,
+                    p.provider,
+                    p.dtype,
+                    bench.x_name,
+                    p.x,
+                    f"{p.value:.6g}",
+                    bench.unit,
+                ]
+            )
     env_path = folder / "environment.json"
     recorded = json.loads(env_path.read_text()) if env_path.exists() else {}
     benchmarks = {**recorded.get("benchmarks", {}), bench.name: env}
-    env_path.write_text(json.dumps({**env, "benchmarks": dict(sorted(benchmarks.items()))}, indent=1) + "\n")
+    env_path.write_text(
+        json.dumps({**env, "benchmarks": dict(sorted(benchmarks.items()))}, indent=1)
+        + "\n"
+    )
     return path
 
 
-def recorded_gpu_dir(results_dir: Path = RESULTS_DIR) -> Path | None:
+def recorded_gpu_dir(results_dir: Path | None = None) -> Path | None:
     """The results folder to show without a GPU: $KIT_RESULTS_GPU, else the newest recording."""
-    folders = [p.parent for p in results_dir.glob("*/environment.json")]
+    folders = [
+        p.parent for p in (results_dir or RESULTS_DIR).glob("*/environment.json")
+    ]
     wanted = os.environ.get("KIT_RESULTS_GPU")
     if wanted:
         folders = [f for f in folders if f.name == wanted]
-    newest_first = sorted(folders, key=lambda f: (json.loads((f / "environment.json").read_text())["date"], f.name))
+    newest_first = sorted(
+        folders,
+        key=lambda f: (
+            json.loads((f / "environment.json").read_text())["date"],
+            f.name,
+        ),
+    )
     return newest_first[-1] if newest_first else None
 
 
-def load_recorded(name: str, results_dir: Path = RESULTS_DIR) -> tuple[list[Point], dict] | None:
+def load_recorded(
+    name: str, results_dir: Path | None = None
+) -> tuple[list[Point], dict] | None:
     folder = recorded_gpu_dir(results_dir)
     if folder is None or not (folder / f"{name}.csv").exists():
         return None
@@ -248,14 +319,19 @@ def load_recorded(name: str, results_dir: Path = RESULTS_DIR) -> tuple[list[Poin
 
 def read_points(path: Path) -> list[Point]:
     with path.open() as f:
-        return [Point(r["provider"], r["dtype"], float(r["x"]), float(r["value"])) for r in csv.DictReader(f)]
+        return [
+            Point(r["provider"], r["dtype"], float(r["x"]), float(r["value"]))
+            for r in csv.DictReader(f)
+        ]
 
 
 def smoke(bench: Benchmark) -> None:
     """Under the interpreter: call every provider once at a small size, so the code runs."""
     for dtype in bench.dtypes:
         for provider in bench.providers:
-            if provider != "torch.compile":  # compiles C++ on a CPU: slow, and says nothing here
+            if (
+                provider != "torch.compile"
+            ):  # compiles C++ on a CPU: slow, and says nothing here
                 bench.make(provider, bench.smoke_x, dtype)()
 
 
@@ -270,17 +346,35 @@ def plot(bench: Benchmark, points: list[Point], env: dict, live: bool):
     import matplotlib.pyplot as plt
 
     dtypes = list(dict.fromkeys(p.dtype for p in points))
-    fig, axes = plt.subplots(1, len(dtypes), figsize=(6.2 * len(dtypes), 4.2), squeeze=False, sharey=True)
+    fig, axes = plt.subplots(
+        1, len(dtypes), figsize=(6.2 * len(dtypes), 4.2), squeeze=False, sharey=True
+    )
     limit = env["limits"][bench.unit]
     for ax, dtype in zip(axes[0], dtypes, strict=True):
         for provider in bench.providers:
-            mine = sorted((p for p in points if p.provider == provider and p.dtype == dtype), key=lambda p: p.x)
+            mine = sorted(
+                (p for p in points if p.provider == provider and p.dtype == dtype),
+                key=lambda p: p.x,
+            )
             if not mine:
                 continue
             xs = [p.x for p in mine]
-            ax.plot(xs, [p.value for p in mine], marker="o", ms=3, label=provider, color=STYLE.get(provider))
+            ax.plot(
+                xs,
+                [p.value for p in mine],
+                marker="o",
+                ms=3,
+                label=provider,
+                color=STYLE.get(provider),
+            )
             if live:
-                ax.fill_between(xs, [p.low for p in mine], [p.high for p in mine], alpha=0.2, color=STYLE.get(provider))
+                ax.fill_between(
+                    xs,
+                    [p.low for p in mine],
+                    [p.high for p in mine],
+                    alpha=0.2,
+                    color=STYLE.get(provider),
+                )
         ax.axhline(limit, ls="--", lw=1, color="0.35")
         ax.annotate(
             f"{LIMIT_NAME[bench.unit]} {limit:,.0f} {bench.unit} (measured)",
@@ -292,7 +386,11 @@ def plot(bench: Benchmark, points: list[Point], env: dict, live: bool):
         )
         if bench.x_log2:
             ax.set_xscale("log", base=2)
-        ax.set(title=dtype, xlabel=bench.x_name, ylim=(0, 1.12 * max(limit, *(p.value for p in points))))
+        ax.set(
+            title=dtype,
+            xlabel=bench.x_name,
+            ylim=(0, 1.12 * max(limit, *(p.value for p in points))),
+        )
         ax.grid(alpha=0.3)
         ax.legend(loc="lower right")
     axes[0][0].set_ylabel(bench.unit)
@@ -311,10 +409,11 @@ def summarize(bench: Benchmark, points: list[Point], env: dict) -> None:
         print(f"{bench.name}, {dtype}, {bench.x_name} = {bench.headline_x:,}:")
         for p in points:
             if p.dtype == dtype and p.x == bench.headline_x:
-                print(f"  {p.provider:<14} {p.value:>9,.1f} {bench.unit}  {p.value / limit:6.1%} of {limit:,.0f}")
+                share = f"{p.value / limit:6.1%} of {limit:,.0f}"
+                print(f"  {p.provider:<14} {p.value:>9,.1f} {bench.unit}  {share}")
 
 
-def run(bench: Benchmark) -> list[Point]:
+def run(bench: Benchmark) -> None:
     """Measure (GPU) or show the recording (no GPU), draw the plot and print the summary.
 
     With KIT_RECORD=1 (``make bench``) the measurement is also written to results/.
@@ -327,9 +426,9 @@ def run(bench: Benchmark) -> list[Point]:
         smoke(bench)
         found = load_recorded(bench.name)
         if found is None:
-            print(f"No recorded GPU results for {bench.name!r} under {RESULTS_DIR}: run `make bench` on a GPU.")
-            return []
+            where = f"{bench.name!r} under {RESULTS_DIR}"
+            print(f"No recorded GPU results for {where}: run `make bench` on a GPU.")
+            return
         points, env = found
     plot(bench, points, env, live=ON_GPU)
     summarize(bench, points, env)
-    return points
