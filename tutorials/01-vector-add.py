@@ -31,6 +31,7 @@ import triton.language as tl
 
 kit.announce()
 DEVICE = kit.DEVICE
+# sphinx_gallery_thumbnail_number = 2
 
 # %%
 # Why bandwidth is the whole story here
