@@ -156,3 +156,44 @@ def test_downloaded_notebook_writes_its_own_kit(tmp_path):
     ran = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True)
     assert ran.returncode == 0, ran.stderr
     assert (tmp_path / "kit.py").read_text() == (ROOT / "tutorials" / "kit.py").read_text()
+
+
+def test_load_chapter_is_quiet_and_cached(capsys):
+    import sys
+
+    sys.modules.pop("chapter_01", None)
+    module = kit.load_chapter("01")
+    assert capsys.readouterr().out == ""
+    assert kit.load_chapter("01") is module and callable(module.add)
+    sys.modules.pop("chapter_01", None)
+
+
+def test_load_chapter_missing_says_what_to_do():
+    with pytest.raises(FileNotFoundError, match="download it"):
+        kit.load_chapter("99")
+
+
+def test_activation_reference_rejects_unknown_names():
+    with pytest.raises(ValueError, match="choose one of"):
+        kit.activation_reference(torch.ones(2), "swish")
+
+
+@pytest.mark.parametrize("activation", kit.ACTIVATIONS)
+def test_activations_and_derivatives_match_torch(activation):
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def evaluate(z_ptr, y_ptr, dy_ptr, ACTIVATION: tl.constexpr):
+        offsets = tl.arange(0, 128)
+        z = tl.load(z_ptr + offsets)
+        tl.store(y_ptr + offsets, kit.apply_activation(z, ACTIVATION))
+        tl.store(dy_ptr + offsets, kit.activation_derivative(z, ACTIVATION))
+
+    z = torch.linspace(-4, 4, 128, device=kit.DEVICE).requires_grad_()
+    y, dy = torch.empty_like(z), torch.empty_like(z)
+    evaluate[(1,)](z.detach(), y, dy, ACTIVATION=activation)
+    expected = kit.activation_reference(z, activation)
+    expected.sum().backward()
+    torch.testing.assert_close(y, expected.detach(), atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(dy, z.grad, atol=1e-6, rtol=1e-5)

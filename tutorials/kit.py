@@ -7,8 +7,11 @@ reads that setting when it is imported.
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import datetime
+import importlib.util
+import io
 import json
 import os
 import re
@@ -34,6 +37,7 @@ ON_GPU = HAS_GPU and not INTERPRET
 DEVICE = torch.device("cuda" if ON_GPU else "cpu")
 
 import triton  # noqa: E402  (after the interpreter switch above)
+import triton.language as tl  # noqa: E402
 
 RESULTS_DIR = Path(
     os.environ.get("KIT_RESULTS", Path(__file__).resolve().parent.parent / "results")
@@ -82,6 +86,104 @@ def check_tensor(tensor, name: str, dtypes=None, contiguous: bool = True) -> Non
         raise ValueError(
             f"{name} is not contiguous (strides {tuple(tensor.stride())}): pass {name}.contiguous()"
         )
+
+
+# ----------------------------------------------------------------------- chapters as modules
+_quiet_loads = 0
+
+
+def load_chapter(number: str, quiet: bool = True):
+    """Import chapter ``number`` ("04") as a module, to reuse its kernels and wrappers.
+
+    The chapter runs top to bottom as usual, its checks included. With ``quiet`` its
+    benchmarks are skipped and what it prints or draws is dropped, so that a chapter building
+    on another shows only its own output.
+    """
+    name = f"chapter_{number}"
+    if name in sys.modules:
+        return sys.modules[name]
+    found = sorted(Path(__file__).resolve().parent.glob(f"{number}-*.py"))
+    if not found:
+        raise FileNotFoundError(
+            f"Chapter {number} builds on chapter {number}'s script, {number}-*.py, which must sit "
+            f"beside kit.py ({Path(__file__).resolve().parent}): download it from the gallery."
+        )
+    spec = importlib.util.spec_from_file_location(name, found[0])
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    global _quiet_loads
+    figures_before = _open_figures()
+    _quiet_loads += quiet
+    try:
+        with contextlib.redirect_stdout(io.StringIO() if quiet else sys.stdout):
+            spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[name]
+        raise
+    finally:
+        _quiet_loads -= quiet
+    if quiet:
+        import matplotlib.pyplot as plt
+
+        for figure in _open_figures() - figures_before:
+            plt.close(figure)
+    return module
+
+
+def _open_figures() -> set:
+    if "matplotlib.pyplot" not in sys.modules:
+        return set()
+    return set(sys.modules["matplotlib.pyplot"].get_fignums())
+
+
+# ----------------------------------------------------------------------- shared device functions
+# The activations that chapters fuse into their kernels (matmul epilogues, the fused dropout
+# layer), with their derivatives for the backward. Both take and return fp32. ACTIVATION is a
+# compile-time string: each choice compiles to its own kernel, so the branches cost nothing.
+ACTIVATIONS = (None, "relu", "leaky_relu", "gelu", "squared_relu")
+
+
+@triton.jit
+def apply_activation(z, ACTIVATION: tl.constexpr):
+    if ACTIVATION == "relu":
+        return tl.maximum(z, 0.0)
+    elif ACTIVATION == "leaky_relu":  # slope 0.01, torch's default
+        return tl.where(z > 0, z, 0.01 * z)
+    elif ACTIVATION == "gelu":  # the exact form, z * Phi(z), as torch's default
+        return 0.5 * z * (1.0 + tl.math.erf(z * 0.7071067811865476))
+    elif ACTIVATION == "squared_relu":
+        relu = tl.maximum(z, 0.0)
+        return relu * relu
+    else:
+        return z
+
+
+@triton.jit
+def activation_derivative(z, ACTIVATION: tl.constexpr):
+    if ACTIVATION == "relu":
+        return tl.where(z > 0, 1.0, 0.0)
+    elif ACTIVATION == "leaky_relu":
+        return tl.where(z > 0, 1.0, 0.01)
+    elif ACTIVATION == "gelu":  # Phi(z) + z * phi(z)
+        cdf = 0.5 * (1.0 + tl.math.erf(z * 0.7071067811865476))
+        return cdf + z * 0.3989422804014327 * tl.exp(-0.5 * z * z)
+    elif ACTIVATION == "squared_relu":
+        return 2.0 * tl.maximum(z, 0.0)
+    else:
+        return tl.full(z.shape, 1.0, tl.float32)
+
+
+def activation_reference(z: torch.Tensor, activation: str | None) -> torch.Tensor:
+    """The same activation in PyTorch, to check kernels against and to benchmark."""
+    if activation is None:
+        return z
+    if activation == "squared_relu":
+        return torch.relu(z).square()
+    if activation not in ACTIVATIONS:
+        raise ValueError(
+            f"activation {activation!r} unknown; choose one of {ACTIVATIONS}"
+        )
+    return getattr(torch.nn.functional, activation)(z)
 
 
 # ----------------------------------------------------------------------- pictures
@@ -416,8 +518,11 @@ def summarize(bench: Benchmark, points: list[Point], env: dict) -> None:
 def run(bench: Benchmark) -> None:
     """Measure (GPU) or show the recording (no GPU), draw the plot and print the summary.
 
-    With KIT_RECORD=1 (``make bench``) the measurement is also written to results/.
+    With KIT_RECORD=1 (``make bench``) the measurement is also written to results/. Inside a
+    quiet ``load_chapter`` it does nothing.
     """
+    if _quiet_loads:
+        return
     if ON_GPU:
         points, env = measure(bench), environment()
         if os.environ.get("KIT_RECORD") == "1":
