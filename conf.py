@@ -5,8 +5,12 @@ build: at full size on a GPU, at reduced size under Triton's interpreter without
 """
 
 import os
+import re
 import sys
 from pathlib import Path
+
+import sphinx_gallery.gen_rst
+import sphinx_gallery.notebook
 
 ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT / "tutorials"))  # chapters import kit
@@ -31,8 +35,6 @@ def notebook_setup_cell() -> str:
     the copy of ``tutorials/kit.py`` embedded here beside itself, so one file is all a reader
     needs, plus torch, triton and matplotlib.
     """
-    source = (ROOT / "tutorials" / "kit.py").read_text()
-    assert "'''" not in source, "kit.py is embedded in r''' quotes: use double quotes there"
     return (
         "# Setup, added to every notebook. The chapters share one helper module, kit.py\n"
         "# (device detection, sizes, timing, plots). Inside the project it is importable\n"
@@ -43,9 +45,39 @@ def notebook_setup_cell() -> str:
         "import importlib.util\n"
         "import pathlib\n\n"
         'if importlib.util.find_spec("kit") is None:\n'
-        "    pathlib.Path(\"kit.py\").write_text(r'''" + source + "''')\n"
+        + embed_file("kit.py", (ROOT / "tutorials" / "kit.py").read_text())
     )
 
+
+def embed_file(name: str, source: str) -> str:
+    """A setup-cell line, inside its ``if``, that writes ``source`` beside the notebook."""
+    assert "'''" not in source, f"{name} is embedded in r''' quotes: use double quotes there"
+    return f"    pathlib.Path({name!r}).write_text(r'''" + source + "''')\n"
+
+
+def with_chapters_it_builds_on(make_notebook):
+    """Wrap sphinx-gallery's notebook writer: a chapter that reuses another one's kernels
+    (``kit.load_chapter("04")``) gets that chapter's script embedded in its setup cell too, so
+    that its downloaded notebook still runs on its own."""
+
+    def make(script_blocks, gallery_conf, target_dir):
+        notebook = make_notebook(script_blocks, gallery_conf, target_dir)
+        code = "".join(block.content for block in script_blocks if block.type == "code")
+        for number in sorted(set(re.findall(r"kit\.load_chapter\(\"(\d\d)\"\)", code))):
+            (path,) = (ROOT / "tutorials").glob(f"{number}-*.py")
+            notebook["cells"][0]["source"] += [  # sphinx-gallery strips the last newline
+                f"\n    # This chapter builds on chapter {number}: its script goes beside kit.py.\n",
+                embed_file(path.name, path.read_text()).rstrip("\n"),
+            ]
+        return notebook
+
+    return make
+
+
+if not hasattr(sphinx_gallery.notebook, "unwrapped_jupyter_notebook"):  # wrap once
+    sphinx_gallery.notebook.unwrapped_jupyter_notebook = sphinx_gallery.notebook.jupyter_notebook
+    sphinx_gallery.gen_rst.jupyter_notebook = with_chapters_it_builds_on(sphinx_gallery.notebook.jupyter_notebook)
+    sphinx_gallery.notebook.jupyter_notebook = sphinx_gallery.gen_rst.jupyter_notebook
 
 sphinx_gallery_conf = {
     "examples_dirs": "../tutorials",
