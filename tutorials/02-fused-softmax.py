@@ -1,0 +1,875 @@
+r"""
+Fused softmax: one pass over memory, for rows of any length
+===========================================================
+
+We write softmax and log-softmax over the last dimension of a tensor, forward and backward,
+as Triton kernels that read each input once and write each output once, and make them run at
+the memory bandwidth of the GPU, for rows of 256 elements and for rows of 262,144.
+
+What you will learn:
+
+* why softmax in PyTorch operations moves four times the bytes it needs, and how fusion
+  brings that down to the minimum;
+* row reductions in Triton: ``tl.max`` and ``tl.sum`` over a block, and how a program handles
+  several short rows at once;
+* what makes a memory-bound kernel fast: enough bytes in flight, persistent programs with a
+  software pipeline, and ``num_warps`` chosen by the row length, each step measured;
+* the *online* softmax, which finds the maximum and the sum in one pass, for rows too long for
+  one block;
+* the backward of softmax and log-softmax, and wrapping kernels in ``torch.autograd.Function``.
+
+Prerequisites: chapter 01 (programs, blocks, masks, the wrapper and the benchmark).
+"""
+
+# %%
+# Setup
+# -----
+# As in every chapter, ``kit`` comes before ``triton``: without a GPU it switches Triton to
+# its interpreter.
+
+import warnings
+from dataclasses import dataclass
+
+import kit
+import torch
+import triton
+import triton.language as tl
+
+kit.announce()
+DEVICE = kit.DEVICE
+if kit.INTERPRET:
+    # The interpreter computes with NumPy, which warns where a GPU silently makes NaN (a row
+    # of only -inf, below): we test those NaNs on purpose.
+    for message in ("invalid value encountered", "divide by zero encountered"):
+        warnings.filterwarnings("ignore", message, RuntimeWarning)
+# sphinx_gallery_thumbnail_number = 2
+
+# %%
+# Softmax in PyTorch operations, and what it costs
+# ------------------------------------------------
+# For a row x of N numbers, softmax(x)_i = exp(x_i) / sum_j exp(x_j). Written as it reads,
+# exp overflows to infinity for x_i above about 88 in fp32, so every implementation first
+# subtracts the row's maximum: the result is the same, and the largest exponent is exp(0) = 1.
+# In PyTorch operations, for an M x N matrix:
+
+
+def naive_softmax(x: torch.Tensor) -> torch.Tensor:
+    """Softmax over the last dimension in five PyTorch operations (our baseline)."""
+    row_max = x.max(dim=-1, keepdim=True).values  # read M*N, write M
+    shifted = x - row_max  # read M*N + M, write M*N
+    numerator = torch.exp(shifted)  # read M*N, write M*N
+    denominator = numerator.sum(dim=-1, keepdim=True)  # read M*N, write M
+    return numerator / denominator  # read M*N + M, write M*N
+
+
+# %%
+# Each operation is its own kernel, and each kernel reads its inputs from memory and writes its
+# result back. Adding up the comments: 5 M N elements read and 3 M N written (plus a few M,
+# negligible), 8 M N in all. The work itself needs only 2 M N: read x once, write y once. The
+# four intermediate tensors are the waste, and since softmax does about five arithmetic
+# operations per element, against an H100 that does some 60 fp32 TFLOP/s but moves 3 TB/s,
+# the time is the bytes. The naive version should run at about 2/8 of the speed of a kernel
+# that keeps a row on chip from load to store: a speed-up of up to 4x is on the table.
+#
+# That kernel is a *fused* softmax: one program loads a row into registers, computes its
+# maximum, the exponentials and their sum there, and writes the result. 2 x M x N x (bytes per
+# element) is the compulsory traffic, and the figure we divide by the time to report effective
+# bandwidth in every benchmark below. ``torch.softmax`` is fused too; the question for it is
+# not the bytes but how close to the bandwidth it gets.
+#
+# The fused kernel
+# ----------------
+# Each program handles a tile of ``ROWS`` rows by ``BLOCK_N`` columns, ``BLOCK_N`` being the
+# row length rounded up to a power of two. Out-of-row lanes load ``-inf``: they cannot win the
+# maximum and their exp is 0, so they drop out of the sum without a special case. ``tl.max``
+# and ``tl.sum`` with ``axis=1`` reduce each row of the tile to one number.
+#
+# The kernel computes in fp32 whatever the storage type: fp16 and bf16 values are converted
+# right after the load (under the interpreter bf16 values are raw integers until converted),
+# and rounded once at the store. With ``LOG`` set, a compile-time switch, the same kernel
+# returns log-softmax: log(softmax(x)_i) = (x_i - max) - log(sum), which never takes the log
+# of an exponential that underflowed to 0.
+#
+# The programs walk over the tiles with a stride: program ``p`` handles tiles ``p``,
+# ``p + P``, ``p + 2P``... where P is the number of programs launched. Launch one program per
+# tile and each runs its loop once: the ordinary grid of chapter 01. Launch fewer and each
+# program is *persistent*: it stays on its SM and works through many tiles, which lets Triton
+# load the next tile while it computes on this one (``num_stages``, below). One kernel covers
+# both launches, so the benchmark can compare them.
+
+
+@triton.jit
+def softmax_kernel(
+    x_ptr,
+    y_ptr,
+    n_rows,
+    n_cols,
+    x_row_stride,
+    y_row_stride,
+    ROWS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    LOG: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
+):
+    n_tiles = tl.cdiv(n_rows, ROWS)
+    cols = tl.arange(0, BLOCK_N)
+    col_in_row = cols < n_cols
+    for tile in tl.range(
+        tl.program_id(0), n_tiles, tl.num_programs(0), num_stages=NUM_STAGES
+    ):
+        rows = tile * ROWS + tl.arange(0, ROWS)
+        in_bounds = (rows < n_rows)[:, None] & col_in_row[None, :]
+        # int64 row offsets: M x N may pass 2**31 elements.
+        rows64 = rows.to(tl.int64)[:, None]
+        x = tl.load(
+            x_ptr + rows64 * x_row_stride + cols[None, :],
+            mask=in_bounds,
+            other=-float("inf"),
+        ).to(tl.float32)
+        row_max = tl.max(x, axis=1)
+        shifted = x - row_max[:, None]
+        numerator = tl.exp(shifted)
+        denominator = tl.sum(numerator, axis=1)
+        if LOG:
+            y = shifted - tl.log(denominator)[:, None]
+        else:
+            y = numerator * (1.0 / denominator)[:, None]
+        tl.store(
+            y_ptr + rows64 * y_row_stride + cols[None, :],
+            y.to(y_ptr.dtype.element_ty),
+            mask=in_bounds,
+        )
+
+
+# %%
+# A row of only ``-inf`` has max = -inf, and -inf - (-inf) is NaN: the row comes out as NaN,
+# which is what PyTorch returns too (there is no distribution over nothing). A row with some
+# ``-inf`` entries, the usual attention mask, is fine: those entries get probability 0.
+#
+# Rows too long for one block: the online softmax
+# -----------------------------------------------
+# A program keeps its tile in registers: 64K of them on an H100 SM, 256 KB. A row of 32,768
+# fp32 values takes half of that, and one of 262,144 (1 MB) cannot fit at all. For long rows
+# the program must stream the row in chunks, and softmax needs two numbers about the whole
+# row, its maximum and its sum of exponentials, before it can write any output.
+#
+# The classic way takes three passes: find the maximum, then the sum, then write. The *online
+# softmax* (Milakov and Gimelshein, 2018) gets both in one: keep a running maximum m and a
+# running sum s of exp(x - m); when a chunk raises the maximum to m', rescale what we have,
+# s' = s exp(m - m') + sum exp(x - m'). The maximum is one number per row, updated with a
+# ``tl.max`` over each chunk; the sum is kept per lane of the chunk and reduced once, at the
+# end of the row, so each element costs one exponential. A second pass then reads the row
+# again and writes exp(x - m) / s.
+#
+# That second read is traffic the fused kernel does not have: 3 M N instead of 2 M N, which
+# would cap us at 2/3 of the bandwidth. Two details claw some of it back. The second pass walks
+# the row *backwards*, so that it starts with the chunks read last, which are the likeliest to
+# still sit in the 50 MB L2 cache. And the loads carry eviction hints: the first pass asks L2
+# to keep its lines (``evict_last``), the second lets them go (``evict_first``).
+#
+# Until the row shows a finite value, the running maximum is -inf and exp(x - m) would be
+# exp(-inf - (-inf)) = NaN; shifting by 0 instead keeps the sum at 0, so that a row that starts
+# with masked-out entries is not poisoned by them. (A row of only -inf still ends as NaN, as
+# in PyTorch: its sum is 0 and its maximum -inf.)
+
+
+@triton.jit
+def softmax_looped_kernel(
+    x_ptr,
+    y_ptr,
+    n_rows,
+    n_cols,
+    x_row_stride,
+    y_row_stride,
+    BLOCK_N: tl.constexpr,
+    LOG: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
+    REVERSE: tl.constexpr,
+):
+    cols = tl.arange(0, BLOCK_N)
+    n_chunks = tl.cdiv(n_cols, BLOCK_N)
+    for row in tl.range(tl.program_id(0), n_rows, tl.num_programs(0)):
+        x_row = x_ptr + tl.cast(row, tl.int64) * x_row_stride
+        y_row = y_ptr + tl.cast(row, tl.int64) * y_row_stride
+        # Pass 1: the running maximum (one number) and running sums (one per lane).
+        running_max = -float("inf")
+        lane_sum = tl.zeros([BLOCK_N], tl.float32)
+        for chunk in tl.range(0, n_chunks, num_stages=NUM_STAGES):
+            offsets = chunk * BLOCK_N + cols
+            x = tl.load(
+                x_row + offsets,
+                mask=offsets < n_cols,
+                other=-float("inf"),
+                eviction_policy="evict_last",
+            ).to(tl.float32)
+            new_max = tl.maximum(running_max, tl.max(x, axis=0))
+            # While the row has shown nothing but -inf, shift by 0 instead of by -inf.
+            shift = tl.where(new_max == -float("inf"), 0.0, new_max)
+            lane_sum = lane_sum * tl.exp(running_max - shift) + tl.exp(x - shift)
+            running_max = new_max
+        row_sum = tl.sum(lane_sum, axis=0)
+        inverse_sum = 1.0 / row_sum
+        log_sum = tl.log(row_sum)
+        # Pass 2 reads the row again; backwards, the chunks read last come first.
+        for chunk in tl.range(0, n_chunks, num_stages=NUM_STAGES):
+            if REVERSE:
+                index = n_chunks - 1 - chunk
+            else:
+                index = chunk
+            offsets = index * BLOCK_N + cols
+            in_row = offsets < n_cols
+            x = tl.load(
+                x_row + offsets, mask=in_row, other=0.0, eviction_policy="evict_first"
+            ).to(tl.float32)
+            if LOG:
+                y = (x - running_max) - log_sum
+            else:
+                y = tl.exp(x - running_max) * inverse_sum
+            tl.store(y_row + offsets, y.to(y_ptr.dtype.element_ty), mask=in_row)
+
+
+# %%
+# The backward
+# ------------
+# With y = softmax(x) and dy the gradient arriving from above, the chain rule through the
+# Jacobian dy_i/dx_j = y_i (delta_ij - y_j) collapses to one dot product per row:
+#
+#     dx = y * (dy - sum(dy * y))
+#
+# For log-softmax, y = x - log(sum exp x), and dy_i/dx_j = delta_ij - softmax(x)_j gives
+#
+#     dx = dy - exp(y) * sum(dy)
+#
+# Both are a row reduction followed by an elementwise step: the same shape as the forward, with
+# two inputs (y and dy) and one output (dx). The compulsory traffic is 3 M N elements, and both
+# backwards need only the forward's *output*, so the forward saves y, not x. The kernels mirror
+# the forward ones: a fused kernel for rows that fit in one block, and a looped one, here two
+# passes (the sum, then dx) with the second walking backwards, for rows that do not.
+
+
+@triton.jit
+def softmax_backward_kernel(
+    y_ptr,
+    dy_ptr,
+    dx_ptr,
+    n_rows,
+    n_cols,
+    y_row_stride,
+    dy_row_stride,
+    dx_row_stride,
+    ROWS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    LOG: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
+):
+    n_tiles = tl.cdiv(n_rows, ROWS)
+    cols = tl.arange(0, BLOCK_N)
+    col_in_row = cols < n_cols
+    for tile in tl.range(
+        tl.program_id(0), n_tiles, tl.num_programs(0), num_stages=NUM_STAGES
+    ):
+        rows = tile * ROWS + tl.arange(0, ROWS)
+        in_bounds = (rows < n_rows)[:, None] & col_in_row[None, :]
+        rows64 = rows.to(tl.int64)[:, None]
+        y = tl.load(
+            y_ptr + rows64 * y_row_stride + cols[None, :], mask=in_bounds, other=0.0
+        ).to(tl.float32)
+        dy = tl.load(
+            dy_ptr + rows64 * dy_row_stride + cols[None, :], mask=in_bounds, other=0.0
+        ).to(tl.float32)
+        if LOG:
+            dx = dy - tl.exp(y) * tl.sum(dy, axis=1)[:, None]
+        else:
+            dx = y * (dy - tl.sum(dy * y, axis=1)[:, None])
+        tl.store(
+            dx_ptr + rows64 * dx_row_stride + cols[None, :],
+            dx.to(dx_ptr.dtype.element_ty),
+            mask=in_bounds,
+        )
+
+
+@triton.jit
+def softmax_backward_looped_kernel(
+    y_ptr,
+    dy_ptr,
+    dx_ptr,
+    n_rows,
+    n_cols,
+    y_row_stride,
+    dy_row_stride,
+    dx_row_stride,
+    BLOCK_N: tl.constexpr,
+    LOG: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
+    REVERSE: tl.constexpr,
+):
+    cols = tl.arange(0, BLOCK_N)
+    n_chunks = tl.cdiv(n_cols, BLOCK_N)
+    for row in tl.range(tl.program_id(0), n_rows, tl.num_programs(0)):
+        y_row = y_ptr + tl.cast(row, tl.int64) * y_row_stride
+        dy_row = dy_ptr + tl.cast(row, tl.int64) * dy_row_stride
+        dx_row = dx_ptr + tl.cast(row, tl.int64) * dx_row_stride
+        lane_total = tl.zeros([BLOCK_N], tl.float32)
+        for chunk in tl.range(0, n_chunks, num_stages=NUM_STAGES):
+            offsets = chunk * BLOCK_N + cols
+            in_row = offsets < n_cols
+            dy = tl.load(
+                dy_row + offsets, mask=in_row, other=0.0, eviction_policy="evict_last"
+            ).to(tl.float32)
+            if LOG:
+                lane_total += dy
+            else:
+                y = tl.load(
+                    y_row + offsets,
+                    mask=in_row,
+                    other=0.0,
+                    eviction_policy="evict_last",
+                ).to(tl.float32)
+                lane_total += dy * y
+        total = tl.sum(lane_total, axis=0)
+        for chunk in tl.range(0, n_chunks, num_stages=NUM_STAGES):
+            if REVERSE:
+                index = n_chunks - 1 - chunk
+            else:
+                index = chunk
+            offsets = index * BLOCK_N + cols
+            in_row = offsets < n_cols
+            y = tl.load(
+                y_row + offsets, mask=in_row, other=0.0, eviction_policy="evict_first"
+            ).to(tl.float32)
+            dy = tl.load(
+                dy_row + offsets, mask=in_row, other=0.0, eviction_policy="evict_first"
+            ).to(tl.float32)
+            if LOG:
+                dx = dy - tl.exp(y) * total
+            else:
+                dx = y * (dy - total)
+            tl.store(dx_row + offsets, dx.to(dx_ptr.dtype.element_ty), mask=in_row)
+
+
+# %%
+# Launch parameters
+# -----------------
+# The kernels are fixed; what remains is how to launch them, and that is where the speed is.
+# A ``Launch`` names the choices: the tile (``rows`` x ``block_n``), ``num_warps`` (how many
+# warps of 32 threads share a program), ``num_stages`` (how many tiles of the persistent loop
+# are loaded ahead), and ``programs_per_sm`` (``None``: one program per tile; a number: a
+# persistent grid of that many programs for each SM of the GPU).
+#
+# What to choose, and why, comes from measurements (the benchmarks at the end of the chapter):
+#
+# * **Rows per program for short rows.** A row of 256 fp32 values is 1 KB. A program of 4 warps
+#   holding one such row gives each of its 128 threads two values: one load in flight per
+#   thread, too little to cover the microsecond that a load from DRAM takes. We give each tile
+#   about 4,096 values (16 rows of 256) so that each thread issues several wide loads at once.
+# * **num_warps by N.** Once a row alone fills a tile, the tile grows with N, and we grow
+#   ``num_warps`` with it to keep about 16 values per thread: enough loads in flight, and few
+#   enough registers that two programs still fit on an SM and one can load while the other
+#   reduces.
+# * **Persistent programs.** With one program per tile, each program loads, then computes, then
+#   stores, then exits; the SM waits for the next program's loads. A persistent program runs
+#   a loop over tiles, and ``num_stages = 2`` lets Triton issue the loads of the next tile
+#   (through shared memory) while it reduces the current one. We launch a small multiple of
+#   the SM count; under the interpreter, which has no driver to ask, a fixed 4.
+# * **Rows longer than** ``MAX_FUSED_BLOCK`` take the looped kernels, one row per iteration
+#   of a persistent loop, in chunks of ``LOOPED_BLOCK``.
+
+INTERPRETER_PROGRAMS = 4  # the interpreter has no SMs to count
+MAX_FUSED_BLOCK = 32768  # longest row kept whole in registers (forward)
+MAX_FUSED_BLOCK_BACKWARD = 16384  # the backward holds two tensors, y and dy
+LOOPED_BLOCK = 4096  # chunk length of the looped kernels
+TILE_ELEMENTS = 4096  # values per tile for short rows
+ELEMENTS_PER_THREAD = 16
+PIPELINED_TILE_BYTES = 64 * 1024
+
+
+@dataclass(frozen=True)
+class Launch:
+    block_n: int  # columns of a tile: the whole row (fused) or one chunk (looped)
+    rows: int = 1  # rows of a tile (fused kernels only)
+    num_warps: int = 4
+    num_stages: int = 1
+    programs_per_sm: float | None = None  # None: one program per tile
+    looped: bool = False
+    reverse: bool = True  # looped kernels: walk the second pass backwards
+
+
+def sm_count() -> int:
+    if not kit.ON_GPU:
+        return 1
+    return torch.cuda.get_device_properties(DEVICE).multi_processor_count
+
+
+def default_launch(n_cols: int, element_size: int, backward: bool = False) -> Launch:
+    """The launch this chapter uses for rows of ``n_cols`` elements of ``element_size`` bytes."""
+    block_n = max(16, triton.next_power_of_2(n_cols))
+    if block_n > (MAX_FUSED_BLOCK_BACKWARD if backward else MAX_FUSED_BLOCK):
+        return Launch(
+            LOOPED_BLOCK, num_warps=8, num_stages=2, programs_per_sm=1, looped=True
+        )
+    rows = max(1, TILE_ELEMENTS // block_n)
+    num_warps = min(32, max(4, rows * block_n // (32 * ELEMENTS_PER_THREAD)))
+    # The pipeline keeps the next tile in shared memory (228 KB an SM): two stages of a
+    # large tile would not fit, and those tiles hold enough loads in flight anyway.
+    tile_bytes = rows * block_n * element_size * (2 if backward else 1)
+    return Launch(
+        block_n,
+        rows,
+        num_warps=num_warps,
+        num_stages=2 if tile_bytes <= PIPELINED_TILE_BYTES else 1,
+        programs_per_sm=max(1, 32 // num_warps),
+    )
+
+
+def n_programs(launch: Launch, n_tiles: int) -> int:
+    if launch.programs_per_sm is None:
+        return n_tiles
+    if not kit.ON_GPU:
+        return min(n_tiles, INTERPRETER_PROGRAMS)
+    return min(n_tiles, max(1, round(launch.programs_per_sm * sm_count())))
+
+
+# %%
+# The wrappers
+# ------------
+# The kernels see a matrix of rows: a row start pointer for each row and unit stride along it.
+# ``x.reshape(-1, N)`` turns any leading dimensions into rows, without a copy whenever they can
+# be merged, and the kernels take the row stride as an argument, so that a slice like
+# ``x[:, :N]`` or one head of an attention tensor is read in place. A last dimension whose
+# elements are not adjacent (a transposed matrix, an expanded gradient) is copied with
+# ``.contiguous()`` first: reading it in place would turn each 16-byte load into scattered
+# 4-byte ones, and the copy costs less than that. The output is always a new contiguous tensor.
+
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def as_rows(t: torch.Tensor) -> torch.Tensor:
+    rows = t.reshape(-1, t.shape[-1])
+    return rows if rows.stride(-1) == 1 else rows.contiguous()
+
+
+def softmax_forward(
+    x: torch.Tensor, log: bool = False, launch: Launch | None = None
+) -> torch.Tensor:
+    """Softmax (or log-softmax) over the last dimension, without autograd."""
+    y = torch.empty(x.shape, device=x.device, dtype=x.dtype)
+    if x.numel() == 0:
+        return y
+    x_rows, y_rows = as_rows(x), y.view(-1, x.shape[-1])
+    n_rows, n_cols = x_rows.shape
+    launch = launch or default_launch(n_cols, x.element_size())
+    if launch.looped:
+        softmax_looped_kernel[(n_programs(launch, n_rows),)](
+            x_rows, y_rows, n_rows, n_cols, x_rows.stride(0), y_rows.stride(0),
+            BLOCK_N=launch.block_n, LOG=log, NUM_STAGES=launch.num_stages,
+            REVERSE=launch.reverse, num_warps=launch.num_warps,
+        )  # fmt: skip
+    else:
+        if launch.block_n < n_cols:
+            raise ValueError(
+                f"block_n={launch.block_n} is shorter than rows of {n_cols}"
+            )
+        grid = (n_programs(launch, triton.cdiv(n_rows, launch.rows)),)
+        softmax_kernel[grid](
+            x_rows, y_rows, n_rows, n_cols, x_rows.stride(0), y_rows.stride(0),
+            ROWS=launch.rows, BLOCK_N=launch.block_n, LOG=log,
+            NUM_STAGES=launch.num_stages, num_warps=launch.num_warps,
+        )  # fmt: skip
+    return y
+
+
+def softmax_backward(
+    y: torch.Tensor, dy: torch.Tensor, log: bool = False, launch: Launch | None = None
+) -> torch.Tensor:
+    """The gradient with respect to x, given the forward's output y and dy."""
+    dx = torch.empty(y.shape, device=y.device, dtype=y.dtype)
+    if y.numel() == 0:
+        return dx
+    y_rows, dy_rows = as_rows(y), as_rows(dy.to(y.dtype))
+    dx_rows = dx.view(-1, y.shape[-1])
+    n_rows, n_cols = y_rows.shape
+    launch = launch or default_launch(n_cols, y.element_size(), backward=True)
+    strides = (y_rows.stride(0), dy_rows.stride(0), dx_rows.stride(0))
+    if launch.looped:
+        softmax_backward_looped_kernel[(n_programs(launch, n_rows),)](
+            y_rows, dy_rows, dx_rows, n_rows, n_cols, *strides,
+            BLOCK_N=launch.block_n, LOG=log, NUM_STAGES=launch.num_stages,
+            REVERSE=launch.reverse, num_warps=launch.num_warps,
+        )  # fmt: skip
+    else:
+        if launch.block_n < n_cols:
+            raise ValueError(
+                f"block_n={launch.block_n} is shorter than rows of {n_cols}"
+            )
+        grid = (n_programs(launch, triton.cdiv(n_rows, launch.rows)),)
+        softmax_backward_kernel[grid](
+            y_rows, dy_rows, dx_rows, n_rows, n_cols, *strides,
+            ROWS=launch.rows, BLOCK_N=launch.block_n, LOG=log,
+            NUM_STAGES=launch.num_stages, num_warps=launch.num_warps,
+        )  # fmt: skip
+    return dx
+
+
+# %%
+# ``torch.autograd.Function`` joins the two: ``forward`` runs our forward kernel and saves its
+# output, ``backward`` receives dy and returns dx (and ``None`` for the ``log`` flag, which has
+# no gradient). The public functions check their input first, with messages that say what to
+# do, and then go through ``apply``, so that autograd records the operation whenever x requires
+# a gradient.
+
+
+class SoftmaxFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, log):
+        y = softmax_forward(x, log)
+        ctx.save_for_backward(y)
+        ctx.log = log
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        (y,) = ctx.saved_tensors
+        return softmax_backward(y, dy, ctx.log), None
+
+
+def check_input(x: torch.Tensor) -> None:
+    kit.check_tensor(x, "x", SUPPORTED_DTYPES, contiguous=False)
+    if x.dim() == 0:
+        raise ValueError(
+            "x is a 0-dim tensor, but softmax runs over the last dimension: "
+            "pass x.reshape(1) (whose softmax is [1.0])"
+        )
+
+
+def softmax(x: torch.Tensor) -> torch.Tensor:
+    """``torch.softmax(x, dim=-1)`` for fp32, fp16 and bf16, with autograd.
+
+    For another dimension, move it last: ``softmax(x.transpose(dim, -1)).transpose(dim, -1)``.
+    """
+    check_input(x)
+    return SoftmaxFunction.apply(x, False)
+
+
+def log_softmax(x: torch.Tensor) -> torch.Tensor:
+    """``torch.log_softmax(x, dim=-1)`` for fp32, fp16 and bf16, with autograd."""
+    check_input(x)
+    return SoftmaxFunction.apply(x, True)
+
+
+# %%
+# Correctness
+# -----------
+# We compare against ``torch.softmax`` and ``torch.log_softmax``, computed in fp64 and rounded
+# to the input's dtype, so that the reference itself carries no fp32 rounding. Our kernels
+# round once, at the store, so the tolerances are about one unit in the last place of the
+# storage type: 2^-10 (fp16) and 2^-7 (bf16), relative; a bit more in bf16 under the
+# interpreter, which truncates rather than rounds, and 1e-5 relative in fp32, where the sum
+# over a long row adds up its own rounding errors. Log-softmax values near 0 are differences
+# of nearly equal numbers, so we allow an absolute error of the same size as well.
+# Gradients are a difference too, dy minus a row sum, computed from the rounded y: we scale
+# their absolute tolerance to the largest gradient, which is what PyTorch's own fp16 and bf16
+# backwards need against fp64.
+#
+# The shapes are those that break naive kernels: one element, one row, rows that are not a
+# power of two, rows longer than one fused block (which take the looped kernel), leading
+# dimensions, a strided slice and a transposed matrix.
+
+TOLERANCES = {
+    torch.float32: {"rtol": 1e-5, "atol": 1e-6},
+    torch.float16: {"rtol": 2**-10, "atol": 2**-12},
+    torch.bfloat16: {"rtol": 2**-6 if kit.INTERPRET else 2**-7, "atol": 2**-9},
+}
+
+
+def gradient_tolerance(dtype: torch.dtype, expected: torch.Tensor) -> dict:
+    """Gradients cancel (dy minus a row sum) after y was rounded: scale atol to their size."""
+    rtol = TOLERANCES[dtype]["rtol"]
+    return {"rtol": rtol, "atol": rtol * expected.abs().max().item()}
+
+
+def reference(x: torch.Tensor, log: bool = False) -> torch.Tensor:
+    fn = torch.log_softmax if log else torch.softmax
+    return fn(x.double(), dim=-1).to(x.dtype)
+
+
+long_row = kit.choose(gpu=262_144, cpu=MAX_FUSED_BLOCK + 3)
+torch.manual_seed(0)
+cases = {
+    "1x1": torch.randn(1, 1),
+    "one row": torch.randn(1, 781),
+    "not a power of two": torch.randn(kit.choose(gpu=1823, cpu=37), 781),
+    "one short row per tile": torch.randn(5, 3),
+    "leading dims": torch.randn(2, 3, 5, 100),
+    "strided slice": torch.randn(9, 300)[:, 17:217],
+    "transposed": torch.randn(64, 12).t(),
+    "long rows (looped kernel)": torch.randn(2, long_row),
+}
+for dtype in SUPPORTED_DTYPES:
+    for name, x in cases.items():
+        x = (x * 4).to(DEVICE, dtype)
+        for log, fn in ((False, softmax), (True, log_softmax)):
+            torch.testing.assert_close(
+                fn(x), reference(x, log), **TOLERANCES[dtype], msg=name
+            )
+print(f"softmax and log_softmax match torch: {len(cases)} shapes x 3 dtypes")
+
+# %%
+# Rows with ``-inf`` in them, the masked scores of attention, must give probability 0 there,
+# and a row of nothing but ``-inf`` gives NaN, as in PyTorch. We also check the backward of
+# both functions with ``torch.autograd`` against PyTorch's, and the looped kernels at a small
+# size by passing a ``Launch`` with a 16-column chunk.
+
+x = torch.randn(4, 50, device=DEVICE)
+x[0, ::3] = -float("inf")
+x[1] = -float("inf")
+for log, fn in ((False, softmax), (True, log_softmax)):
+    torch.testing.assert_close(fn(x), reference(x, log), equal_nan=True)
+    small_chunks = Launch(16, looped=True, programs_per_sm=2)
+    torch.testing.assert_close(
+        softmax_forward(x, log, small_chunks), reference(x, log), equal_nan=True
+    )
+
+for dtype in SUPPORTED_DTYPES:
+    for log, fn in ((False, softmax), (True, log_softmax)):
+        x = torch.randn(3, 7, 300, device=DEVICE, dtype=dtype, requires_grad=True)
+        dy = torch.randn_like(x)
+        (ours,) = torch.autograd.grad(fn(x), x, dy)
+        x64 = x.detach().double().requires_grad_()
+        torch_fn = torch.log_softmax if log else torch.softmax
+        (theirs,) = torch.autograd.grad(torch_fn(x64, dim=-1), x64, dy.double())
+        tolerance = gradient_tolerance(dtype, theirs)
+        torch.testing.assert_close(ours, theirs.to(dtype), **tolerance)
+        y = softmax_forward(x.detach(), log)
+        dx = softmax_backward(y, dy, log, Launch(64, looped=True, programs_per_sm=2))
+        torch.testing.assert_close(dx, theirs.to(dtype), **tolerance)
+print("gradients of softmax and log_softmax match torch.autograd, fused and looped")
+
+# %%
+# Inputs the kernels cannot take are refused with a message that says what to do:
+
+x = torch.randn(8, 10, device=DEVICE)
+bad_calls = {
+    "integer dtype": lambda: softmax(x.int()),
+    "float64": lambda: softmax(x.double()),
+    "0-dim tensor": lambda: softmax(x[0, 0]),
+    "wrong device": lambda: softmax(x.to("meta")),
+    "not a tensor": lambda: softmax([1.0, 2.0]),
+}
+for case, call in bad_calls.items():
+    try:
+        call()
+    except (TypeError, ValueError) as error:
+        print(f"{case:>13}: {error}")
+    else:
+        raise AssertionError(f"softmax() accepted bad input: {case}")
+
+# %%
+# Benchmarks
+# ----------
+# We time with ``triton.testing.do_bench``, which empties L2 before every call, and report
+# effective bandwidth: compulsory bytes over the median time. The forward counts 2 M N x
+# (bytes per element): x read once, y written once. Forward plus backward counts 5 M N: the
+# forward's two, and the backward's read of y and dy and write of dx. The dashed line is the
+# device-to-device copy bandwidth of the same GPU. The rows M are 4,096 for N up to 32,768; for
+# longer rows we keep the tensor at 2^26 elements (M = 2^26 / N: 1,024 rows of 65,536 down to
+# 256 rows of 262,144), 256 MB in fp32.
+#
+# The providers are ``triton`` (this chapter's ``softmax``), ``torch`` (``torch.softmax``),
+# ``torch.compile`` (Inductor's generated Triton kernel for ``torch.softmax``, compiled once
+# for each shape, outside the timing) and ``naive`` (the five operations above).
+
+
+def rows_for(n_cols: int) -> int:
+    return kit.choose(gpu=4096 if n_cols <= 32768 else 2**26 // n_cols, cpu=3)
+
+
+def compiled(fn):
+    """A fresh ``torch.compile`` of ``fn`` for static shapes, warmed up by the caller.
+
+    Resetting dynamo first keeps each shape's compilation separate: without it, the eighth
+    shape would hit the recompilation limit and silently fall back to eager PyTorch.
+    """
+    torch._dynamo.reset()
+    return torch.compile(fn, dynamic=False)
+
+
+def torch_softmax(x):
+    return torch.softmax(x, dim=-1)
+
+
+def forward_call(provider: str, x: torch.Tensor):
+    if provider == "torch.compile":
+        fn = compiled(torch_softmax)
+        fn(x)  # compile now, not while timing
+        return lambda: fn(x)
+    fn = {"triton": softmax, "torch": torch_softmax, "naive": naive_softmax}[provider]
+    return lambda: fn(x)
+
+
+def make_forward(provider: str, n_cols: int, dtype: torch.dtype):
+    x = torch.randn(rows_for(n_cols), n_cols, device=DEVICE, dtype=dtype)
+    return forward_call(provider, x)
+
+
+def forward_bytes(n_cols: int, dtype: torch.dtype) -> int:
+    return 2 * rows_for(n_cols) * n_cols * dtype.itemsize
+
+
+PROVIDERS = ["triton", "torch", "torch.compile", "naive"]
+
+softmax_bench = kit.Benchmark(
+    name="softmax-forward",
+    x_name="N (columns), M = 4096 rows",
+    x_values=[2**i for i in range(8, 16)] + [768, 3000, 12_000],
+    providers=PROVIDERS,
+    make=make_forward,
+    work=forward_bytes,
+    dtypes=(torch.float32, torch.float16),
+    smoke_x=100,
+    headline_x=4096,
+)
+kit.run(softmax_bench)
+
+# %%
+# The naive version sits near a quarter of the others, as the byte count predicted: its eight
+# passes over memory against two. ``torch.softmax`` is fused, so its gap to our kernel is not
+# bytes but how well the bytes are kept moving; the summary above gives the measured rates at
+# N = 4,096 and their share of the copy bandwidth.
+#
+# Where the speed comes from, step by step
+# ----------------------------------------
+# The same kernel, launched four ways, for fp32 at M = 4,096:
+#
+# * ``triton (one row per program)``: the first kernel anyone writes, one row per program
+#   with 4 warps, a grid of M programs;
+# * ``triton (+ rows per program)``: tiles of about 4,096 values, so short rows share a
+#   program;
+# * ``triton (+ num_warps by N)``: ``num_warps`` grows with the tile;
+# * ``triton``: everything above plus a persistent grid with a two-stage pipeline, the
+#   launch ``softmax`` uses.
+
+
+def make_steps(provider: str, n_cols: int, dtype: torch.dtype):
+    x = torch.randn(rows_for(n_cols), n_cols, device=DEVICE, dtype=dtype)
+    final = default_launch(n_cols, dtype.itemsize)
+    if final.looped:
+        launch = final
+    elif provider == "triton (one row per program)":
+        launch = Launch(final.block_n, 1, num_warps=4)
+    elif provider == "triton (+ rows per program)":
+        launch = Launch(final.block_n, final.rows, num_warps=4)
+    elif provider == "triton (+ num_warps by N)":
+        launch = Launch(final.block_n, final.rows, num_warps=final.num_warps)
+    else:
+        launch = final
+    return lambda: softmax_forward(x, launch=launch)
+
+
+steps_bench = kit.Benchmark(
+    name="softmax-steps",
+    x_name="N (columns), M = 4096 rows, fp32",
+    x_values=[2**i for i in range(8, 16)],
+    providers=[
+        "triton (one row per program)",
+        "triton (+ rows per program)",
+        "triton (+ num_warps by N)",
+        "triton",
+    ],
+    make=make_steps,
+    work=forward_bytes,
+    smoke_x=100,
+    headline_x=512,
+)
+kit.run(steps_bench)
+
+# %%
+# One row per program with 4 warps is fine for mid-length rows and loses at both ends. Short
+# rows leave each thread with one or two values to load, too few bytes in flight; long rows
+# give 128 threads hundreds of values each, more registers than they have, and the compiler
+# spills to memory. Tiles of several rows fix the first, more warps the second, and the
+# persistent pipeline overlaps one tile's loads with the previous tile's arithmetic.
+#
+# Long rows
+# ---------
+# From N = 65,536 the forward takes the looped, online kernel. Its traffic is 3 M N unless the
+# second pass finds its data in L2, so it measures how much the backwards second pass and the
+# eviction hints recover.
+
+
+def make_long(provider: str, n_cols: int, dtype: torch.dtype):
+    x = torch.randn(rows_for(n_cols), n_cols, device=DEVICE, dtype=dtype)
+    return forward_call(provider, x)
+
+
+long_bench = kit.Benchmark(
+    name="softmax-long-rows",
+    x_name="N (columns), M = 2^26 / N rows",
+    x_values=[65_536, 98_304, 131_072, 262_144],
+    providers=PROVIDERS,
+    make=make_long,
+    work=forward_bytes,
+    dtypes=(torch.float32, torch.float16),
+    smoke_x=kit.choose(gpu=65_536, cpu=MAX_FUSED_BLOCK + 1),
+    headline_x=131_072,
+)
+kit.run(long_bench)
+
+# %%
+# Forward and backward
+# --------------------
+# Training runs both. Each provider computes y from x and then dx from dy through
+# ``torch.autograd.grad``; for ours that is our forward kernel, then our backward kernel.
+
+
+def make_forward_backward(provider: str, n_cols: int, dtype: torch.dtype):
+    x = torch.randn(rows_for(n_cols), n_cols, device=DEVICE, dtype=dtype)
+    x.requires_grad_(True)
+    dy = torch.randn_like(x)
+    if provider == "torch.compile":
+        fn = compiled(torch_softmax)
+        torch.autograd.grad(fn(x), x, dy)  # compile forward and backward now
+    else:
+        fn = {"triton": softmax, "torch": torch_softmax, "naive": naive_softmax}[
+            provider
+        ]
+    return lambda: torch.autograd.grad(fn(x), x, dy)
+
+
+def forward_backward_bytes(n_cols: int, dtype: torch.dtype) -> int:
+    return 5 * rows_for(n_cols) * n_cols * dtype.itemsize
+
+
+forward_backward_bench = kit.Benchmark(
+    name="softmax-forward-backward",
+    x_name="N (columns); M = 4096, or 2^26 / N from N = 65,536",
+    x_values=[2**i for i in range(8, 19)],
+    providers=PROVIDERS,
+    make=make_forward_backward,
+    work=forward_backward_bytes,
+    dtypes=(torch.float32, torch.float16),
+    smoke_x=100,
+    headline_x=4096,
+)
+kit.run(forward_backward_bench)
+
+# %%
+# What we learned
+# ---------------
+# * Fusion turns softmax's eight passes over memory into two; after that, the work is keeping
+#   enough bytes in flight, which is a matter of launch parameters, not of the kernel's math.
+# * Short rows want several rows per program; long rows want more warps; a persistent grid
+#   with ``num_stages`` overlaps loading with reducing.
+# * The online softmax finds the maximum and the sum in one pass, so rows of any length need
+#   one extra read at most, and part of that comes from L2.
+# * Both backwards are a row reduction and an elementwise step, and need only the forward's
+#   output.
+#
+# Exercises
+# ---------
+# 1. Add a ``scale`` argument and an additive ``mask`` tensor, fused into the load:
+#    softmax(scale * x + mask), the core of attention. How many bytes does the mask add?
+# 2. Fuse the cross-entropy loss: for logits x and a target index per row, compute
+#    log_softmax(x)[target] without writing the log-softmax out. What is the traffic now?
+# 3. The looped kernel reads a long row twice. Split each row over several programs instead,
+#    each keeping its chunk in registers, and combine their (max, sum) pairs: what stops this
+#    from working with a plain grid, and what would make it safe?
