@@ -610,8 +610,11 @@ def tma_applies(a, b):
     )
 
 
-def matmul_tma(a, b, activation=None, *, bias=None, return_preactivation=False):
-    """``activation(a @ b + bias)`` with the persistent descriptor kernel (Hopper)."""
+def matmul_tma(
+    a, b, activation=None, *, bias=None, return_preactivation=False, config=None
+):
+    """``activation(a @ b + bias)`` with the persistent descriptor kernel (Hopper),
+    autotuned unless ``config`` is given (as for ``matmul_portable``)."""
     check_inputs(a, b, activation, bias)
     if not tma_applies(a, b):
         raise ValueError(
@@ -629,7 +632,8 @@ def matmul_tma(a, b, activation=None, *, bias=None, return_preactivation=False):
     grid = lambda meta: (
         min(NUM_SMS, triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"])),
     )
-    matmul_tma_tuned[grid](
+    kernel = matmul_tma_tuned if config is None else matmul_tma_kernel
+    kernel[grid](
         a, b, out, bias, pre, M, N, K,
         a.stride(1) if a_column_major else a.stride(0),
         b.stride(1) if b_column_major else b.stride(0),
@@ -641,6 +645,7 @@ def matmul_tma(a, b, activation=None, *, bias=None, return_preactivation=False):
         STORE_PREACTIVATION=pre is not None,
         UPCAST=kit.INTERPRET and a.dtype == torch.bfloat16,
         NUM_PROGRAMS=NUM_SMS,
+        **(config or {}),
     )  # fmt: skip
     return (out, pre) if return_preactivation else out
 
@@ -716,6 +721,16 @@ def layouts(a, b):
     yield "row-strided a", padded[:, : a.shape[1]], b
 
 
+# On a GPU the checks run one fixed config per dtype: autotuning each of the dozens of
+# shape, layout and activation variants below would compile and time every config for each,
+# minutes of tuning that checks nothing more. The two large shapes go through autotuning.
+CHECK_CONFIGS = {
+    itemsize: {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 128 // itemsize}
+    | {"GROUP_SIZE_M": 8, "num_warps": 4, "num_stages": 3}
+    for itemsize in (1, 2, 4)
+}
+
+
 def check(kernel, dtype, shapes, seed=0):
     generator = torch.Generator().manual_seed(seed)
     for index, (M, N, K) in enumerate(shapes):
@@ -727,8 +742,14 @@ def check(kernel, dtype, shapes, seed=0):
         for _, a_view, b_view in layouts(a, b):
             if kernel is matmul_tma and not tma_applies(a_view, b_view):
                 continue
+            small = kit.ON_GPU and M * N < 2**20
             out, pre = kernel(
-                a_view, b_view, activation, bias=bias, return_preactivation=True
+                a_view,
+                b_view,
+                activation,
+                bias=bias,
+                return_preactivation=True,
+                config=CHECK_CONFIGS[dtype.itemsize] if small else None,
             )
             assert out.shape == (M, N) and out.dtype == output_dtype(dtype)
             assert out.is_contiguous()
