@@ -274,11 +274,12 @@ def fused_linear_backward(grad_y, x, weight, bias, z, activation, needs_grad):
         if z is None:  # recompute: the forward product again, without the activation
             z = matmul(x, weight.mT, None, bias=bias)
         grad_z, grad_bias = activation_backward(grad_y, z, activation, need_bias)
-    empty = x.new_empty(0)
+    # A gradient not asked for is an empty tensor, a new one each: an operator's outputs may
+    # not alias one another.
     return (
-        matmul(grad_z, weight) if need_x else empty,
-        matmul(grad_z.mT, x) if need_weight else empty,  # dZ^T: a view
-        grad_bias.to(x.dtype) if need_bias else empty,
+        matmul(grad_z, weight) if need_x else x.new_empty(0),
+        matmul(grad_z.mT, x) if need_weight else x.new_empty(0),  # dZ^T: a view
+        grad_bias.to(x.dtype) if need_bias else x.new_empty(0),
     )
 
 

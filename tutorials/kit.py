@@ -278,6 +278,16 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).replace("torch.", "")
 
 
+def compile_static(fn: Callable) -> Callable:
+    """A fresh ``torch.compile`` of ``fn`` for static shapes, to benchmark one shape.
+
+    Resetting dynamo first keeps each shape's compilation separate: without it, the ninth
+    shape would hit dynamo's recompilation limit and silently run eager PyTorch instead.
+    """
+    torch._dynamo.reset()
+    return torch.compile(fn, dynamic=False)
+
+
 def measure_ms(fn: Callable) -> tuple[float, float, float]:
     """Median, 20% and 80% quantile of ``fn``'s time in ms; do_bench flushes L2 before each call."""
     median, q20, q80 = triton.testing.do_bench(fn, quantiles=[0.5, 0.2, 0.8])
