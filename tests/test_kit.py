@@ -197,3 +197,13 @@ def test_activations_and_derivatives_match_torch(activation):
     expected.sum().backward()
     torch.testing.assert_close(y, expected.detach(), atol=1e-6, rtol=1e-5)
     torch.testing.assert_close(dy, z.grad, atol=1e-6, rtol=1e-5)
+
+
+def test_show_refusals_prints_each_error_and_fails_on_accepted_input(capsys):
+    def refuse():
+        raise ValueError("pass a tensor")
+
+    kit.show_refusals("f()", {"bad": refuse})
+    assert "bad: pass a tensor" in capsys.readouterr().out
+    with pytest.raises(AssertionError, match="f\\(\\) accepted bad input: silent"):
+        kit.show_refusals("f()", {"bad": refuse, "silent": lambda: None})

@@ -223,13 +223,7 @@ bad_calls = {
     "integer dtype": lambda: add(x.int(), y.int()),
     "wrong device": lambda: add(x.to("meta"), y.to("meta")),
 }
-for case, call in bad_calls.items():
-    try:
-        call()
-    except (TypeError, ValueError) as error:
-        print(f"{case:>13}: {error}")
-    else:
-        raise AssertionError(f"add() accepted bad input: {case}")
+kit.show_refusals("add()", bad_calls)
 
 # %%
 # Benchmark

@@ -529,13 +529,7 @@ bad_calls = {
     "activation": lambda: linear(x, weight, activation="tanh"),
     "wrong device": lambda: linear(x.to("meta"), weight.to("meta")),
 }
-for case, call in bad_calls.items():
-    try:
-        call()
-    except (TypeError, ValueError) as error:
-        print(f"{case:>15}: {error}")
-    else:
-        raise AssertionError(f"linear() accepted bad input: {case}")
+kit.show_refusals("linear()", bad_calls)
 
 # %%
 # Keep or recompute: memory and time

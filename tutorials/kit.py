@@ -88,6 +88,21 @@ def check_tensor(tensor, name: str, dtypes=None, contiguous: bool = True) -> Non
         )
 
 
+def show_refusals(function_name: str, bad_calls: dict) -> None:
+    """Make each call in ``bad_calls`` (case name -> call) and print the error it raises.
+
+    A call that raises no TypeError or ValueError means bad input was accepted: an error.
+    """
+    width = max(map(len, bad_calls))
+    for case, call in bad_calls.items():
+        try:
+            call()
+        except (TypeError, ValueError) as error:
+            print(f"{case:>{width}}: {error}")
+        else:
+            raise AssertionError(f"{function_name} accepted bad input: {case}")
+
+
 # ----------------------------------------------------------------------- chapters as modules
 _quiet_loads = 0
 
