@@ -150,3 +150,24 @@ def test_lock_reduction_has_no_race_on_the_gpu(group_size_m):
             torch.testing.assert_close(mine.float(), ref.float(), rtol=2e-3, atol=2e-3 * ref.abs().max().item())
             worst = max(worst, (mine.float() - ref.float()).abs().max().item())
     print(f"GROUP_SIZE_M={group_size_m}: {runs} runs, largest |dW or dB - two-stage| {worst:.3g}")
+
+
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+def test_explicit_launch_configs(reduction):
+    """The configs a launch sweep passes: any rows per program and warps, one block or walked."""
+    x, dy = random((13, 100), torch.float32, seed=14), random((13, 100), torch.float32, seed=15)
+    weight = random(100, torch.float32, seed=16)
+    y_ref, mean_ref, rstd_ref = chapter.layer_norm_forward(x, weight, None, 1e-5)
+    grads_ref = chapter.layer_norm_backward(dy, x, weight, mean_ref, rstd_ref, reduction="two-stage")
+    for block, single, rows in ((128, True, 1), (128, True, 4), (32, False, 1)):
+        config = dict(BLOCK_N=block, ROWS_PER_PROGRAM=rows, SINGLE_BLOCK=single, num_warps=2)
+        y, mean, rstd = chapter.layer_norm_forward(x, weight, None, 1e-5, config=config)
+        torch.testing.assert_close(y, y_ref, rtol=1e-5, atol=1e-5)
+        for backward_rows in (1, 4):
+            config["ROWS_PER_PROGRAM"] = backward_rows
+            grads = chapter.layer_norm_backward(dy, x, weight, mean, rstd, reduction=reduction, config=config)
+            for mine, ref in zip(grads, grads_ref, strict=True):
+                torch.testing.assert_close(mine, ref, rtol=1e-5, atol=1e-5)
+    walking = dict(BLOCK_N=32, ROWS_PER_PROGRAM=4, SINGLE_BLOCK=False, num_warps=2)
+    with pytest.raises(ValueError, match="one row per program"):
+        chapter.layer_norm_forward(x, weight, None, 1e-5, config=walking)

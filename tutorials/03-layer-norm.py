@@ -211,15 +211,21 @@ def forward_config(n_cols: int, n_rows: int, block_size: int | None = None) -> d
     return dict(BLOCK_N=block, ROWS_PER_PROGRAM=1, SINGLE_BLOCK=False, num_warps=8)
 
 
-def layer_norm_forward(x2d, weight, bias, eps, block_size=None):
-    """y, mean, rstd for a 2-D ``x2d`` whose rows are contiguous (any row stride)."""
+def layer_norm_forward(x2d, weight, bias, eps, block_size=None, config=None):
+    """y, mean, rstd for a 2-D ``x2d`` whose rows are contiguous (any row stride).
+
+    ``config`` replaces ``forward_config``'s choice (a launch sweep passes its own)."""
     n_rows, n_cols = x2d.shape
     y = torch.empty((n_rows, n_cols), device=x2d.device, dtype=x2d.dtype)
     mean = torch.empty(n_rows, device=x2d.device, dtype=torch.float32)
     rstd = torch.empty(n_rows, device=x2d.device, dtype=torch.float32)
     if n_rows == 0:
         return y, mean, rstd
-    config = forward_config(n_cols, n_rows, block_size)
+    config = config or forward_config(n_cols, n_rows, block_size)
+    if not config["SINGLE_BLOCK"] and config["ROWS_PER_PROGRAM"] != 1:
+        raise ValueError(
+            "the walking forward takes one row per program: ROWS_PER_PROGRAM=1"
+        )
     grid = (triton.cdiv(n_rows, config["ROWS_PER_PROGRAM"]),)
     layer_norm_forward_kernel[grid](
         x2d,
@@ -623,8 +629,11 @@ def layer_norm_backward(
     group_size_m=None,
     rows_per_program=None,
     block_size=None,
+    config=None,
 ):
-    """dx, dW, dB (the last two None unless wanted) for 2-D ``x2d`` and ``dy2d``."""
+    """dx, dW, dB (the last two None unless wanted) for 2-D ``x2d`` and ``dy2d``.
+
+    ``config`` replaces ``backward_config``'s choice (a launch sweep passes its own)."""
     n_rows, n_cols = x2d.shape
     dx = torch.empty((n_rows, n_cols), device=x2d.device, dtype=x2d.dtype)
     param_dtype = x2d.dtype if weight is None else weight.dtype
@@ -635,7 +644,7 @@ def layer_norm_backward(
             if grad is not None:
                 grad.zero_()
         return dx, dw, db
-    config = backward_config(n_cols, n_rows, block_size, rows_per_program)
+    config = config or backward_config(n_cols, n_rows, block_size, rows_per_program)
     n_programs = triton.cdiv(n_rows, config["ROWS_PER_PROGRAM"])
     n_blocks = triton.cdiv(n_cols, config["BLOCK_N"])
     mode = reduction if (want_dw or want_db) else "none"

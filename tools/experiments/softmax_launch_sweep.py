@@ -54,7 +54,7 @@ def sweep_short_rows():
                 continue
             launch = Launch(block, rows, warps, stages, programs)
             results.append((gb_per_s(run(launch, x, y, dy, backward), nbytes), rows, warps, programs))
-        results.sort(reverse=True)
+        results.sort(key=lambda result: result[0], reverse=True)
         if backward:
             torch_rate = gb_per_s(lambda: torch.ops.aten._softmax_backward_data(dy, y, -1, dtype), nbytes)  # noqa: B023
         else:
@@ -85,7 +85,7 @@ def sweep_long_rows():
                 continue
             launch = Launch(chunk, num_warps=warps, num_stages=stages, programs_per_sm=programs, looped=True)
             results.append((gb_per_s(run(launch, x, y, dy, backward), nbytes), chunk, warps, stages, programs))
-        results.sort(reverse=True)
+        results.sort(key=lambda result: result[0], reverse=True)
         best = "  ".join(f"{g:5.0f} chunk={c} warps={w} stages={s} per_sm={p}" for g, c, w, s, p in results[:4])
         print(f"long {'bwd' if backward else 'fwd'} {kit.dtype_name(dtype):8} N={n:6} | {best}", flush=True)
 
