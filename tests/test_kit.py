@@ -207,3 +207,10 @@ def test_show_refusals_prints_each_error_and_fails_on_accepted_input(capsys):
     assert "bad: pass a tensor" in capsys.readouterr().out
     with pytest.raises(AssertionError, match="f\\(\\) accepted bad input: silent"):
         kit.show_refusals("f()", {"bad": refuse, "silent": lambda: None})
+
+
+def test_every_provider_of_a_plot_gets_its_own_color():
+    providers = ["triton", "triton (portable)", "torch", "liger_kernel", "torch.compile"]
+    colors = kit.provider_colors(providers)
+    assert colors["triton"] == kit.STYLE["triton"] and colors["torch"] == kit.STYLE["torch"]
+    assert len(set(colors.values())) == len(providers)

@@ -286,6 +286,23 @@ STYLE = {
     "torch.compile": "tab:orange",
     "naive": "tab:gray",
 }
+# For the other providers of a plot (variants of a kernel, other libraries), in order.
+OTHER_COLORS = (
+    "tab:green",
+    "tab:purple",
+    "tab:brown",
+    "tab:pink",
+    "tab:olive",
+    "tab:cyan",
+)
+
+
+def provider_colors(providers: list) -> dict:
+    """A distinct color for each provider: the fixed ones above, then OTHER_COLORS in turn."""
+    others = iter(OTHER_COLORS)
+    return {p: STYLE[p] if p in STYLE else next(others, None) for p in providers}
+
+
 _limits: dict = {}
 
 
@@ -477,6 +494,7 @@ def plot(bench: Benchmark, points: list[Point], env: dict, live: bool):
         1, len(dtypes), figsize=(6.2 * len(dtypes), 4.2), squeeze=False, sharey=True
     )
     limit = env["limits"][bench.unit]
+    colors = provider_colors(bench.providers)
     for ax, dtype in zip(axes[0], dtypes, strict=True):
         for provider in bench.providers:
             mine = sorted(
@@ -492,7 +510,7 @@ def plot(bench: Benchmark, points: list[Point], env: dict, live: bool):
                 marker="o",
                 ms=3,
                 label=provider,
-                color=STYLE.get(provider),
+                color=colors[provider],
             )
             if live:
                 ax.fill_between(
@@ -500,7 +518,7 @@ def plot(bench: Benchmark, points: list[Point], env: dict, live: bool):
                     [p.low for p in mine],
                     [p.high for p in mine],
                     alpha=0.2,
-                    color=STYLE.get(provider),
+                    color=colors[provider],
                 )
         ax.axhline(limit, ls="--", lw=1, color="0.35")
         ax.annotate(
