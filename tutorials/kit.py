@@ -17,6 +17,7 @@ import os
 import re
 import subprocess
 import sys
+import textwrap
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -494,9 +495,11 @@ def plot(bench: Benchmark, points: list[Point], env: dict, live: bool):
         1, len(dtypes), figsize=(6.2 * len(dtypes), 4.2), squeeze=False, sharey=True
     )
     limit = env["limits"][bench.unit]
-    colors = provider_colors(bench.providers)
+    # A recording may hold providers this machine cannot run (a library not installed here).
+    providers = list(dict.fromkeys([*bench.providers, *(p.provider for p in points)]))
+    colors = provider_colors(providers)
     for ax, dtype in zip(axes[0], dtypes, strict=True):
-        for provider in bench.providers:
+        for provider in providers:
             mine = sorted(
                 (p for p in points if p.provider == provider and p.dtype == dtype),
                 key=lambda p: p.x,
@@ -540,7 +543,8 @@ def plot(bench: Benchmark, points: list[Point], env: dict, live: bool):
         ax.legend(loc="lower right")
     axes[0][0].set_ylabel(bench.unit)
     how = "measured now" if live else "recorded"
-    fig.suptitle(f"{bench.name}: {how} on {describe(env)}", fontsize=9)
+    title = f"{bench.name}: {how} on {describe(env)}"
+    fig.suptitle(textwrap.fill(title, 80 * len(dtypes)), fontsize=9)
     fig.tight_layout()
     return fig
 
