@@ -54,9 +54,33 @@ def case(dtype, n_cols, n_rows=4096):
             )
 
 
+def launch_paths():
+    """CPU time of one call of each chapter's entry points, at sizes where the GPU work is small."""
+    matmul_chapter = kit.load_chapter("04")
+    layer_norm_chapter = kit.load_chapter("03")
+    a, b = (torch.randn(1024, 1024, device="cuda", dtype=torch.float16) for _ in range(2))
+    x = torch.randn(4096, 1024, device="cuda", dtype=torch.float16)
+    w, bias = torch.ones(1024, device="cuda", dtype=x.dtype), torch.zeros(1024, device="cuda", dtype=x.dtype)
+    print("launch paths (1,024^3 fp16 matmul; 4,096 x 1,024 fp16 rows):")
+    calls = {
+        "matmul (TMA kernel, autotuned)": lambda: matmul_chapter.matmul(a, b),
+        "matmul_portable (autotuned)": lambda: matmul_chapter.matmul_portable(a, b),
+        "torch.matmul": lambda: a @ b,
+        "layer_norm_forward (kernel wrapper)": lambda: layer_norm_chapter.layer_norm_forward(x, w, bias, 1e-5),
+        "layer_norm (autograd.Function)": lambda: layer_norm_chapter.layer_norm(x, 1024, w, bias),
+        "torch layer_norm": lambda: torch.nn.functional.layer_norm(x, (1024,), w, bias),
+        "softmax_forward (kernel wrapper)": lambda: softmax_chapter.softmax_forward(x),
+        "torch.softmax": lambda: torch.softmax(x, -1),
+    }
+    for name, fn in calls.items():
+        fn()
+        print(f"  {name:<44} CPU {cpu_us(fn):7.1f} us per call")
+
+
 for dtype in (torch.float16, torch.float32):
     for n_cols in (1024, 4096):
         case(dtype, n_cols)
+launch_paths()
 
 with torch.profiler.profile(
     activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
