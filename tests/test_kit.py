@@ -214,3 +214,5 @@ def test_every_provider_of_a_plot_gets_its_own_color():
     colors = kit.provider_colors(providers)
     assert colors["triton"] == kit.STYLE["triton"] and colors["torch"] == kit.STYLE["torch"]
     assert len(set(colors.values())) == len(providers)
+    kit.STYLE.setdefault("liger_kernel", kit.OTHER_COLORS[0])  # as chapter 03 does
+    assert len(set(kit.provider_colors(providers).values())) == len(providers)

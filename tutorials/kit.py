@@ -300,7 +300,8 @@ OTHER_COLORS = (
 
 def provider_colors(providers: list) -> dict:
     """A distinct color for each provider: the fixed ones above, then OTHER_COLORS in turn."""
-    others = iter(OTHER_COLORS)
+    taken = {STYLE[p] for p in providers if p in STYLE}
+    others = iter([color for color in OTHER_COLORS if color not in taken])
     return {p: STYLE[p] if p in STYLE else next(others, None) for p in providers}
 
 
