@@ -400,13 +400,6 @@ class Launch:
     reverse: bool = True  # looped kernels: walk the second pass backwards
 
 
-@functools.cache
-def sm_count() -> int:
-    if not kit.ON_GPU:
-        return 1
-    return torch.cuda.get_device_properties(DEVICE).multi_processor_count
-
-
 @functools.cache  # called on every softmax: keep it off the launch's critical path
 def default_launch(n_cols: int, element_size: int, backward: bool = False) -> Launch:
     """The launch this chapter uses for rows of ``n_cols`` elements of ``element_size`` bytes."""
@@ -425,7 +418,7 @@ def n_programs(launch: Launch, n_tiles: int) -> int:
         return n_tiles
     if not kit.ON_GPU:
         return min(n_tiles, INTERPRETER_PROGRAMS)
-    return min(n_tiles, max(1, round(launch.programs_per_sm * sm_count())))
+    return min(n_tiles, max(1, round(launch.programs_per_sm * kit.SM_COUNT)))
 
 
 # %%

@@ -586,15 +586,7 @@ BACKWARD_MAX_BLOCK = 8192
 BACKWARD_LOOP_BLOCK = 2048
 PROGRAMS_PER_SM = 2
 GROUP_SIZE_M = 32
-_sm_count = []
-
-
-def sm_count() -> int:
-    """Streaming multiprocessors of the GPU (a stand-in of 4 under the interpreter)."""
-    if not _sm_count:
-        props = torch.cuda.get_device_properties(DEVICE) if kit.ON_GPU else None
-        _sm_count.append(props.multi_processor_count if props else 4)
-    return _sm_count[0]
+SM_COUNT = kit.SM_COUNT or 4  # the interpreter has no SMs: a stand-in of 4
 
 
 def backward_config(
@@ -606,7 +598,7 @@ def backward_config(
     if not single:
         block = min(max_block, BACKWARD_LOOP_BLOCK)
     if rows_per_program is None:
-        wanted = triton.cdiv(n_rows, PROGRAMS_PER_SM * sm_count())
+        wanted = triton.cdiv(n_rows, PROGRAMS_PER_SM * SM_COUNT)
         rows_per_program = min(64, triton.next_power_of_2(wanted))
     num_warps = max(4, min(16, block // 512))
     return dict(
@@ -1246,7 +1238,7 @@ forward_bench = kit.Benchmark(
     x_values=N_VALUES,
     providers=PROVIDERS,
     make=make_forward,
-    work=lambda n_cols, dtype: 2 * 4096 * n_cols * dtype.itemsize,
+    work=lambda n_cols, dtype: 2 * BENCH_ROWS * n_cols * dtype.itemsize,
     dtypes=(torch.float16, torch.float32),
     smoke_x=256,
     headline_x=4096,
@@ -1279,7 +1271,7 @@ backward_bench = kit.Benchmark(
     x_values=N_VALUES,
     providers=PROVIDERS,
     make=make_backward,
-    work=lambda n_cols, dtype: 3 * 4096 * n_cols * dtype.itemsize,
+    work=lambda n_cols, dtype: 3 * BENCH_ROWS * n_cols * dtype.itemsize,
     dtypes=(torch.float16, torch.float32),
     smoke_x=256,
     headline_x=4096,
@@ -1308,9 +1300,12 @@ kit.run(backward_bench)
 # at M = 4,096, N = 4,096, fp16.
 
 
+SWEEP_ROWS, SWEEP_COLS = kit.choose(gpu=4096, cpu=8), kit.choose(gpu=4096, cpu=64)
+
+
 def make_group_sweep(provider, group_size_m, dtype):
     rows_per_program = int(provider.split()[0])
-    n_rows, n_cols = kit.choose(gpu=4096, cpu=8), kit.choose(gpu=4096, cpu=64)
+    n_rows, n_cols = SWEEP_ROWS, SWEEP_COLS
     x = torch.randn(n_rows, n_cols, device=DEVICE, dtype=dtype)
     dy = torch.randn_like(x)
     weight = torch.rand(n_cols, device=DEVICE, dtype=dtype)
@@ -1333,7 +1328,7 @@ group_sweep = kit.Benchmark(
     x_values=[2**i for i in range(0, 9)],
     providers=["1 row per program", "4 rows per program", "16 rows per program"],
     make=make_group_sweep,
-    work=lambda group_size_m, dtype: 3 * 4096 * 4096 * dtype.itemsize,
+    work=lambda group_size_m, dtype: 3 * SWEEP_ROWS * SWEEP_COLS * dtype.itemsize,
     dtypes=(torch.float16,),
     smoke_x=4,
 )

@@ -433,6 +433,11 @@ def matmul_portable(
     """``activation(a @ b + bias)`` with the portable kernel, autotuned unless ``config``
     (a dict of BLOCK_M, BLOCK_N, BLOCK_K, GROUP_SIZE_M, num_warps, num_stages) is given."""
     check_inputs(a, b, activation, bias)
+    return launch_portable(a, b, activation, bias, return_preactivation, config)
+
+
+def launch_portable(a, b, activation, bias, return_preactivation, config):
+    """The portable kernel's launch, for inputs that ``check_inputs`` accepted."""
     out, pre = allocate_outputs(a, b, return_preactivation)
     (M, K), N = a.shape, b.shape[1]
     if out.numel() > 0:
@@ -575,15 +580,12 @@ matmul_tma_tuned = triton.autotune(
 
 # Programs of the persistent kernel: one per SM (a few for the interpreter, to exercise the
 # loop over tiles).
-NUM_SMS = torch.cuda.get_device_properties().multi_processor_count if kit.ON_GPU else 3
+NUM_SMS = kit.SM_COUNT or 3
 
 
-def set_tma_allocator():
-    # Scratch memory for descriptors made inside kernels: Triton asks for it at launch.
-    def alloc(size: int, alignment: int, stream):
-        return torch.empty(size, device=DEVICE, dtype=torch.int8)
-
-    triton.set_allocator(alloc)
+def tma_scratch(size: int, alignment: int, stream):
+    """Scratch memory for descriptors made inside kernels: Triton asks for it at launch."""
+    return torch.empty(size, device=DEVICE, dtype=torch.int8)
 
 
 def tma_layout(tensor):
@@ -622,11 +624,19 @@ def matmul_tma(
             "other strides multiples of 16 bytes, and N * itemsize a multiple of 16 bytes: "
             "call matmul(), which falls back to the portable kernel"
         )
+    return launch_tma(a, b, activation, bias, return_preactivation, config)
+
+
+def launch_tma(a, b, activation, bias, return_preactivation, config):
+    """The descriptor kernel's launch, for inputs that ``check_inputs`` and ``tma_applies``
+    accepted."""
     out, pre = allocate_outputs(a, b, return_preactivation)
     (M, K), N = a.shape, b.shape[1]
     if out.numel() == 0:
         return (out, pre) if return_preactivation else out
-    set_tma_allocator()
+    # Set at every launch: Triton keeps the allocator in a context variable, which other
+    # threads, autograd's backward thread among them, do not inherit.
+    triton.set_allocator(tma_scratch)
     a_column_major = tma_layout(a) == "column"
     b_column_major = tma_layout(b) == "column"
     grid = lambda meta: (
@@ -664,10 +674,8 @@ def matmul(a, b, activation=None, *, bias=None, return_preactivation=False):
     With ``return_preactivation`` it returns ``(out, a @ b + bias)``, both from one kernel.
     """
     check_inputs(a, b, activation, bias)
-    options = dict(bias=bias, return_preactivation=return_preactivation)
-    if ON_HOPPER and tma_applies(a, b):
-        return matmul_tma(a, b, activation, **options)
-    return matmul_portable(a, b, activation, **options)
+    launch = launch_tma if ON_HOPPER and tma_applies(a, b) else launch_portable
+    return launch(a, b, activation, bias, return_preactivation, config=None)
 
 
 # %%
@@ -965,10 +973,12 @@ kit.run(program_order)
 # to keep every SM's loads in flight.
 
 
+SKINNY_SIZE = kit.choose(gpu=8192, cpu=64)  # N = K
+
+
 def make_skinny(provider: str, m: int, dtype: torch.dtype):
-    size = kit.choose(gpu=8192, cpu=64)
-    x = torch.randn(m, size, device=DEVICE, dtype=dtype)
-    y = torch.randn(size, size, device=DEVICE, dtype=dtype)
+    x = torch.randn(m, SKINNY_SIZE, device=DEVICE, dtype=dtype)
+    y = torch.randn(SKINNY_SIZE, SKINNY_SIZE, device=DEVICE, dtype=dtype)
     return {
         "triton": lambda: matmul(x, y),
         "triton (portable)": lambda: matmul_portable(x, y),
@@ -982,7 +992,7 @@ skinny = kit.Benchmark(
     x_values=[16, 32, 64, 128, 256],
     providers=["triton", "triton (portable)", "torch"],
     make=make_skinny,
-    work=lambda m, dtype: 2 * m * 8192 * 8192,
+    work=lambda m, dtype: 2 * m * SKINNY_SIZE * SKINNY_SIZE,
     unit="TFLOP/s",
     dtypes=(torch.float16,),
     smoke_x=16,

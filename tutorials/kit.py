@@ -36,6 +36,10 @@ if not HAS_GPU and os.environ.get("TRITON_INTERPRET") != "1":
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 ON_GPU = HAS_GPU and not INTERPRET
 DEVICE = torch.device("cuda" if ON_GPU else "cpu")
+# Streaming multiprocessors, for sizing persistent grids; None under the interpreter.
+SM_COUNT = (
+    torch.cuda.get_device_properties(DEVICE).multi_processor_count if ON_GPU else None
+)
 
 import triton  # noqa: E402  (after the interpreter switch above)
 import triton.language as tl  # noqa: E402
