@@ -1,7 +1,7 @@
 import kit
 import pytest
 import torch
-from conftest import load_chapter
+from conftest import load_chapter, random_tensor
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -16,8 +16,7 @@ LOOPED = chapter.Launch(16, looped=True, programs_per_sm=2)
 
 
 def random_input(shape, dtype, seed=0, scale=4.0):
-    generator = torch.Generator().manual_seed(seed)
-    return (torch.randn(shape, generator=generator) * scale).to(kit.DEVICE, dtype)
+    return random_tensor(shape, dtype, seed, scale)
 
 
 def reference_grad(x, dy, log):

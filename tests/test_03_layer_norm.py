@@ -1,18 +1,13 @@
 import kit
 import pytest
 import torch
-from conftest import load_chapter
+from conftest import load_chapter, random_tensor
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 chapter = load_chapter("03")
 DTYPES = chapter.SUPPORTED_DTYPES
 REDUCTIONS = chapter.REDUCTIONS
-
-
-def random(shape, dtype, seed=0, scale=1.0, shift=0.0):
-    generator = torch.Generator().manual_seed(seed)
-    return (torch.randn(shape, generator=generator) * scale + shift).to(kit.DEVICE, dtype)
 
 
 @pytest.mark.parametrize("reduction", REDUCTIONS)
@@ -51,8 +46,8 @@ def test_any_shape(rows, cols, dtype, reduction, block_size):
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_constant_rows_give_the_bias_and_finite_gradients(dtype, block_size):
     x = torch.full((5, 200), 7.5, device=kit.DEVICE, dtype=dtype, requires_grad=True)
-    weight = random(200, dtype, seed=1).requires_grad_()
-    bias = random(200, dtype, seed=2).requires_grad_()
+    weight = random_tensor(200, dtype, seed=1).requires_grad_()
+    bias = random_tensor(200, dtype, seed=2).requires_grad_()
     y = chapter.layer_norm(x, 200, weight, bias, block_size=block_size)
     torch.testing.assert_close(y, bias.detach().expand_as(y), rtol=0, atol=0)
     y.sum().backward()
@@ -62,15 +57,15 @@ def test_constant_rows_give_the_bias_and_finite_gradients(dtype, block_size):
 
 @pytest.mark.parametrize("block_size", [None, 128])
 def test_large_mean_keeps_its_precision(block_size):
-    x = random((6, 1000), torch.float32, seed=3, shift=10_000.0)
+    x = random_tensor((6, 1000), torch.float32, seed=3, shift=10_000.0)
     y = chapter.layer_norm(x, 1000, block_size=block_size)
     expected = chapter.layer_norm_reference(x.double(), None, None, 1e-5)
     torch.testing.assert_close(y.double(), expected, rtol=0, atol=2e-3)
 
 
 def test_two_stage_reduction_repeats_to_the_bit():
-    x, dy = random((50, 300), torch.float32, seed=4), random((50, 300), torch.float32, seed=5)
-    weight = random(300, torch.float32, seed=6)
+    x, dy = random_tensor((50, 300), torch.float32, seed=4), random_tensor((50, 300), torch.float32, seed=5)
+    weight = random_tensor(300, torch.float32, seed=6)
     _, mean, rstd = chapter.layer_norm_forward(x, weight, None, 1e-5)
     runs = [chapter.layer_norm_backward(dy, x, weight, mean, rstd, reduction="two-stage") for _ in range(3)]
     for dx, dw, db in runs[1:]:
@@ -80,8 +75,8 @@ def test_two_stage_reduction_repeats_to_the_bit():
 @pytest.mark.parametrize("group_size_m", [1, 2, 5, 64])
 def test_lock_reduction_any_group_size(group_size_m):
     """Fewer buffers than programs (contention), and more (some buffers never touched)."""
-    x, dy = random((40, 100), torch.float32, seed=7), random((40, 100), torch.float32, seed=8)
-    weight = random(100, torch.float32, seed=9)
+    x, dy = random_tensor((40, 100), torch.float32, seed=7), random_tensor((40, 100), torch.float32, seed=8)
+    weight = random_tensor(100, torch.float32, seed=9)
     _, mean, rstd = chapter.layer_norm_forward(x, weight, None, 1e-5)
     _, dw_ref, db_ref = chapter.layer_norm_backward(dy, x, weight, mean, rstd, reduction="two-stage")
     _, dw, db = chapter.layer_norm_backward(
@@ -99,15 +94,15 @@ def test_module_is_a_drop_in_for_torch():
         theirs.weight.normal_()
         theirs.bias.normal_()
     ours.load_state_dict(theirs.state_dict())
-    x = random((3, 4, 25), torch.float32, seed=10)
+    x = random_tensor((3, 4, 25), torch.float32, seed=10)
     torch.testing.assert_close(ours(x), theirs(x), rtol=1e-5, atol=1e-5)
     assert not list(chapter.LayerNorm(8, elementwise_affine=False).parameters())
     assert chapter.LayerNorm(8, bias=False).bias is None
 
 
 def test_no_gradient_for_frozen_parameters():
-    x = random((4, 16), torch.float32).requires_grad_()
-    weight = random(16, torch.float32, seed=1)  # requires_grad False
+    x = random_tensor((4, 16), torch.float32).requires_grad_()
+    weight = random_tensor(16, torch.float32, seed=1)  # requires_grad False
     chapter.layer_norm(x, 16, weight).sum().backward()
     assert x.grad is not None and weight.grad is None
 
@@ -128,7 +123,7 @@ def test_no_gradient_for_frozen_parameters():
 )
 def test_bad_input_is_refused_with_a_message(call, error, match):
     with pytest.raises(error, match=match):
-        call(random((8, 64), torch.float32))
+        call(random_tensor((8, 64), torch.float32))
 
 
 @pytest.mark.skipif(not kit.ON_GPU, reason="races show only on a GPU, where programs run at once")
@@ -136,8 +131,8 @@ def test_bad_input_is_refused_with_a_message(call, error, match):
 def test_lock_reduction_has_no_race_on_the_gpu(group_size_m):
     """Many programs, few buffers: a lost update or a torn read would show as a wrong dW/dB."""
     rows, cols, runs = 16384, 4096, 100
-    x, dy = random((rows, cols), torch.float16, seed=11), random((rows, cols), torch.float16, seed=12)
-    weight = random(cols, torch.float32, seed=13).half()
+    x, dy = random_tensor((rows, cols), torch.float16, seed=11), random_tensor((rows, cols), torch.float16, seed=12)
+    weight = random_tensor(cols, torch.float32, seed=13).half()
     _, mean, rstd = chapter.layer_norm_forward(x, weight, None, 1e-5)
     _, dw_ref, db_ref = chapter.layer_norm_backward(dy, x, weight, mean, rstd, reduction="two-stage")
     worst = 0.0
@@ -155,8 +150,8 @@ def test_lock_reduction_has_no_race_on_the_gpu(group_size_m):
 @pytest.mark.parametrize("reduction", REDUCTIONS)
 def test_explicit_launch_configs(reduction):
     """The configs a launch sweep passes: any rows per program and warps, one block or walked."""
-    x, dy = random((13, 100), torch.float32, seed=14), random((13, 100), torch.float32, seed=15)
-    weight = random(100, torch.float32, seed=16)
+    x, dy = random_tensor((13, 100), torch.float32, seed=14), random_tensor((13, 100), torch.float32, seed=15)
+    weight = random_tensor(100, torch.float32, seed=16)
     y_ref, mean_ref, rstd_ref = chapter.layer_norm_forward(x, weight, None, 1e-5)
     grads_ref = chapter.layer_norm_backward(dy, x, weight, mean_ref, rstd_ref, reduction="two-stage")
     for block, single, rows in ((128, True, 1), (128, True, 4), (32, False, 1)):

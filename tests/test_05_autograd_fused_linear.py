@@ -1,17 +1,12 @@
 import kit
 import pytest
 import torch
-from conftest import load_chapter
+from conftest import load_chapter, random_tensor
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 chapter = load_chapter("05")
 DTYPES = (torch.float32, torch.float16)  # bf16 products are checked on a GPU only
-
-
-def random(shape, dtype=torch.float32, seed=0):
-    generator = torch.Generator().manual_seed(seed)
-    return torch.randn(shape, generator=generator).to(kit.DEVICE, dtype)
 
 
 @pytest.mark.parametrize("activation", kit.ACTIVATIONS)
@@ -42,7 +37,7 @@ def test_any_shape(rows, in_features, out_features, activation):
 
 @pytest.mark.parametrize("needs", [(True, False, False), (False, True, True), (False, False, True)])
 def test_only_the_gradients_asked_for(needs):
-    x, weight, bias = random((9, 6), seed=1), random((4, 6), seed=2), random(4, seed=3)
+    x, weight, bias = random_tensor((9, 6), seed=1), random_tensor((4, 6), seed=2), random_tensor(4, seed=3)
     leaves = [t.requires_grad_(need) for t, need in zip((x, weight, bias), needs, strict=True)]
     y = chapter.linear(*leaves, activation="relu")
     y.sum().backward()
@@ -51,7 +46,7 @@ def test_only_the_gradients_asked_for(needs):
 
 
 def test_recompute_gives_the_same_bits_and_keeps_less():
-    x = random((8, 12), seed=4).requires_grad_()
+    x = random_tensor((8, 12), seed=4).requires_grad_()
     layer = chapter.FusedLinear(12, 5, activation="gelu").to(kit.DEVICE)
     grads = []
     for recompute in (False, True):
@@ -67,14 +62,14 @@ def test_module_loads_an_nn_linear_checkpoint():
     theirs = torch.nn.Linear(10, 7).to(kit.DEVICE)
     ours = chapter.FusedLinear(10, 7, activation="squared_relu").to(kit.DEVICE)
     ours.load_state_dict(theirs.state_dict())
-    x = random((3, 10), seed=5)
+    x = random_tensor((3, 10), seed=5)
     expected = torch.relu(theirs(x)).square()
     torch.testing.assert_close(ours(x), expected, rtol=1e-4, atol=1e-4)
     assert "activation=squared_relu" in repr(ours)
 
 
 def test_no_graph_without_gradients():
-    x, weight = random((4, 6)), random((3, 6), seed=1)
+    x, weight = random_tensor((4, 6)), random_tensor((3, 6), seed=1)
     with torch.no_grad():
         y = chapter.linear(x, weight, activation="gelu")
     assert y.grad_fn is None
@@ -95,10 +90,10 @@ def test_no_graph_without_gradients():
 )
 def test_bad_input_is_refused_with_a_message(call, error, match):
     with pytest.raises(error, match=match):
-        call(random((8, 16)), random((4, 16), seed=1))
+        call(random_tensor((8, 16)), random_tensor((4, 16), seed=1))
 
 
 def test_custom_op_registration():
-    x, weight, bias = random((5, 6)), random((3, 6), seed=1), random(3, seed=2)
+    x, weight, bias = random_tensor((5, 6)), random_tensor((3, 6), seed=1), random_tensor(3, seed=2)
     args = (x.requires_grad_(), weight.requires_grad_(), bias.requires_grad_(), "gelu", True)
     torch.library.opcheck(chapter.fused_linear_op, args, test_utils=("test_schema", "test_faketensor"))

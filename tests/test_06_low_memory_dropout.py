@@ -1,7 +1,7 @@
 import kit
 import pytest
 import torch
-from conftest import load_chapter
+from conftest import load_chapter, random_tensor
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -9,11 +9,6 @@ chapter = load_chapter("06")
 DTYPES = chapter.SUPPORTED_DTYPES
 DEVICE = kit.DEVICE
 BLOCK = chapter.BLOCK_SIZE
-
-
-def randn(shape, dtype=torch.float32, seed=0):
-    generator = torch.Generator().manual_seed(seed)
-    return torch.randn(shape, generator=generator).to(dtype).to(DEVICE)
 
 
 def within_binomial_bound(kept, n, p, sigmas=5.0):
@@ -88,7 +83,7 @@ def test_large_seeds_work():
 
 
 def test_mask_does_not_depend_on_block_size(monkeypatch):
-    x = randn(3 * BLOCK + 17)
+    x = random_tensor(3 * BLOCK + 17)
     reference = chapter.dropout(x, 0.3, 5)
     monkeypatch.setattr(chapter, "BLOCK_SIZE", 256)
     monkeypatch.setattr(chapter, "NUM_WARPS", 2)
@@ -107,7 +102,7 @@ def test_mask_is_a_prefix_property():
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_scale_exact_on_kept_and_zero_on_dropped(shape, dtype):
     p, seed = 0.3, 17
-    x = randn(shape, dtype) + 0.5
+    x = random_tensor(shape, dtype) + 0.5
     keep = chapter.dropout_keep_mask(shape, p, seed)
     out = chapter.dropout(x, p, seed)
     assert out.shape == x.shape and out.dtype == dtype
@@ -119,9 +114,9 @@ def test_scale_exact_on_kept_and_zero_on_dropped(shape, dtype):
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_gradient_uses_the_regenerated_mask(dtype):
     p, seed = 0.4, 23
-    x = randn((33, 65), dtype).requires_grad_()
+    x = random_tensor((33, 65), dtype).requires_grad_()
     out = chapter.dropout(x, p, seed)
-    grad_out = randn(out.shape, dtype, seed=1)
+    grad_out = random_tensor(out.shape, dtype, seed=1)
     (grad,) = torch.autograd.grad(out, x, grad_out)
     keep = chapter.dropout_keep_mask(x.shape, p, seed)
     expected = chapter.dropout_reference(grad_out, keep, p)
@@ -133,7 +128,7 @@ def test_gradient_uses_the_regenerated_mask(dtype):
 
 def test_gradient_matches_torch_autograd_of_the_mask():
     p, seed = 0.25, 3
-    x = randn((500,)).requires_grad_()
+    x = random_tensor((500,)).requires_grad_()
     keep = chapter.dropout_keep_mask(x.shape, p, seed)
     ours = chapter.dropout(x, p, seed).square().sum()
     theirs = (x * keep / (1 - p)).square().sum()
@@ -142,8 +137,8 @@ def test_gradient_matches_torch_autograd_of_the_mask():
 
 
 def test_stored_mask_and_seeded_agree():
-    x = randn((4, 1000)).requires_grad_()
-    grad_out = randn(x.shape, seed=2)
+    x = random_tensor((4, 1000)).requires_grad_()
+    grad_out = random_tensor(x.shape, seed=2)
     seeded = chapter.dropout(x, 0.5, 77)
     stored = chapter.dropout_stored_mask(x, 0.5, 77)
     assert torch.equal(seeded, stored)
@@ -152,7 +147,7 @@ def test_stored_mask_and_seeded_agree():
 
 
 def test_rand_per_element_version_is_dropout_too():
-    x = randn(3 * BLOCK + 5) + 3.0  # no zeros in x
+    x = random_tensor(3 * BLOCK + 5) + 3.0  # no zeros in x
     out = chapter.RandPerElementDropout.apply(x, 0.2, 4)
     keep = out != 0
     assert within_binomial_bound(keep.sum().item(), x.numel(), 0.2)
@@ -160,7 +155,7 @@ def test_rand_per_element_version_is_dropout_too():
 
 
 def test_p_zero_is_identity_and_p_one_gives_zeros():
-    x = randn((3, 333)).requires_grad_()
+    x = random_tensor((3, 333)).requires_grad_()
     assert torch.equal(chapter.dropout(x, 0.0, 1), x)
     out = chapter.dropout(x, 1.0, 1)
     assert torch.equal(out, torch.zeros_like(x)) and torch.isfinite(out).all()
@@ -176,7 +171,7 @@ def test_p_zero_with_inf_and_nan_passes_them_through():
 
 
 def test_eval_mode_and_training_false_are_identity():
-    x = randn((8, 100))
+    x = random_tensor((8, 100))
     module = chapter.Dropout(0.5).eval()
     assert module(x) is x
     assert chapter.dropout(x, 0.5, 3, training=False) is x
@@ -190,12 +185,12 @@ def test_empty_input():
 
 
 def test_non_contiguous_input_gets_the_mask_of_its_contiguous_copy():
-    x = randn((64, 48))
+    x = random_tensor((64, 48))
     view = x.t()
     torch.testing.assert_close(
         chapter.dropout(view, 0.5, 9), chapter.dropout(view.contiguous(), 0.5, 9), rtol=0, atol=0
     )
-    bias = randn((64,), seed=3)
+    bias = random_tensor((64,), seed=3)
     torch.testing.assert_close(
         chapter.dropout_bias_act(view, bias, 0.5, "gelu", 9),
         chapter.dropout_bias_act(view.contiguous(), bias, 0.5, "gelu", 9),
@@ -205,19 +200,19 @@ def test_non_contiguous_input_gets_the_mask_of_its_contiguous_copy():
 
 
 def test_non_contiguous_gradient_is_handled():
-    x = randn((32, 40)).requires_grad_()
+    x = random_tensor((32, 40)).requires_grad_()
     out = chapter.dropout(x, 0.5, 6)
-    grad_out = randn((40, 32), seed=1).t()  # a transposed view
+    grad_out = random_tensor((40, 32), seed=1).t()  # a transposed view
     (grad,) = torch.autograd.grad(out, x, grad_out)
     (expected,) = torch.autograd.grad(out, x, grad_out.contiguous())
     assert torch.equal(grad, expected)
 
 
 def test_inputs_are_left_untouched():
-    x = randn((3000,))
+    x = random_tensor((3000,))
     x0 = x.clone()
     chapter.dropout(x, 0.5, 1)
-    chapter.dropout_bias_act(x.view(30, 100), randn((100,)), 0.5, "gelu", 1)
+    chapter.dropout_bias_act(x.view(30, 100), random_tensor((100,)), 0.5, "gelu", 1)
     assert torch.equal(x, x0)
 
 
@@ -229,7 +224,7 @@ def test_inputs_are_left_untouched():
     dtype=st.sampled_from(DTYPES),
 )
 def test_any_length_p_and_seed(n, p, seed, dtype):
-    x = randn((n,), dtype, seed=seed % 1000)
+    x = random_tensor((n,), dtype, seed=seed % 1000)
     keep = chapter.dropout_keep_mask((n,), p, seed)
     out = chapter.dropout(x, p, seed)
     torch.testing.assert_close(out, chapter.dropout_reference(x, keep, p), **chapter.tolerance(dtype))
@@ -237,14 +232,14 @@ def test_any_length_p_and_seed(n, p, seed, dtype):
 
 # ----------------------------------------------------------------- memory
 def test_seeded_dropout_saves_nothing_and_stored_mask_a_byte_per_element():
-    x = randn((10_000,)).requires_grad_()
+    x = random_tensor((10_000,)).requires_grad_()
     assert chapter.saved_bytes(lambda t: chapter.dropout(t, 0.3, 1), x)[0] == 0
     assert chapter.saved_bytes(lambda t: chapter.dropout_stored_mask(t, 0.3, 1), x)[0] == 10_000
 
 
 def test_fused_layer_saves_only_what_it_was_given():
-    x = randn((100, 64)).requires_grad_()
-    bias = randn((64,)).requires_grad_()
+    x = random_tensor((100, 64)).requires_grad_()
+    bias = random_tensor((64,)).requires_grad_()
     saved = {}
 
     def pack(tensor):
@@ -272,14 +267,14 @@ def test_fused_backward_spans_several_programs(activation, monkeypatch):
 
 
 def test_fused_with_no_activation_is_dropout_of_the_sum():
-    x, bias = randn((9, 50)), randn((50,), seed=1)
+    x, bias = random_tensor((9, 50)), random_tensor((50,), seed=1)
     out = chapter.dropout_bias_act(x, bias, 0.5, None, 12)
     keep = chapter.fused_keep_mask(9, 50, 0.5, 12)
     torch.testing.assert_close(out, chapter.dropout_reference(x + bias, keep, 0.5))
 
 
 def test_fused_p_zero_and_p_one():
-    x, bias = randn((10, 30)).requires_grad_(), randn((30,), seed=1).requires_grad_()
+    x, bias = random_tensor((10, 30)).requires_grad_(), random_tensor((30,), seed=1).requires_grad_()
     torch.testing.assert_close(
         chapter.dropout_bias_act(x, bias, 0.0, "gelu", 1),
         torch.nn.functional.gelu(x + bias),
@@ -291,7 +286,7 @@ def test_fused_p_zero_and_p_one():
 
 
 def test_fused_seeds_reproduce_and_differ():
-    x, bias = randn((20, 40)), randn((40,), seed=1)
+    x, bias = random_tensor((20, 40)), random_tensor((40,), seed=1)
     a = chapter.dropout_bias_act(x, bias, 0.5, "relu", 1)
     assert torch.equal(a, chapter.dropout_bias_act(x, bias, 0.5, "relu", 1))
     assert not torch.equal(a, chapter.dropout_bias_act(x, bias, 0.5, "relu", 2))
@@ -300,8 +295,8 @@ def test_fused_seeds_reproduce_and_differ():
 def test_fused_module_eval_is_bias_and_activation_only():
     layer = chapter.DropoutBiasAct(24, p=0.5, activation="squared_relu")
     with torch.no_grad():
-        layer.bias.copy_(randn((24,), seed=2))
-    x = randn((6, 24))
+        layer.bias.copy_(random_tensor((24,), seed=2))
+    x = random_tensor((6, 24))
     layer.eval()
     torch.testing.assert_close(layer(x), torch.relu(x + layer.bias).square())
     layer.train()
@@ -313,7 +308,7 @@ def test_fused_module_eval_is_bias_and_activation_only():
 
 def test_fused_module_half_input_trains_the_float_bias():
     layer = chapter.DropoutBiasAct(16, p=0.1, activation="relu")
-    x = randn((4, 16), torch.float16)
+    x = random_tensor((4, 16), torch.float16)
     out = layer(x)
     assert out.dtype == torch.float16
     out.float().sum().backward()
@@ -322,7 +317,7 @@ def test_fused_module_half_input_trains_the_float_bias():
 
 # ----------------------------------------------------------------- modules and seeds
 def test_module_is_reproducible_under_manual_seed():
-    x = randn((1000,))
+    x = random_tensor((1000,))
     module = chapter.Dropout(0.5)
     torch.manual_seed(0)
     first = [module(x) for _ in range(3)]
@@ -333,7 +328,7 @@ def test_module_is_reproducible_under_manual_seed():
 
 
 def test_module_backward_uses_the_mask_of_its_own_call():
-    x = randn((2000,)).requires_grad_()
+    x = random_tensor((2000,)).requires_grad_()
     module = chapter.Dropout(0.5)
     out_a, out_b = module(x), module(x)
     (grad_a,) = torch.autograd.grad(out_a, x, torch.ones_like(out_a))
@@ -343,7 +338,7 @@ def test_module_backward_uses_the_mask_of_its_own_call():
 
 def test_module_works_under_activation_checkpointing():
     layer = chapter.DropoutBiasAct(32, p=0.5, activation="gelu")
-    x = randn((8, 32)).requires_grad_()
+    x = random_tensor((8, 32)).requires_grad_()
     torch.manual_seed(1)
     plain = layer(x)
     (grad_plain,) = torch.autograd.grad(plain.sum(), x)
@@ -359,8 +354,8 @@ def test_module_reprs():
 
 
 # ----------------------------------------------------------------- bad input
-x = randn((4, 8))
-bias = randn((8,))
+x = random_tensor((4, 8))
+bias = random_tensor((8,))
 BAD_DROPOUT = {
     "p above one": ((x, 1.01, 0), ValueError, "0 <= p <= 1"),
     "p negative": ((x, -0.5, 0), ValueError, "0 <= p <= 1"),

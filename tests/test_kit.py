@@ -209,10 +209,10 @@ def test_show_refusals_prints_each_error_and_fails_on_accepted_input(capsys):
         kit.show_refusals("f()", {"bad": refuse, "silent": lambda: None})
 
 
-def test_every_provider_of_a_plot_gets_its_own_color():
+def test_every_provider_of_a_plot_gets_its_own_color(monkeypatch):
     providers = ["triton", "triton (portable)", "torch", "liger_kernel", "torch.compile"]
     colors = kit.provider_colors(providers)
     assert colors["triton"] == kit.STYLE["triton"] and colors["torch"] == kit.STYLE["torch"]
     assert len(set(colors.values())) == len(providers)
-    kit.STYLE.setdefault("liger_kernel", kit.OTHER_COLORS[0])  # as chapter 03 does
+    monkeypatch.setitem(kit.STYLE, "liger_kernel", kit.OTHER_COLORS[0])  # as chapter 03 does
     assert len(set(kit.provider_colors(providers).values())) == len(providers)
