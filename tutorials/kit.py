@@ -22,7 +22,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
+# torch.compile's Inductor compiles kernels in a pool of worker processes, which it starts
+# afresh after each compilation; while they start they take every CPU core for seconds, and a
+# GPU timing taken meanwhile measures a starved CPU. One thread: compile in this process.
+os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+
+import torch  # noqa: E402
 
 # ----------------------------------------------------------------------- where kernels run
 HAS_GPU = torch.cuda.is_available()

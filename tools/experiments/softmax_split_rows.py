@@ -152,7 +152,7 @@ def bench_one(x):
         "torch": lambda: torch.softmax(x, -1),
     }
     for chunk in (4096, 8192, 16384):
-        for warps in (4, 8, 16):
+        for warps in (8, 16):
             calls[f"split {chunk}/{warps}w"] = lambda c=chunk, w=warps: softmax_split_rows(x, chunk=c, num_warps=w)
     line = f"{kit.dtype_name(x.dtype):8} N={x.shape[1]:7}"
     for name, fn in calls.items():
