@@ -15,6 +15,7 @@ help:
 	@echo "make test           run every check: ruff, pytest, nbval on every notebook, the gallery build"
 	@echo "make notebooks      write every chapter as a notebook into build/notebooks"
 	@echo "make bench          on a GPU: run every chapter at full size and record results/"
+	@echo "                    (CHAPTERS=tutorials/02-*.py ONLY=softmax-long-rows: just those)"
 	@echo "make results-table  rewrite the README's results table from results/"
 	@echo "make clean          remove what the builds wrote; distclean also removes $(VENV)"
 
@@ -48,7 +49,8 @@ test: lint notebooks
 bench: $(VENV)/.runtime
 	@$(PY) -c "import torch; assert torch.cuda.is_available(), 'make bench needs a GPU'"
 	set -e; for chapter in $(CHAPTERS); do \
-		echo "== $$chapter"; KIT_RECORD=1 KIT_COMMAND="make bench" $(PY) $$chapter; done
+		echo "== $$chapter"; KIT_RECORD=1 KIT_ONLY="$(ONLY)" KIT_COMMAND="make bench" \
+		$(PY) $$chapter; done
 	$(MAKE) results-table
 
 results-table: $(VENV)/.runtime

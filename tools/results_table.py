@@ -26,17 +26,23 @@ def x_label(x: float) -> str:
     return f"{x:,}"
 
 
+def cell(value: float, limit: float | None) -> str:
+    return f"{value:,.0f}" if limit is None else f"{value:,.0f} ({value / limit:.0%})"
+
+
 def benchmark_table(csv_path: Path, env: dict) -> list[str]:
     points = kit.read_points(csv_path)
     with csv_path.open() as f:
         first = next(csv.DictReader(f))
     x_name, unit = first["x_name"], first["unit"]
-    limit = env["limits"][unit]
+    limit = env["limits"].get(unit)  # None for CPU time per call: no hardware limit
     xs = sorted({p.x for p in points})
     shown = sorted({xs[round(i * (len(xs) - 1) / (COLUMNS - 1))] for i in range(COLUMNS)}) if len(xs) > 1 else xs
+    title = f"**{csv_path.stem}**: {unit} by {x_name}"
+    if limit is not None:
+        title += f"; in brackets, the share of the {kit.LIMIT_NAME[unit]} ({limit:,.0f} {unit})"
     lines = [
-        f"**{csv_path.stem}**: {unit} by {x_name}; in brackets, the share of the {kit.LIMIT_NAME[unit]} "
-        f"({limit:,.0f} {unit})",
+        title,
         "",
         "| dtype | provider | " + " | ".join(x_label(x) for x in shown) + " |",
         "|---|---|" + "---:|" * len(shown),
@@ -44,7 +50,7 @@ def benchmark_table(csv_path: Path, env: dict) -> list[str]:
     rows = dict.fromkeys((p.dtype, p.provider) for p in points)
     for dtype, provider in rows:
         value = {p.x: p.value for p in points if p.dtype == dtype and p.provider == provider}
-        cells = [f"{value[x]:,.0f} ({value[x] / limit:.0%})" if x in value else "" for x in shown]
+        cells = [cell(value[x], limit) if x in value else "" for x in shown]
         lines.append(f"| {dtype} | {provider} | " + " | ".join(cells) + " |")
     return [*lines, ""]
 

@@ -18,6 +18,7 @@ import re
 import subprocess
 import sys
 import textwrap
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -289,6 +290,8 @@ class Point:
 
 
 UNIT_SCALE = {"GB/s": 1e9, "TFLOP/s": 1e12}
+# A benchmark in this unit times the CPU side of each call (``cpu_us``) instead of the GPU.
+CPU_UNIT = "µs of CPU per call"
 LIMIT_NAME = {"GB/s": "copy bandwidth", "TFLOP/s": "cuBLAS fp16 matmul at 4096³"}
 STYLE = {
     "triton": "tab:blue",
@@ -331,10 +334,47 @@ def compile_static(fn: Callable) -> Callable:
     return torch.compile(fn, dynamic=False)
 
 
+def capture(fn: Callable) -> torch.cuda.CUDAGraph:
+    """``fn``'s GPU work recorded as a CUDA graph, replayed without Python (see How we measure).
+
+    Compilation, autotuning and autograd's first-call set-up must not happen while capturing,
+    so ``fn`` first runs a few times on a side stream, as PyTorch's CUDA-graph notes ask.
+    """
+    fn()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph
+
+
 def measure_ms(fn: Callable) -> tuple[float, float, float]:
-    """Median, 20% and 80% quantile of ``fn``'s time in ms; do_bench flushes L2 before each call."""
-    median, q20, q80 = triton.testing.do_bench(fn, quantiles=[0.5, 0.2, 0.8])
+    """Median, 20% and 80% quantile of the GPU time of ``fn`` in ms.
+
+    do_bench times replays of ``fn``'s CUDA graph, flushing L2 before each one; the CPU cost
+    of calling ``fn`` from Python is left out (``cpu_us`` measures it).
+    """
+    graph = capture(fn)
+    median, q20, q80 = triton.testing.do_bench(graph.replay, quantiles=[0.5, 0.2, 0.8])
+    del graph
     return median, q20, q80
+
+
+def cpu_us(fn: Callable, calls: int = 200) -> float:
+    """CPU time of one call of ``fn`` in µs: Python, launchers, autograd; GPU drained first."""
+    fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    elapsed = time.perf_counter() - start
+    torch.cuda.synchronize()
+    return elapsed / calls * 1e6
 
 
 def hardware_limits() -> dict:
@@ -387,12 +427,19 @@ def measure(bench: Benchmark) -> list[Point]:
     for dtype in bench.dtypes:
         for x in bench.x_values:
             for provider in bench.providers:
+                if bench.unit == CPU_UNIT:
+                    us = cpu_us(bench.make(provider, x, dtype))
+                    points.append(Point(provider, dtype_name(dtype), x, us))
+                    continue
                 try:
                     ms, q20, q80 = measure_ms(bench.make(provider, x, dtype))
                 except torch.OutOfMemoryError:
                     print(
                         f"  {provider} at {bench.x_name}={x}: out of GPU memory, skipped"
                     )
+                    continue
+                except RuntimeError as error:  # a call a CUDA graph cannot capture
+                    print(f"  {provider} at {bench.x_name}={x}: skipped, {error}")
                     continue
                 finally:
                     torch.cuda.empty_cache()
@@ -504,7 +551,7 @@ def plot(bench: Benchmark, points: list[Point], env: dict, live: bool):
     fig, axes = plt.subplots(
         1, len(dtypes), figsize=(6.2 * len(dtypes), 4.2), squeeze=False, sharey=True
     )
-    limit = env["limits"][bench.unit]
+    limit = env["limits"].get(bench.unit)  # None: no hardware line (CPU time)
     # A recording may hold providers this machine cannot run (a library not installed here).
     providers = list(dict.fromkeys([*bench.providers, *(p.provider for p in points)]))
     colors = provider_colors(providers)
@@ -525,7 +572,7 @@ def plot(bench: Benchmark, points: list[Point], env: dict, live: bool):
                 label=provider,
                 color=colors[provider],
             )
-            if live:
+            if live and mine[0].low is not None:
                 ax.fill_between(
                     xs,
                     [p.low for p in mine],
@@ -533,21 +580,22 @@ def plot(bench: Benchmark, points: list[Point], env: dict, live: bool):
                     alpha=0.2,
                     color=colors[provider],
                 )
-        ax.axhline(limit, ls="--", lw=1, color="0.35")
-        ax.annotate(
-            f"{LIMIT_NAME[bench.unit]} {limit:,.0f} {bench.unit} (measured)",
-            (0.01, limit),
-            xycoords=("axes fraction", "data"),
-            va="bottom",
-            fontsize=8,
-            color="0.35",
-        )
+        if limit is not None:
+            ax.axhline(limit, ls="--", lw=1, color="0.35")
+            ax.annotate(
+                f"{LIMIT_NAME[bench.unit]} {limit:,.0f} {bench.unit} (measured)",
+                (0.01, limit),
+                xycoords=("axes fraction", "data"),
+                va="bottom",
+                fontsize=8,
+                color="0.35",
+            )
         if bench.x_log2:
             ax.set_xscale("log", base=2)
         ax.set(
             title=dtype,
             xlabel=bench.x_name,
-            ylim=(0, 1.12 * max(limit, *(p.value for p in points))),
+            ylim=(0, 1.12 * max(limit or 0, *(p.value for p in points))),
         )
         ax.grid(alpha=0.3)
         ax.legend(loc="lower right")
@@ -563,22 +611,29 @@ def summarize(bench: Benchmark, points: list[Point], env: dict) -> None:
     """Print each provider's rate at the headline size and its share of the hardware limit."""
     if bench.headline_x is None:
         return
-    limit = env["limits"][bench.unit]
+    limit = env["limits"].get(bench.unit)
     for dtype in dict.fromkeys(p.dtype for p in points):
         print(f"{bench.name}, {dtype}, {bench.x_name} = {bench.headline_x:,}:")
         for p in points:
             if p.dtype == dtype and p.x == bench.headline_x:
-                share = f"{p.value / limit:6.1%} of {limit:,.0f}"
+                share = (
+                    "" if limit is None else f"{p.value / limit:6.1%} of {limit:,.0f}"
+                )
                 print(f"  {p.provider:<14} {p.value:>9,.1f} {bench.unit}  {share}")
 
 
 def run(bench: Benchmark) -> None:
     """Measure (GPU) or show the recording (no GPU), draw the plot and print the summary.
 
-    With KIT_RECORD=1 (``make bench``) the measurement is also written to results/. Inside a
-    quiet ``load_chapter`` it does nothing.
+    With KIT_RECORD=1 (``make bench``) the measurement is also written to results/; with
+    KIT_ONLY set to benchmark names, separated by commas, a GPU measures only those. Inside
+    a quiet ``load_chapter`` it does nothing.
     """
     if _quiet_loads:
+        return
+    only = os.environ.get("KIT_ONLY")  # make bench ONLY=name,name: measure just these
+    if ON_GPU and only and bench.name not in only.split(","):
+        print(f"{bench.name}: not measured (KIT_ONLY={only})")
         return
     if ON_GPU:
         points, env = measure(bench), environment()
