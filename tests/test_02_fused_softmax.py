@@ -13,6 +13,7 @@ DTYPES = chapter.SUPPORTED_DTYPES
 FUNCTIONS = {"softmax": (chapter.softmax, False), "log_softmax": (chapter.log_softmax, True)}
 # Small chunks, so that the looped (online) kernels run over several chunks at tiny sizes.
 LOOPED = chapter.Launch(16, looped=True, programs_per_sm=2)
+SPLIT = chapter.Launch(16, num_warps=4, split=True)
 
 
 def random_input(shape, dtype, seed=0, scale=4.0):
@@ -56,16 +57,38 @@ def test_any_shape(rows, cols, dtype, log, seed):
 @pytest.mark.parametrize("log", [False, True])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("cols", [1, 15, 16, 17, 100, 257])
-def test_looped_kernel_over_several_chunks(cols, dtype, log):
+@pytest.mark.parametrize("launch", [LOOPED, SPLIT], ids=["looped", "split"])
+def test_long_row_kernels_over_several_chunks(launch, cols, dtype, log):
     x = random_input((3, cols), dtype)
-    y = chapter.softmax_forward(x, log, LOOPED)
+    y = chapter.softmax_forward(x, log, launch)
     torch.testing.assert_close(y, chapter.reference(x, log), **chapter.TOLERANCES[dtype])
 
 
-def test_rows_longer_than_one_fused_block_take_the_looped_kernel():
+def test_split_kernel_leaves_its_row_counters_complete():
+    """Every program of a row publishes once: the counter ends at the number of chunks."""
+    x = random_input((5, 100), torch.float32)
+    counters = []
+    real_zeros = torch.zeros
+
+    def spy(*args, **kwargs):
+        tensor = real_zeros(*args, **kwargs)
+        if tensor.dtype == torch.int32:
+            counters.append(tensor)
+        return tensor
+
+    torch.zeros = spy
+    try:
+        chapter.softmax_forward(x, launch=SPLIT)
+    finally:
+        torch.zeros = real_zeros
+    assert [c.tolist() for c in counters] == [[7] * 5]  # 100 columns in chunks of 16
+
+
+def test_rows_longer_than_one_fused_block_take_the_long_row_kernels():
     n_cols = chapter.MAX_FUSED_BLOCK + 5
-    assert chapter.default_launch(n_cols, 4).looped
-    assert not chapter.default_launch(chapter.MAX_FUSED_BLOCK, 4).looped
+    assert chapter.default_launch(n_cols, 4).split  # forward: x read once
+    assert chapter.default_launch(n_cols, 2, backward=True).looped
+    assert not chapter.default_launch(chapter.MAX_FUSED_BLOCK, 4).split
     x = random_input((2, n_cols), torch.float32)
     for fn, log in FUNCTIONS.values():
         torch.testing.assert_close(fn(x), chapter.reference(x, log), **chapter.TOLERANCES[torch.float32])
@@ -76,7 +99,7 @@ def test_fused_block_must_cover_the_row():
         chapter.softmax_forward(random_input((2, 40), torch.float32), launch=chapter.Launch(32))
 
 
-@pytest.mark.parametrize("launch", ["default", "one row", "persistent", "looped"])
+@pytest.mark.parametrize("launch", ["default", "one row", "persistent", "looped", "split"])
 def test_every_launch_gives_the_same_answer(launch):
     x = random_input((13, 200), torch.float32)
     launches = {
@@ -84,6 +107,7 @@ def test_every_launch_gives_the_same_answer(launch):
         "one row": chapter.Launch(256, 1, num_warps=4),
         "persistent": chapter.Launch(256, 4, num_warps=4, num_stages=2, programs_per_sm=1),
         "looped": chapter.Launch(64, looped=True, num_stages=2, programs_per_sm=1),
+        "split": chapter.Launch(64, num_warps=4, split=True),
     }
     torch.testing.assert_close(
         chapter.softmax_forward(x, launch=launches[launch]), torch.softmax(x, dim=-1), rtol=1e-5, atol=1e-6
@@ -113,7 +137,7 @@ def test_inputs_are_left_untouched():
 
 
 @pytest.mark.parametrize("name", FUNCTIONS)
-@pytest.mark.parametrize("launch", [None, LOOPED])
+@pytest.mark.parametrize("launch", [None, LOOPED, SPLIT])
 def test_minus_infinity(name, launch):
     fn, log = FUNCTIONS[name]
     x = random_input((4, 50), torch.float32)

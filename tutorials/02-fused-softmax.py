@@ -231,6 +231,106 @@ def softmax_looped_kernel(
 
 
 # %%
+# Reading a long row once: split it across programs
+# -------------------------------------------------
+# The looped kernel reads x twice, so its traffic is 3 M N, not 2 M N, and one program per
+# row has only one chunk in flight at a time. For the forward there is a way to read x once:
+# give each row to several programs, one chunk each, held in registers from load to store.
+# Each program reduces its chunk to a pair (chunk maximum m_c, sum s_c of exp(x - m_c)) and
+# publishes it; once all the pairs of its row are there, every program combines them into the
+# row's maximum m = max m_c and sum S = sum s_c exp(m_c - m), and writes its chunk.
+#
+# "Once all are there" is the new part: programs of one launch waiting for one another.
+# Publishing takes three steps: store the pair, ``tl.debug_barrier()`` so that every thread
+# of the program has stored before any announces it, then ``tl.atomic_add`` on the row's
+# counter with ``sem="release"``, which orders the stores before the increment for any
+# program that reads the counter with ``sem="acquire"``. Waiting means polling the counter
+# until it equals the number of chunks; the pairs are then read with ``volatile=True`` so
+# that no stale cache line answers.
+#
+# Nothing in CUDA promises that the programs of a row run at the same time: a program could
+# wait for a sibling that cannot start until the waiter finishes. In practice a GPU starts
+# programs in order of their id, so a row's chunks (adjacent ids) start together and only the
+# last row in flight waits for a moment, but "in practice" is not a guarantee. So polling is
+# bounded: after ``MAX_POLLS`` tries a program gives up waiting and computes the row's
+# maximum and sum itself, reading the row (an online pass, as in the looped kernel). The
+# result is the same either way; only the time differs. Under the interpreter, which runs
+# programs one after another, the first chunks of a row always take that path and the last
+# one the published one, so both are tested.
+
+
+@triton.jit
+def softmax_split_kernel(
+    x_ptr,
+    y_ptr,
+    stats_ptr,
+    counter_ptr,
+    n_cols,
+    n_chunks,
+    x_row_stride,
+    y_row_stride,
+    CHUNK: tl.constexpr,
+    CHUNKS_POW2: tl.constexpr,
+    LOG: tl.constexpr,
+    MAX_POLLS: tl.constexpr,
+):
+    row = (tl.program_id(0) // n_chunks).to(tl.int64)
+    chunk = tl.program_id(0) % n_chunks
+    cols = chunk * CHUNK + tl.arange(0, CHUNK)
+    in_row = cols < n_cols
+    x_row = x_ptr + row * x_row_stride
+    x = tl.load(x_row + cols, mask=in_row, other=-float("inf")).to(tl.float32)
+    chunk_max = tl.max(x, axis=0)
+    chunk_shift = tl.where(chunk_max == -float("inf"), 0.0, chunk_max)
+    chunk_sum = tl.sum(tl.exp(x - chunk_shift), axis=0)
+    # stats holds, per row, CHUNKS_POW2 maxima and then CHUNKS_POW2 sums.
+    row_stats = stats_ptr + row * 2 * CHUNKS_POW2
+    tl.store(row_stats + chunk, chunk_max)
+    tl.store(row_stats + CHUNKS_POW2 + chunk, chunk_sum)
+    tl.debug_barrier()
+    tl.atomic_add(counter_ptr + row, 1, sem="release")
+    published = tl.atomic_add(counter_ptr + row, 0, sem="acquire")
+    polls = 0
+    while (published < n_chunks) & (polls < MAX_POLLS):
+        published = tl.atomic_add(counter_ptr + row, 0, sem="acquire")
+        polls += 1
+    if published >= n_chunks:  # combine the row's published pairs
+        chunks = tl.arange(0, CHUNKS_POW2)
+        present = chunks < n_chunks
+        maxima = tl.load(
+            row_stats + chunks, mask=present, other=-float("inf"), volatile=True
+        )
+        sums = tl.load(row_stats + CHUNKS_POW2 + chunks, mask=present, volatile=True)
+        row_max = tl.max(maxima, axis=0)
+        row_shift = tl.where(row_max == -float("inf"), 0.0, row_max)
+        shifts = tl.where(maxima == -float("inf"), 0.0, maxima)
+        row_sum = tl.sum(tl.where(present, sums * tl.exp(shifts - row_shift), 0.0))
+    else:  # the siblings are not running: read the row ourselves, online
+        row_max = -float("inf")
+        lane_sum = tl.zeros([CHUNK], tl.float32)
+        for start in range(0, n_cols, CHUNK):
+            offsets = start + tl.arange(0, CHUNK)
+            part = tl.load(
+                x_row + offsets, mask=offsets < n_cols, other=-float("inf")
+            ).to(tl.float32)
+            new_max = tl.maximum(row_max, tl.max(part, axis=0))
+            new_shift = tl.where(new_max == -float("inf"), 0.0, new_max)
+            old_shift = tl.where(row_max == -float("inf"), 0.0, row_max)
+            lane_sum = lane_sum * tl.exp(old_shift - new_shift) + tl.exp(
+                part - new_shift
+            )
+            row_max = new_max
+        row_shift = tl.where(row_max == -float("inf"), 0.0, row_max)
+        row_sum = tl.sum(lane_sum, axis=0)
+    if LOG:
+        y = (x - row_max) - tl.log(row_sum)
+    else:
+        y = tl.exp(x - row_shift) / row_sum
+    y_row = y_ptr + row * y_row_stride
+    tl.store(y_row + cols, y.to(y_ptr.dtype.element_ty), mask=in_row)
+
+
+# %%
 # The backward
 # ------------
 # With y = softmax(x) and dy the gradient arriving from above, the chain rule through the
@@ -387,6 +487,10 @@ MAX_FUSED_BLOCK_BACKWARD = 16384  # the backward holds two tensors, y and dy
 LOOPED_BLOCK = 4096  # chunk length of the looped kernels
 TILE_ELEMENTS = 4096  # values per tile for short rows
 ELEMENTS_PER_WARP = 1024
+# Long rows, forward: values per program of the split kernel, by element size (bytes), the
+# fastest of 4,096 to 16,384 with 8 or 16 warps on the H100 (tools/experiments).
+SPLIT_CHUNK = {4: 8192, 2: 4096}
+MAX_POLLS = kit.choose(gpu=100_000, cpu=2)  # split kernel: tries before reading the row
 
 
 @dataclass(frozen=True)
@@ -397,17 +501,24 @@ class Launch:
     num_stages: int = 1
     programs_per_sm: float | None = None  # None: one program per tile
     looped: bool = False
+    split: bool = False  # long rows, forward: one program per chunk, x read once
     reverse: bool = True  # looped kernels: walk the second pass backwards
+
+
+# Rows longer than the fused kernels take: a persistent grid, one program per SM.
+LOOPED_LAUNCH = Launch(
+    LOOPED_BLOCK, num_warps=8, num_stages=2, programs_per_sm=1, looped=True
+)
 
 
 @functools.cache  # called on every softmax: keep it off the launch's critical path
 def default_launch(n_cols: int, element_size: int, backward: bool = False) -> Launch:
     """The launch this chapter uses for rows of ``n_cols`` elements of ``element_size`` bytes."""
     block_n = max(16, triton.next_power_of_2(n_cols))
+    if block_n > MAX_FUSED_BLOCK and not backward:
+        return Launch(SPLIT_CHUNK[element_size], num_warps=8, split=True)
     if block_n > (MAX_FUSED_BLOCK_BACKWARD if backward else MAX_FUSED_BLOCK):
-        return Launch(
-            LOOPED_BLOCK, num_warps=8, num_stages=2, programs_per_sm=1, looped=True
-        )
+        return LOOPED_LAUNCH
     rows = max(1, TILE_ELEMENTS // block_n)
     num_warps = min(32, max(4, rows * block_n // ELEMENTS_PER_WARP))
     return Launch(block_n, rows, num_warps=num_warps)
@@ -450,7 +561,20 @@ def softmax_forward(
     x_rows, y_rows = as_rows(x), y.view(-1, x.shape[-1])
     n_rows, n_cols = x_rows.shape
     launch = launch or default_launch(n_cols, x.element_size())
-    if launch.looped:
+    if launch.split:
+        n_chunks = triton.cdiv(n_cols, launch.block_n)
+        chunks_pow2 = triton.next_power_of_2(n_chunks)
+        stats = torch.empty(
+            n_rows, 2, chunks_pow2, device=x.device, dtype=torch.float32
+        )
+        counters = torch.zeros(n_rows, device=x.device, dtype=torch.int32)
+        softmax_split_kernel[(n_rows * n_chunks,)](
+            x_rows, y_rows, stats, counters, n_cols, n_chunks,
+            x_rows.stride(0), y_rows.stride(0),
+            CHUNK=launch.block_n, CHUNKS_POW2=chunks_pow2, LOG=log,
+            MAX_POLLS=MAX_POLLS, num_warps=launch.num_warps,
+        )  # fmt: skip
+    elif launch.looped:
         softmax_looped_kernel[(n_programs(launch, n_rows),)](
             x_rows, y_rows, n_rows, n_cols, x_rows.stride(0), y_rows.stride(0),
             BLOCK_N=launch.block_n, LOG=log, NUM_STAGES=launch.num_stages,
@@ -609,17 +733,20 @@ print(f"softmax and log_softmax match torch: {len(cases)} shapes x 3 dtypes")
 # Rows with ``-inf`` in them, the masked scores of attention, must give probability 0 there,
 # and a row of nothing but ``-inf`` gives NaN, as in PyTorch. We also check the backward of
 # both functions with ``torch.autograd`` against PyTorch's, and the looped kernels at a small
-# size by passing a ``Launch`` with a 16-column chunk.
+# size by passing a ``Launch`` with a 16-column chunk, the split kernel likewise.
 
 x = torch.randn(4, 50, device=DEVICE)
 x[0, ::3] = -float("inf")
 x[1] = -float("inf")
 for log, fn in ((False, softmax), (True, log_softmax)):
     torch.testing.assert_close(fn(x), reference(x, log), equal_nan=True)
-    small_chunks = Launch(16, looped=True, programs_per_sm=2)
-    torch.testing.assert_close(
-        softmax_forward(x, log, small_chunks), reference(x, log), equal_nan=True
-    )
+    for small_chunks in (
+        Launch(16, looped=True, programs_per_sm=2),
+        Launch(16, split=True),
+    ):
+        torch.testing.assert_close(
+            softmax_forward(x, log, small_chunks), reference(x, log), equal_nan=True
+        )
 
 for dtype in SUPPORTED_DTYPES:
     for log, fn in ((False, softmax), (True, log_softmax)):
@@ -800,6 +927,8 @@ kit.run(steps_bench)
 
 def make_long(provider: str, n_cols: int, dtype: torch.dtype):
     x = torch.randn(rows_for(n_cols), n_cols, device=DEVICE, dtype=dtype)
+    if provider == "triton (looped)":
+        return lambda: softmax_forward(x, launch=LOOPED_LAUNCH)
     return forward_call(provider, x)
 
 
@@ -807,7 +936,7 @@ long_bench = kit.Benchmark(
     name="softmax-long-rows",
     x_name="N (columns), M = 2^26 / N rows",
     x_values=[65_536, 98_304, 131_072, 262_144],
-    providers=PROVIDERS,
+    providers=["triton", "triton (looped)", *PROVIDERS[1:]],
     make=make_long,
     work=forward_bytes,
     dtypes=(torch.float32, torch.float16),
@@ -863,6 +992,29 @@ forward_backward_bench = kit.Benchmark(
     headline_x=4096,
 )
 kit.run(forward_backward_bench)
+
+# %%
+# What a call costs the CPU
+# -------------------------
+# The GPU times above leave out the CPU, which issues each call: the Python wrapper, Triton's
+# launcher, and for the backward, autograd's engine calling our Python ``backward`` from its
+# own thread. Here is that CPU time, per forward+backward call, measured by issuing 200 calls
+# back to back and dividing (the GPU is drained before and after, so it never waits on the
+# GPU).
+
+cpu_bench = kit.Benchmark(
+    name="softmax-cpu-per-call",
+    x_name="N (columns), M = 4096 rows, forward + backward",
+    x_values=[1024, 4096, 16384],
+    providers=PROVIDERS[:3],
+    make=make_forward_backward,
+    work=forward_backward_bytes,
+    unit=kit.CPU_UNIT,
+    dtypes=(torch.float16,),
+    smoke_x=100,
+    headline_x=4096,
+)
+kit.run(cpu_bench)
 
 # %%
 # In fp32 from N = 4,096 up ours is ahead of ``torch`` at every N (1.6 to 2.96 TB/s against

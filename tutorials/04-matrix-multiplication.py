@@ -675,7 +675,18 @@ def matmul(a, b, activation=None, *, bias=None, return_preactivation=False):
     """
     check_inputs(a, b, activation, bias)
     launch = launch_tma if ON_HOPPER and tma_applies(a, b) else launch_portable
-    return launch(a, b, activation, bias, return_preactivation, config=None)
+    config = _fixed_configs and _fixed_configs[a.dtype.itemsize]
+    return launch(a, b, activation, bias, return_preactivation, config=config)
+
+
+_fixed_configs = None  # itemsize -> config, set by pin_configs
+
+
+def pin_configs(configs):
+    """From now on ``matmul`` launches ``configs[itemsize]`` instead of autotuning (None:
+    autotune again). For checks over many small shapes, where tuning each takes minutes."""
+    global _fixed_configs
+    _fixed_configs = configs
 
 
 # %%

@@ -45,7 +45,11 @@ from torch import nn
 
 kit.announce()
 DEVICE = kit.DEVICE
-matmul = kit.load_chapter("04").matmul
+matmul_chapter = kit.load_chapter("04")
+matmul = matmul_chapter.matmul
+# On a GPU, the checks below pin matmul to one config per dtype (chapter 04's check configs):
+# autotuning each of their dozens of small shape and activation variants would take minutes.
+CHECK_CONFIGS = kit.choose(gpu=matmul_chapter.CHECK_CONFIGS, cpu=None)
 # sphinx_gallery_thumbnail_number = 2
 
 # %%
@@ -507,11 +511,13 @@ def gradients_match(shape, out_features, dtype, activation, bias=True):
         assert torch.equal(kept, recomputed)
 
 
+matmul_chapter.pin_configs(CHECK_CONFIGS)
 dtypes = kit.choose(gpu=SUPPORTED_DTYPES, cpu=(torch.float32, torch.float16))
 for dtype in dtypes:
     for activation in kit.ACTIVATIONS:
         gradients_match((3, 37, 45), 29, dtype, activation)
 gradients_match((1, 45), 29, torch.float32, "gelu", bias=False)
+matmul_chapter.pin_configs(None)
 print(
     f"forward and gradients of x, weight and bias match torch for "
     f"{', '.join(map(kit.dtype_name, dtypes))} x {len(kit.ACTIVATIONS)} activations"
@@ -685,6 +691,7 @@ def train(model, data) -> list[float]:
     return losses
 
 
+matmul_chapter.pin_configs(CHECK_CONFIGS)  # small products, many shapes: no tuning
 fused_mlp = make_mlp(True, MLP["inputs"], MLP["hidden"])
 torch_mlp = make_mlp(False, MLP["inputs"], MLP["hidden"])
 for ours, theirs in zip(fused_mlp.parameters(), torch_mlp.parameters(), strict=True):
@@ -753,6 +760,7 @@ for model in (fused_mlp, compiled_mlp):
 for eager_grad, p in zip(eager_grads, fused_mlp.parameters(), strict=True):
     torch.testing.assert_close(p.grad, eager_grad, rtol=1e-5, atol=1e-6)
 print(f"torch.compile(fullgraph=True, backend={backend!r}): same gradients as eager")
+matmul_chapter.pin_configs(None)  # the benchmarks below autotune
 
 # %%
 # Benchmark
