@@ -230,7 +230,8 @@ kit.show_refusals("add()", bad_calls)
 # ---------
 # We time ``add`` and ``x + y`` from 2^12 to 2^28 elements with
 # ``triton.testing.do_bench``, which flushes the L2 cache before every call so that each run
-# reads its inputs from memory, and report the median as effective bandwidth, counting
+# reads its inputs from memory (How we measure gives the details, and says which recordings
+# timed what), and report the median as effective bandwidth, counting
 # 3 × N × (bytes per element). The dashed line is the copy bandwidth of the same GPU,
 # measured with a 1 GiB device-to-device copy. Without a GPU the plot shows results recorded
 # on one with ``make bench``, with the GPU, versions and date in its title.

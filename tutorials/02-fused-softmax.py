@@ -477,9 +477,10 @@ def softmax_backward_looped_kernel(
 #   was up to 3x slower: the hardware already starts a new program the moment one exits, and
 #   the pipeline routes every load through shared memory. The kernel keeps the loop, so the
 #   steps benchmark below can show both; ``softmax`` launches one program per tile.
-# * **Rows longer than** ``MAX_FUSED_BLOCK`` take the looped kernels, one row per iteration
-#   of a persistent loop, in chunks of ``LOOPED_BLOCK``. There the persistent grid is the
-#   natural launch: a row is one long stream of loads.
+# * **Rows longer than** ``MAX_FUSED_BLOCK`` take the split kernel (forward: one program per
+#   chunk of ``SPLIT_CHUNK`` values, 8 warps) or the looped kernel (backward: one row per
+#   iteration of a persistent loop, in chunks of ``LOOPED_BLOCK``), where a persistent grid
+#   is the natural launch: a row is one long stream of loads.
 
 INTERPRETER_PROGRAMS = 4  # the interpreter has no SMs to count
 MAX_FUSED_BLOCK = 32768  # longest row kept whole in registers (forward)
@@ -779,8 +780,10 @@ kit.show_refusals("softmax()", bad_calls)
 # %%
 # Benchmarks
 # ----------
-# We time with ``triton.testing.do_bench``, which empties L2 before every call, and report
-# effective bandwidth: compulsory bytes over the median time. The forward counts 2 M N x
+# We time the GPU work of each call: ``kit`` records the call once as a CUDA graph and
+# ``triton.testing.do_bench`` times replays of it, emptying L2 before each (How we measure
+# says why the CPU is left out; the last benchmark measures it). We report effective
+# bandwidth: compulsory bytes over the median time. The forward counts 2 M N x
 # (bytes per element): x read once, y written once. Forward plus backward counts 5 M N: the
 # forward's two, and the backward's read of y and dy and write of dx. The dashed line is the
 # device-to-device copy bandwidth of the same GPU. The rows M are 4,096 for N up to 32,768; for
@@ -838,22 +841,20 @@ kit.run(softmax_bench)
 # passes over memory against two. ``torch.softmax`` is fused, so its gap to our kernel is not
 # bytes but how well the bytes are kept moving.
 #
-# What the H100 recording shows. From N = 2,048 to 32,768 ours runs at 2.40 to 2.95 TB/s in
-# fp32 (80 to 98% of the copy line; 2,687 GB/s at N = 4,096) and 1.84 to 2.85 TB/s in fp16,
-# faster than ``torch.softmax`` at every one of these N: by 1.3x (fp32) and 2.1x (fp16) at
-# N = 4,096, and 1.8x and 1.3x at N = 32,768. ``torch.compile`` generates a kernel much like
-# ours and ties with it in fp32 at N = 4,096; in fp16 it is slower. Our floor of 2.7 TB/s is
-# met from N = 8,192 in fp32 and from N = 16,384 in fp16, and missed below: by a hair at
-# N = 4,096 in fp32 (2,687), by 10% in fp16 (2,441), and most at N = 3,000 in fp16 (1,835), a
-# row padded from 3,000 to 4,096 lanes.
+# What the H100 recording shows. From N = 2,048 to 32,768 ours runs at 2.46 to 2.94 TB/s in
+# fp32 (82 to 98% of the copy line; 2,684 GB/s at N = 4,096) and 1.76 to 2.82 TB/s in fp16,
+# and it is faster than ``torch.softmax`` at every benchmarked N, in both dtypes: by 1.3x (fp32)
+# and 2.1x (fp16) at N = 4,096, 1.8x and 1.3x at N = 32,768. ``torch.compile`` generates a
+# kernel much like ours: within 2% of it in fp32 from N = 4,096 (and ahead by 1 to 3% at
+# N = 256 and 512), well behind in fp16 (1,499 against 2,348 GB/s at N = 4,096).
 #
-# Below N = 1,024 we lose to ``torch.softmax``, and our points jump between neighbours (174
-# GB/s at N = 512, 1,956 at N = 768 in fp32). The whole problem there is 4 MB, moved in under
-# 3 µs at full bandwidth, so the path of the call from Python (the checks, the
-# ``autograd.Function``, Triton's launcher), which ``torch.softmax`` takes in C++, weighs as
-# much as the kernel (see "Small problems" in How we measure). The steps benchmark below
-# calls the kernel without the wrapper and gets 2 to 3 times more at N = 256 and 512; how
-# much of the rest is the launcher, we have yet to measure.
+# Against our floors: 2.7 TB/s is met from N = 8,192 (fp32) and 16,384 (fp16), missed by a
+# hair at N = 4,096 in fp32 (2,684) and by 13% in fp16 (2,348), and most at N = 3,000 in fp16
+# (1,762), a row padded from 3,000 to 4,096 lanes. Below N = 2,048 the floor of 2.0 TB/s is
+# met only at N = 1,024 in fp32 (2,110). There the whole problem is 4 to 16 MB, moved in 3 to
+# 8 µs: a kernel that short spends a good part of its time starting and draining, for every
+# provider (chapter 01's vector addition falls the same way at the same sizes); ours stays
+# ahead of ``torch.softmax`` there too, 967 against 946 GB/s at N = 256 in fp32.
 #
 # Where the speed comes from, step by step
 # ----------------------------------------
@@ -908,21 +909,19 @@ kit.run(steps_bench)
 # of several rows address the first, more warps the second. The persistent, pipelined grid
 # is the control: it moves the same tiles through shared memory and gains nothing here.
 #
-# On the H100 the warps are what count: at N = 32,768 four warps reach 2,129 GB/s and the
-# 32 warps of the final launch 2,938 (+38%). Rows per program change little at M = 4,096,
-# within the scatter of these short timings, and the persistent grid is 3 to 16% slower at
-# every N.
+# On the H100 the warps are what count: at N = 32,768 four warps reach 2,120 GB/s and the
+# 32 warps of the final launch 2,939 (+39%). Rows per program change little at M = 4,096
+# (2,127 against 1,978 GB/s at N = 1,024, within a few percent elsewhere), and the persistent
+# grid is 2 to 11% slower from N = 1,024 up.
 #
 # Below about N = 1,024 every provider falls short of the copy line, ours included, and not
-# for want of bandwidth: M x N = 4,096 x 256 fp32 values are 4 MB, moved in under 3 µs at
-# full speed, about the time it takes the GPU to launch a kernel and ramp up. Chapter 01's
-# vector addition shows the same fall at the same sizes.
+# for want of bandwidth: 4,096 x 256 fp32 values are 4 MB, moved in under 3 µs at full speed,
+# about the time it takes the GPU to launch a kernel and ramp up.
 #
 # Long rows
 # ---------
-# From N = 65,536 the forward takes the looped, online kernel. Its traffic is 3 M N unless the
-# second pass finds its data in L2, so it measures how much the backwards second pass and the
-# eviction hints recover.
+# From N = 65,536 the forward takes the split kernel, which reads x once; ``triton (looped)``
+# is the looped, online kernel on the same rows, which reads it twice.
 
 
 def make_long(provider: str, n_cols: int, dtype: torch.dtype):
@@ -946,15 +945,16 @@ long_bench = kit.Benchmark(
 kit.run(long_bench)
 
 # %%
-# Here we miss the target. Ours runs at 1.37 to 1.52 TB/s in fp32, level with ``torch.softmax``
-# (1.43 to 1.46) and behind ``torch.compile`` (1.76 to 1.96, but 1.31 at N = 262,144); in fp16,
-# at about 1.0 TB/s, it trails both (but for ``torch.compile`` at N = 262,144). Three reasons,
-# not yet measured apart. The kernel reads each row twice, so 1.45 TB/s counted is 2.2 TB/s
-# moved. The second read mostly misses L2: 132 programs, each on a row of 256 KB to 1 MB, have
-# more in flight than the 50 MB cache holds, so the backwards walk finds little. And one program
-# per SM with one 4,096-value chunk in flight is too few bytes at a time, worst in fp16 (8 KB a
-# chunk). What would fix it is the split-row kernel of exercise 3: several programs per row,
-# each holding its part in registers between the two passes, so that x is read once.
+# Splitting the row pays: in fp32 the split kernel runs at 2.25 to 2.39 TB/s from N = 65,536
+# to 262,144, 1.5 to 1.6x the looped kernel (1.37 to 1.51) and ``torch.softmax`` (1.43 to
+# 1.46), and ahead of ``torch.compile`` (1.33 to 1.97). In fp16 it reaches 1.45 to 1.70 TB/s:
+# ahead of ``torch.softmax`` (1.32 to 1.50) and of the looped kernel (0.96 to 1.14), level with
+# ``torch.compile`` (1.54 to 1.76, ahead of ours by 3 to 4% at 65,536 and 131,072). The
+# 2.2 TB/s floor is met in fp32 and missed in fp16. The sweep behind the chunk sizes
+# (``tools/experiments/softmax_split_rows.py``) points at where the fp16 time goes: with the
+# same bytes per program fp16 runs slower than fp32, and larger chunks do not help, so the
+# cost is per value held, not bytes in flight; we have not yet measured which part (the
+# conversion, the exponentials, the wait) it is.
 #
 # Forward and backward
 # --------------------
@@ -994,6 +994,15 @@ forward_backward_bench = kit.Benchmark(
 kit.run(forward_backward_bench)
 
 # %%
+# Ours is ahead of ``torch`` at every N in both dtypes (2.80 against 1.67 TB/s in fp32 and 2.61
+# against 1.31 in fp16 at N = 4,096) and level with ``torch.compile`` in fp32 (2.82), ahead in
+# fp16 (2.18). The 2.4 TB/s floor holds from N = 2,048 to 16,384 in both dtypes (2.61 to 2.96)
+# and is missed at N = 32,768 (2.30 in fp32, 2.13 in fp16): the backward holds two tensors
+# of the row, so from N = 32,768 it takes its looped kernel, which reads y and dy twice.
+# Longer rows fall to about 1.9 (fp32) and 1.4 (fp16) TB/s for the same reason; a split-row
+# backward, like the forward's, is the fix (exercise 3).
+
+# %%
 # What a call costs the CPU
 # -------------------------
 # The GPU times above leave out the CPU, which issues each call: the Python wrapper, Triton's
@@ -1017,15 +1026,16 @@ cpu_bench = kit.Benchmark(
 kit.run(cpu_bench)
 
 # %%
-# In fp32 from N = 4,096 up ours is ahead of ``torch`` at every N (1.6 to 2.96 TB/s against
-# 1.3 to 1.66), and above the 2.4 TB/s target at N = 8,192 and 16,384. Below N = 4,096, and in
-# fp16 up to N = 16,384, it falls far behind, behind our own kernels timed alone too: in fp16
-# at N = 4,096 the pair reaches 272 GB/s where ``torch`` reaches 1,274
-# and our forward alone 2,441. ``torch.compile`` falls the same way (322 GB/s); eager
-# ``torch`` does not. What the two slow providers share is a backward that is Python code
-# launching Triton kernels, run by autograd on its own thread for the GPU; where that costs
-# the time has not been measured yet, and until it is, these points are this chapter's open
-# problem rather than a property of the kernels.
+# About 360 µs of CPU for our forward+backward against 119 µs for ``torch.softmax``, and
+# ``torch.compile`` at 460: both Python-driven paths pay for a Python ``backward`` called from
+# autograd's engine. At N = 4,096 in fp16 the GPU work of our two kernels takes 60 µs, so a
+# program that calls this layer alone from Python, one call at a time, waits on the CPU while
+# the GPU sits idle. On the H100 this timed at 257 µs per call when timed as Python calls,
+# against 60 µs of GPU work: 650 GB/s instead of 2.8 TB/s (the log is in
+# ``results/nvidia-h100-80gb-hbm3/experiments/``). The ways out are the ones PyTorch users
+# already know: give the GPU more work per call (larger batches, more fusion), or take Python
+# out of the loop by capturing the step in a CUDA graph, as
+# ``torch.compile(mode="reduce-overhead")`` does.
 #
 # What we learned
 # ---------------
@@ -1033,11 +1043,13 @@ kit.run(cpu_bench)
 #   enough bytes in flight, which is a matter of launch parameters, not of the kernel's math.
 # * Short rows want several rows per program; long rows want more warps. A persistent,
 #   pipelined grid, a textbook step, measured no faster: measure before you keep a trick.
-# * The online softmax finds the maximum and the sum in one pass, so rows of any length need
-#   one extra read at most; on the H100 little of that read came from L2, and long rows ran
-#   at half the bandwidth of short ones: the next step is to split a row across programs.
-# * A fast kernel can still be a slow layer: through autograd, our fp16 forward+backward ran
-#   at a fraction of what its two kernels reach alone. Measure the layer, not just the kernel.
+# * The online softmax finds the maximum and the sum in one pass, so rows of any length work
+#   with one extra read; splitting a row over programs that publish (max, sum) pairs and wait
+#   for one another removes that read, 1.6x faster in fp32. Programs that wait for others need
+#   a release/acquire pair and a way out when the others never come.
+# * A fast kernel can still be a slow layer: called from Python through autograd, our
+#   forward+backward costs the CPU six times its GPU time at N = 4,096. Measure the layer,
+#   not just the kernel.
 # * Both backwards are a row reduction and an elementwise step, and need only the forward's
 #   output.
 #
@@ -1047,6 +1059,6 @@ kit.run(cpu_bench)
 #    softmax(scale * x + mask), the core of attention. How many bytes does the mask add?
 # 2. Fuse the cross-entropy loss: for logits x and a target index per row, compute
 #    log_softmax(x)[target] without writing the log-softmax out. What is the traffic now?
-# 3. The looped kernel reads a long row twice. Split each row over several programs instead,
-#    each keeping its chunk in registers, and combine their (max, sum) pairs: what stops this
-#    from working with a plain grid, and what would make it safe?
+# 3. Write the backward for long rows the way the split forward works: each program holds a
+#    chunk of y and dy, publishes its part of sum(y * dy), and waits for the row's total.
+#    How many bytes does it save over the looped backward at N = 131,072?

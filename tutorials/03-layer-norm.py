@@ -1177,6 +1177,11 @@ assert comparison[1][2] == 0, "the two-stage reduction must repeat to the bit"
 # ``torch.autograd.grad`` of the saved graph, which returns the gradients without adding
 # them into ``.grad``.
 #
+# The H100 recording shown here predates the collection's move to timing GPU work from
+# CUDA graphs (How we measure): it timed each call from Python, so at the smaller N, where
+# a call's CPU path outlasts its GPU work, its points measure the CPU. Chapter 02 shows how
+# far apart the two can be.
+#
 # Providers: ours with each reduction, PyTorch eager, ``torch.compile`` of
 # ``torch.nn.functional.layer_norm``, and Liger-Kernel's ``LigerLayerNormFunction`` where the
 # package is installed.

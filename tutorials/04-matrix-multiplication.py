@@ -872,7 +872,9 @@ else:
 # compilation adds around cuBLAS (nothing, at these sizes); the ``max-autotune`` modes, which
 # would also try Triton templates, take minutes to tune and we leave them out. ``do_bench``
 # flushes the L2 cache before every call. The dashed line is cuBLAS fp16 at 4,096³ on the same
-# GPU.
+# GPU. The H100 recording shown here timed each call from Python (it predates the CUDA-graph
+# timing of How we measure): from 1,024³ up a product outlasts its call path, below it the
+# CPU may show.
 
 
 def make_square(provider: str, size: int, dtype: torch.dtype):

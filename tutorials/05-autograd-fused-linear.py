@@ -602,7 +602,7 @@ for name, layer_fn in strategies.items():
 #
 # On a GPU we also measure the peak memory of a forward and backward through the stack
 # (``torch.cuda.max_memory_allocated``, above what the inputs and weights already take) and
-# its time (median of ``triton.testing.do_bench``).
+# the GPU time of one step (``kit.measure_ms``: do_bench on CUDA-graph replays).
 
 
 def peak_and_time(layer_fn):

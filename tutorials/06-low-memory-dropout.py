@@ -1070,22 +1070,28 @@ kit.run(fused_backward)
 # %%
 # What the numbers say
 # --------------------
-# On the H100, at 2^28 elements, our dropout runs at 2,983 GB/s in fp32 and 2,993 in fp16, the
-# copy bandwidth, against 2,301 and 2,022 for ``torch.nn.functional.dropout``; ours leads from
-# 2^24 elements up. Two of our own variants show where the time would go. Drawing one Philox
-# call per element and throwing three of its four numbers away halves the fp16 rate (1,338
-# GB/s): the generator, not memory, then sets the pace. Storing the mask as one byte per
-# element costs 12 to 22% (2,626 and 2,333 GB/s), the extra byte written. Forward plus
-# backward at 2^28 keeps the lead (2,989 and 3,006 against 2,479 and 2,209), but below 2^26
-# elements it collapses far below ``torch`` (82 against 583 GB/s at 2^20 in fp32): the same
-# slow path through autograd to a Python backward that chapter 02 ran into, not yet explained.
+# On the H100 (GPU time of each call, see How we measure), at 2^28 elements our dropout runs
+# at 2,982 GB/s in fp32 and 2,992 in fp16, the copy bandwidth, against 2,285 and 2,000 for
+# ``torch.nn.functional.dropout``, and it leads ``torch`` and ``torch.compile`` at every size
+# from 2^16 up. The 2.7 TB/s floor is met from 2^26 elements (2,893 and 2,837); at 2^24, a
+# 64 MB (fp32) problem of 20 to 30 µs, it reaches 2,592 and 2,356, the sizes where even a
+# copy does not yet reach full speed (chapter 01). Two of our own variants show where the
+# time would go. Drawing one Philox call per element and throwing three of its four numbers
+# away more than halves the fp16 rate (1,328 GB/s at 2^28): the generator, not memory, then
+# sets the pace. Storing the mask as one byte per element costs 12 to 22% (2,624 and 2,328
+# GB/s), the extra byte written. Forward plus backward keeps the lead at every size: 2,990 and
+# 3,009 GB/s at 2^28 against 2,473 and 2,197 for ``torch``, and at or above 2.7 TB/s from 2^26
+# elements (2,692 and 2,531 at 2^24).
 #
 # The fused bias + GELU + dropout layer is bound by arithmetic, not memory. At 2^28 it runs at
-# 1,314 GB/s in fp32 and 887 in fp16, 44% and 30% of the copy line, but that is 164 and 222
+# 1,317 GB/s in fp32 and 885 in fp16, 44% and 30% of the copy line, but that is 165 and 221
 # billion elements a second: halving the bytes per element bought only a third more elements,
-# so most of the time goes to the exact GELU's ``erf`` and the generator. It beats eager
-# PyTorch's three kernels (855 and 684 GB/s) in both dtypes and ``torch.compile`` in fp16 (737),
-# and loses to ``torch.compile`` in fp32 (1,488), whose generated code we have not examined.
+# so most of the time goes to the exact GELU's ``erf`` and the generator. Against eager
+# PyTorch's three kernels (853 and 681 GB/s) that is 1.5x and 1.3x, short of the 2x and
+# 2.5 TB/s we aimed for; ``torch.compile`` ties with us in fp32 (1,330) and trails in fp16
+# (730). Forward plus backward: 1,368 and 937 GB/s against ``torch``'s 1,133 and 982: ahead
+# in fp32, 5% behind in fp16, where our backward regenerates the mask and recomputes GELU
+# and its derivative per element; which of these costs the most we have not measured.
 #
 # What we learned
 # ---------------

@@ -359,6 +359,13 @@ def measure_ms(fn: Callable) -> tuple[float, float, float]:
     do_bench times replays of ``fn``'s CUDA graph, flushing L2 before each one; the CPU cost
     of calling ``fn`` from Python is left out (``cpu_us`` measures it).
     """
+    if torch.cuda.current_stream() == torch.cuda.default_stream():
+        # CUDA cannot capture the default stream: move to a side stream, after the work
+        # queued so far (which made fn's inputs).
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            return measure_ms(fn)
     graph = capture(fn)
     median, q20, q80 = triton.testing.do_bench(graph.replay, quantiles=[0.5, 0.2, 0.8])
     del graph
@@ -396,6 +403,9 @@ def hardware_limits() -> dict:
     return dict(_limits)
 
 
+TIMING = "GPU time of CUDA-graph replays (do_bench, L2 flushed)"
+
+
 def environment() -> dict:
     """What a reader needs to reproduce a measurement on this machine."""
     try:
@@ -418,6 +428,7 @@ def environment() -> dict:
             "KIT_COMMAND", " ".join([Path(sys.argv[0]).name, *sys.argv[1:]])
         ),
         "limits": hardware_limits(),
+        "timing": TIMING,
     }
 
 
