@@ -999,8 +999,10 @@ kit.run(forward_backward_bench)
 # fp16 (2.18). The 2.4 TB/s floor holds from N = 2,048 to 16,384 in both dtypes (2.61 to 2.96)
 # and is missed at N = 32,768 (2.30 in fp32, 2.13 in fp16): the backward holds two tensors
 # of the row, so from N = 32,768 it takes its looped kernel, which reads y and dy twice.
-# Longer rows fall to about 1.9 (fp32) and 1.4 (fp16) TB/s for the same reason; a split-row
-# backward, like the forward's, is the fix (exercise 3).
+# Longer rows fall to about 1.9 (fp32) and 1.4 (fp16) TB/s for the same reason, and from
+# N = 32,768 ``torch.compile``, whose generated backward does not switch to a two-pass loop
+# there, is ahead of us (2.81 against 2.30 TB/s in fp32, 2.51 against 2.13 in fp16). A
+# split-row backward, like the forward's, is the fix (exercise 3).
 
 # %%
 # What a call costs the CPU
