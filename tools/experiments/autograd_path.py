@@ -15,24 +15,12 @@ of one call with nothing waiting on the GPU.
 
 import sys
 import threading
-import time
 
 import kit
 import torch
 import triton
 
 softmax_chapter = kit.load_chapter("02")
-
-
-def cpu_us(fn, calls=200):
-    """CPU time of one call, with the GPU drained before and after the loop."""
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    cpu = time.perf_counter() - start
-    torch.cuda.synchronize()
-    return cpu / calls * 1e6
 
 
 def graph_us(fn):
@@ -49,7 +37,7 @@ def report(name, fn, nbytes):
     graph = graph_us(fn)
     print(
         f"  {name:<46} {ms * 1e3:8.1f} us {nbytes / ms / 1e6:6.0f} GB/s | graph "
-        f"{graph:7.1f} us {nbytes / graph / 1e3:6.0f} GB/s | CPU {cpu_us(fn):7.1f} us",
+        f"{graph:7.1f} us {nbytes / graph / 1e3:6.0f} GB/s | CPU {kit.cpu_us(fn):7.1f} us",
         flush=True,
     )
 
@@ -125,7 +113,7 @@ def launch_paths():
     for name, fn in calls.items():
         try:
             fn()
-            print(f"  {name:<44} CPU {cpu_us(fn):7.1f} us per call", flush=True)
+            print(f"  {name:<44} CPU {kit.cpu_us(fn):7.1f} us per call", flush=True)
         except Exception as error:  # noqa: BLE001
             print(f"  {name:<44} failed: {type(error).__name__}: {str(error)[:100]}")
 
