@@ -101,6 +101,28 @@ def test_plot_says_recorded_and_draws_the_limit():
     assert any(list(line.get_ydata()) == [3000.0, 3000.0] for line in ax.get_lines())
 
 
+def test_cpu_time_benchmarks_plot_and_summarize_without_a_limit(capsys):
+    bench = copy_benchmark(unit=kit.CPU_UNIT)
+    points = [kit.Point("triton", "float32", 2**12, 360.0), kit.Point("torch", "float32", 2**12, 120.0)]
+    fig = kit.plot(bench, points, FAKE_ENV, live=True)
+    (ax,) = fig.axes
+    assert all(len(line.get_xdata()) != 2 or line.get_ydata()[0] != line.get_ydata()[1] for line in ax.get_lines())
+    assert ax.get_ylabel() == kit.CPU_UNIT
+    kit.summarize(bench, points, FAKE_ENV)
+    out = capsys.readouterr().out
+    assert "360.0 µs of CPU per call" in out and "% of" not in out
+
+
+def test_results_table_shows_cpu_time_without_a_share(tmp_path):
+    spec = importlib.util.spec_from_file_location("results_table", ROOT / "tools" / "results_table.py")
+    results_table = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(results_table)
+    points = [kit.Point("triton", "float32", 2**10, 364.0), kit.Point("triton", "float32", 2**12, 300.0)]
+    kit.record(copy_benchmark(unit=kit.CPU_UNIT), points, FAKE_ENV, results_dir=tmp_path)
+    markdown = results_table.results_markdown(tmp_path)
+    assert "| float32 | triton | 364 | 300 |" in markdown
+
+
 def test_summary_states_the_share_of_the_limit(capsys):
     kit.summarize(copy_benchmark(), POINTS, FAKE_ENV)
     assert "90.0% of 3,000" in capsys.readouterr().out
