@@ -1253,9 +1253,17 @@ kit.run(forward_bench)
 # %%
 # What the H100 recording shows. The two ``triton`` lines run the same forward kernel (the
 # reduction matters only in the backward), yet at N = 4,096 in fp16 they differ by 1.7x (855
-# against 500 GB/s). We take it that up to N = 8,192 in fp16 these points time the path of the
-# call around the kernel more than the kernel, as in chapter 02 (not yet measured apart), and
-# there we lose to ``torch`` (176 against 1,032 GB/s at N = 1,024). From N = 8,192 in fp32 and
+# against 500 GB/s). Up to N = 8,192 in fp16 these points time the path of the call around
+# the kernel more than the kernel, and there we lose to ``torch`` (176 against 1,032 GB/s at
+# N = 1,024). Chapter 02 has since measured that path (How we measure, "Why the CPU is left
+# out"), and a later run on the same H100 timed the GPU work alone, from CUDA graphs: at
+# N = 4,096 in fp16 the forward ran at 2,272 GB/s (lock) and 2,270 (two-stage), against
+# 1,736 for ``torch``, 2,138 for ``torch.compile`` and 2,518 for Liger-Kernel; in fp32 at
+# 2,576 and 2,580 against 1,951, 2,658 and 2,824. That run was not kept as the recording (its
+# copy line had been measured through a CUDA graph, wrongly, see How we measure); the launch
+# sweep in ``tools/experiments`` (log in ``results/.../experiments``) found 1,485 GB/s at
+# N = 1,024 in fp16 with 4 rows and 4 warps per program, against 1,242 for our default launch
+# and 1,030 for ``torch``. From N = 8,192 in fp32 and
 # 16,384 in fp16 the kernel shows: 2.76 and 2.77 TB/s (92% of the copy line), ahead of
 # ``torch`` (1.80 and 1.71) and, in fp16, of Liger-Kernel (2.25). Rows of 32K and 64K values
 # are walked in blocks and read twice: 1.92 TB/s, still ahead of ``torch``. Our targets
@@ -1292,8 +1300,11 @@ kit.run(backward_bench)
 # kernels called directly, in the reduction table above, ran the 4,096 x 4,096 fp32 backward at
 # 1.8 TB/s (lock) and 2.3 TB/s (two-stage). What separates the two numbers is the path from
 # ``torch.autograd.grad`` to the kernels, Python code that autograd runs on its own thread for
-# the GPU, the same path that slowed the forward+backward of chapter 02. Measuring that path,
-# then a launch sweep of both kernels like chapter 02's, is the work this chapter still needs.
+# the GPU, the same path that slowed the forward+backward of chapter 02, where it was measured
+# at about 280 µs of CPU per call. The GPU time of the backward, and a full launch sweep of
+# both kernels, are the work this chapter still needs; the partial sweep timed the backward
+# kernels alone at N = 4,096 in fp16 at 1,737 GB/s (two-stage) and at N = 1,024 at 861
+# (two-stage, 999 with 8 rows per program) and 649 (lock).
 #
 # How many lock-guarded buffers?
 # ------------------------------
