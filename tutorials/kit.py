@@ -619,7 +619,7 @@ def plot(bench: Benchmark, points: list[Point], env: dict, live: bool):
             ylim=(0, 1.12 * max(limit or 0, *(p.value for p in points))),
         )
         ax.grid(alpha=0.3)
-        ax.legend(loc="lower right")
+        ax.legend(loc="best", fontsize=8)
     axes[0][0].set_ylabel(bench.unit)
     how = "measured now" if live else "recorded"
     title = f"{bench.name}: {how} on {describe(env)}"
