@@ -1,0 +1,11 @@
+import runpy
+
+import kit
+import pytest
+from conftest import ROOT
+
+
+@pytest.mark.skipif(kit.ON_GPU, reason="on a GPU the script also benchmarks; run it by hand")
+def test_flat_fused_dropout_experiment_matches_the_chapter_under_the_interpreter(capsys):
+    runpy.run_path(str(ROOT / "tools" / "experiments" / "fused_dropout_sweep.py"))
+    assert "bit for bit" in capsys.readouterr().out
