@@ -246,7 +246,8 @@ def softmax_looped_kernel(
 # counter with ``sem="release"``, which orders the stores before the increment for any
 # program that reads the counter with ``sem="acquire"``. Waiting means polling the counter
 # until it equals the number of chunks; the pairs are then read with ``volatile=True`` so
-# that no stale cache line answers.
+# that no stale cache line answers. ``publish_and_wait`` below does the announcing and the
+# waiting, so that other split kernels (exercise 3) can share it.
 #
 # Nothing in CUDA promises that the programs of a row run at the same time: a program could
 # wait for a sibling that cannot start until the waiter finishes. In practice a GPU starts
@@ -257,6 +258,20 @@ def softmax_looped_kernel(
 # result is the same either way; only the time differs. Under the interpreter, which runs
 # programs one after another, the first chunks of a row always take that path and the last
 # one the published one, so both are tested.
+
+
+@triton.jit
+def publish_and_wait(counter_ptr, row, n_chunks, MAX_POLLS: tl.constexpr):
+    """Announce this program's stores to the other programs of its row, then wait (at most
+    MAX_POLLS tries) until all ``n_chunks`` have announced theirs. True if they all did."""
+    tl.debug_barrier()  # every thread of this program has stored
+    tl.atomic_add(counter_ptr + row, 1, sem="release")
+    published = tl.atomic_add(counter_ptr + row, 0, sem="acquire")
+    polls = 0
+    while (published < n_chunks) & (polls < MAX_POLLS):
+        published = tl.atomic_add(counter_ptr + row, 0, sem="acquire")
+        polls += 1
+    return published >= n_chunks
 
 
 @triton.jit
@@ -287,14 +302,7 @@ def softmax_split_kernel(
     row_stats = stats_ptr + row * 2 * CHUNKS_POW2
     tl.store(row_stats + chunk, chunk_max)
     tl.store(row_stats + CHUNKS_POW2 + chunk, chunk_sum)
-    tl.debug_barrier()
-    tl.atomic_add(counter_ptr + row, 1, sem="release")
-    published = tl.atomic_add(counter_ptr + row, 0, sem="acquire")
-    polls = 0
-    while (published < n_chunks) & (polls < MAX_POLLS):
-        published = tl.atomic_add(counter_ptr + row, 0, sem="acquire")
-        polls += 1
-    if published >= n_chunks:  # combine the row's published pairs
+    if publish_and_wait(counter_ptr, row, n_chunks, MAX_POLLS):  # combine the pairs
         chunks = tl.arange(0, CHUNKS_POW2)
         present = chunks < n_chunks
         maxima = tl.load(

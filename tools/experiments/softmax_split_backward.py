@@ -41,14 +41,7 @@ def softmax_backward_split_kernel(
         part = tl.sum(dy * y, axis=0)
     row_partials = partial_ptr + row * CHUNKS_POW2
     tl.store(row_partials + chunk, part)
-    tl.debug_barrier()
-    tl.atomic_add(counter_ptr + row, 1, sem="release")
-    published = tl.atomic_add(counter_ptr + row, 0, sem="acquire")
-    polls = 0
-    while (published < n_chunks) & (polls < MAX_POLLS):
-        published = tl.atomic_add(counter_ptr + row, 0, sem="acquire")
-        polls += 1
-    if published >= n_chunks:
+    if chapter.publish_and_wait(counter_ptr, row, n_chunks, MAX_POLLS):
         chunks = tl.arange(0, CHUNKS_POW2)
         partials = tl.load(row_partials + chunks, mask=chunks < n_chunks, other=0.0, volatile=True)
         total = tl.sum(partials, axis=0)
