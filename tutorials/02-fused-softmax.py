@@ -15,7 +15,8 @@ What you will learn:
 * what makes a memory-bound kernel fast: enough bytes in flight per program, ``num_warps``
   chosen by the row length, and a persistent, pipelined grid that, measured, did not pay;
 * the *online* softmax, which finds the maximum and the sum in one pass, for rows too long for
-  one block;
+  one block, and a split-row kernel whose programs wait for one another (release and acquire
+  atomics) so that a long row is read only once;
 * the backward of softmax and log-softmax, and wrapping kernels in ``torch.autograd.Function``.
 
 Prerequisites: chapter 01 (programs, blocks, masks, the wrapper and the benchmark).
