@@ -231,3 +231,14 @@ def test_bad_input_is_refused_with_advice(case, name):
     bad, error, advice = BAD_INPUTS[case]
     with pytest.raises(error, match=advice):
         fn(bad)
+
+
+@pytest.mark.parametrize("launch", [LOOPED, SPLIT], ids=["looped", "split"])
+def test_masked_chunk_before_very_negative_values(launch):
+    """A chunk of -inf, then values below -88 (whose exp underflows): no NaN, no overflow."""
+    x = torch.full((2, 48), -100.0, device=kit.DEVICE)
+    x[:, :16] = -float("inf")
+    x[1, 20] = -90.0
+    for log in (False, True):
+        y = chapter.softmax_forward(x, log, launch)
+        torch.testing.assert_close(y, chapter.reference(x, log))

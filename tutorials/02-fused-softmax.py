@@ -177,6 +177,29 @@ def softmax_kernel(
 
 
 @triton.jit
+def online_max_and_sum(x_row, n_cols, BLOCK_N: tl.constexpr, NUM_STAGES: tl.constexpr):
+    """One pass over the ``n_cols`` values at ``x_row`` in chunks of ``BLOCK_N``: the row's
+    maximum and its sum of exp(x - maximum), the online softmax's running pair."""
+    cols = tl.arange(0, BLOCK_N)
+    running_max = -float("inf")
+    lane_sum = tl.zeros([BLOCK_N], tl.float32)  # one running sum per lane
+    for chunk in tl.range(0, tl.cdiv(n_cols, BLOCK_N), num_stages=NUM_STAGES):
+        offsets = chunk * BLOCK_N + cols
+        x = tl.load(
+            x_row + offsets,
+            mask=offsets < n_cols,
+            other=-float("inf"),
+            eviction_policy="evict_last",
+        ).to(tl.float32)
+        new_max = tl.maximum(running_max, tl.max(x, axis=0))
+        # While the row has shown nothing but -inf, shift by 0 instead of by -inf.
+        shift = tl.where(new_max == -float("inf"), 0.0, new_max)
+        lane_sum = lane_sum * tl.exp(running_max - shift) + tl.exp(x - shift)
+        running_max = new_max
+    return running_max, tl.sum(lane_sum, axis=0)
+
+
+@triton.jit
 def softmax_looped_kernel(
     x_ptr,
     y_ptr,
@@ -195,22 +218,7 @@ def softmax_looped_kernel(
         x_row = x_ptr + tl.cast(row, tl.int64) * x_row_stride
         y_row = y_ptr + tl.cast(row, tl.int64) * y_row_stride
         # Pass 1: the running maximum (one number) and running sums (one per lane).
-        running_max = -float("inf")
-        lane_sum = tl.zeros([BLOCK_N], tl.float32)
-        for chunk in tl.range(0, n_chunks, num_stages=NUM_STAGES):
-            offsets = chunk * BLOCK_N + cols
-            x = tl.load(
-                x_row + offsets,
-                mask=offsets < n_cols,
-                other=-float("inf"),
-                eviction_policy="evict_last",
-            ).to(tl.float32)
-            new_max = tl.maximum(running_max, tl.max(x, axis=0))
-            # While the row has shown nothing but -inf, shift by 0 instead of by -inf.
-            shift = tl.where(new_max == -float("inf"), 0.0, new_max)
-            lane_sum = lane_sum * tl.exp(running_max - shift) + tl.exp(x - shift)
-            running_max = new_max
-        row_sum = tl.sum(lane_sum, axis=0)
+        running_max, row_sum = online_max_and_sum(x_row, n_cols, BLOCK_N, NUM_STAGES)
         inverse_sum = 1.0 / row_sum
         log_sum = tl.log(row_sum)
         # Pass 2 reads the row again; backwards, the chunks read last come first.
@@ -312,25 +320,12 @@ def softmax_split_kernel(
         sums = tl.load(row_stats + CHUNKS_POW2 + chunks, mask=present, volatile=True)
         row_max = tl.max(maxima, axis=0)
         row_shift = tl.where(row_max == -float("inf"), 0.0, row_max)
-        shifts = tl.where(maxima == -float("inf"), 0.0, maxima)
-        row_sum = tl.sum(tl.where(present, sums * tl.exp(shifts - row_shift), 0.0))
+        # A chunk of only -inf has sum 0 and weight exp(-inf) = 0: never 0 * overflow.
+        weights = tl.exp(maxima - row_shift)
+        row_sum = tl.sum(tl.where(present, sums * weights, 0.0))
     else:  # the siblings are not running: read the row ourselves, online
-        row_max = -float("inf")
-        lane_sum = tl.zeros([CHUNK], tl.float32)
-        for start in range(0, n_cols, CHUNK):
-            offsets = start + tl.arange(0, CHUNK)
-            part = tl.load(
-                x_row + offsets, mask=offsets < n_cols, other=-float("inf")
-            ).to(tl.float32)
-            new_max = tl.maximum(row_max, tl.max(part, axis=0))
-            new_shift = tl.where(new_max == -float("inf"), 0.0, new_max)
-            old_shift = tl.where(row_max == -float("inf"), 0.0, row_max)
-            lane_sum = lane_sum * tl.exp(old_shift - new_shift) + tl.exp(
-                part - new_shift
-            )
-            row_max = new_max
+        row_max, row_sum = online_max_and_sum(x_row, n_cols, CHUNK, 1)
         row_shift = tl.where(row_max == -float("inf"), 0.0, row_max)
-        row_sum = tl.sum(lane_sum, axis=0)
     if LOG:
         y = (x - row_max) - tl.log(row_sum)
     else:
