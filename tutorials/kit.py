@@ -334,6 +334,16 @@ def compile_static(fn: Callable) -> Callable:
     return torch.compile(fn, dynamic=False)
 
 
+@contextlib.contextmanager
+def side_stream():
+    """Make a new stream current, after the work queued so far. CUDA graphs cannot capture
+    the default stream, so whatever is to be captured runs on one of these."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        yield side
+
+
 def capture(fn: Callable) -> torch.cuda.CUDAGraph:
     """``fn``'s GPU work recorded as a CUDA graph, replayed without Python (see How we measure).
 
@@ -341,9 +351,7 @@ def capture(fn: Callable) -> torch.cuda.CUDAGraph:
     so ``fn`` first runs a few times on a side stream, as PyTorch's CUDA-graph notes ask.
     """
     fn()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
+    with side_stream() as side:
         for _ in range(3):
             fn()
     torch.cuda.current_stream().wait_stream(side)
@@ -360,15 +368,10 @@ def measure_ms(fn: Callable) -> tuple[float, float, float]:
     of calling ``fn`` from Python is left out (``cpu_us`` measures it).
     """
     if torch.cuda.current_stream() == torch.cuda.default_stream():
-        # CUDA cannot capture the default stream: move to a side stream, after the work
-        # queued so far (which made fn's inputs).
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
+        with side_stream():  # after the work that made fn's inputs
             return measure_ms(fn)
     graph = capture(fn)
     median, q20, q80 = triton.testing.do_bench(graph.replay, quantiles=[0.5, 0.2, 0.8])
-    del graph
     return median, q20, q80
 
 
@@ -439,7 +442,7 @@ def gpu_slug(gpu_name: str) -> str:
 def measure(bench: Benchmark) -> list[Point]:
     # Inputs, warm-up and capture all on one side stream: autograd runs a backward on the
     # stream of its forward, so a forward made here is captured with its backward.
-    with torch.cuda.stream(torch.cuda.Stream()):
+    with side_stream():
         return measure_on_stream(bench)
 
 
