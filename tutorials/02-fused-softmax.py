@@ -849,12 +849,14 @@ kit.run(softmax_bench)
 # fp32 (82 to 98% of the copy line; 2,684 GB/s at N = 4,096) and 1.76 to 2.82 TB/s in fp16,
 # and it is faster than ``torch.softmax`` at every benchmarked N, in both dtypes: by 1.3x (fp32)
 # and 2.1x (fp16) at N = 4,096, 1.8x and 1.3x at N = 32,768. ``torch.compile`` generates a
-# kernel much like ours: within 2% of it in fp32 from N = 4,096 (and ahead by 1 to 3% at
-# N = 256 and 512), well behind in fp16 (1,499 against 2,348 GB/s at N = 4,096).
+# kernel much like ours: in fp32 within 2% of it at N = 4,096, 8,192 and 16,384, 7% and 11%
+# behind at 12,000 and 32,768, and 3% ahead at N = 256 and 512; well behind in fp16 (1,499
+# against 2,348 GB/s at N = 4,096).
 #
-# Against our floors: 2.7 TB/s is met from N = 8,192 (fp32) and 16,384 (fp16), missed by a
-# hair at N = 4,096 in fp32 (2,684) and by 13% in fp16 (2,348), and most at N = 3,000 in fp16
-# (1,762), a row padded from 3,000 to 4,096 lanes. Below N = 2,048 the floor of 2.0 TB/s is
+# Against our floors: 2.7 TB/s is met in fp32 from N = 8,192 and in fp16 only at N = 16,384
+# (2,819; 2,645 at 8,192 and 2,691 at 32,768). It is missed by a hair at N = 4,096 in fp32
+# (2,684), by 13% in fp16 (2,348), and most at N = 3,000 in fp16 (1,762), a row padded from
+# 3,000 to 4,096 lanes. Below N = 2,048 the floor of 2.0 TB/s is
 # met only at N = 1,024 in fp32 (2,110). There the whole problem is 4 to 16 MB, moved in 3 to
 # 8 µs: a kernel that short spends a good part of its time starting and draining, for every
 # provider. Chapter 01's vector addition, the simplest kernel there is, shows the ceiling at
@@ -918,7 +920,7 @@ kit.run(steps_bench)
 # On the H100 the warps are what count: at N = 32,768 four warps reach 2,120 GB/s and the
 # 32 warps of the final launch 2,939 (+39%). Rows per program change little at M = 4,096
 # (2,127 against 1,978 GB/s at N = 1,024, within a few percent elsewhere), and the persistent
-# grid is 2 to 11% slower from N = 1,024 up.
+# grid is 3 to 11% slower from N = 1,024 up.
 #
 # Below about N = 1,024 every provider falls short of the copy line, ours included, and not
 # for want of bandwidth: 4,096 x 256 fp32 values are 4 MB, moved in under 3 µs at full speed,
@@ -952,10 +954,10 @@ kit.run(long_bench)
 
 # %%
 # Splitting the row pays: in fp32 the split kernel runs at 2.25 to 2.39 TB/s from N = 65,536
-# to 262,144, 1.5 to 1.6x the looped kernel (1.37 to 1.51) and ``torch.softmax`` (1.43 to
+# to 262,144, 1.55 to 1.65x the looped kernel (1.37 to 1.51) and ``torch.softmax`` (1.43 to
 # 1.46), and ahead of ``torch.compile`` (1.33 to 1.97). In fp16 it reaches 1.45 to 1.70 TB/s:
 # ahead of ``torch.softmax`` (1.32 to 1.50) and of the looped kernel (0.96 to 1.14), level with
-# ``torch.compile`` (1.54 to 1.76, ahead of ours by 3 to 4% at 65,536 and 131,072). The
+# ``torch.compile`` (0.95 to 1.76, ahead of ours by 3 to 4% at 65,536 and 131,072). The
 # 2.2 TB/s floor is met in fp32 and missed in fp16. The sweep behind the chunk sizes
 # (``tools/experiments/softmax_split_rows.py``) points at where the fp16 time goes: with the
 # same bytes per program fp16 runs slower than fp32, and larger chunks do not help, so the
@@ -1005,10 +1007,10 @@ kit.run(forward_backward_bench)
 # fp16 (2.18). The 2.4 TB/s floor holds from N = 2,048 to 16,384 in both dtypes (2.61 to 2.96)
 # and is missed at N = 32,768 (2.30 in fp32, 2.13 in fp16): the backward holds two tensors
 # of the row, so from N = 32,768 it takes its looped kernel, which reads y and dy twice.
-# Longer rows fall to about 1.9 (fp32) and 1.4 (fp16) TB/s for the same reason, and from
-# N = 32,768 ``torch.compile``, whose generated backward does not switch to a two-pass loop
-# there, is ahead of us (2.81 against 2.30 TB/s in fp32, 2.51 against 2.13 in fp16). A
-# split-row backward, like the forward's, is the fix (exercise 3).
+# Longer rows fall to 1.9 to 2.0 (fp32) and 1.4 to 1.6 (fp16) TB/s for the same reason. At
+# N = 32,768 ``torch.compile`` is ahead of us (2.81 against 2.30 TB/s in fp32, 2.51 against
+# 2.13 in fp16), and in fp16 up to N = 131,072 (1.73 against 1.50); we have not looked at
+# its generated code. A split-row backward, like the forward's, is the fix (exercise 3).
 
 # %%
 # What a call costs the CPU
