@@ -149,20 +149,23 @@ def test_lock_reduction_has_no_race_on_the_gpu(group_size_m):
 
 @pytest.mark.parametrize("reduction", REDUCTIONS)
 def test_explicit_launch_configs(reduction):
-    """The configs a launch sweep passes: any rows per program and warps, one block or walked."""
+    """The configs a launch sweep passes: any rows per program, warps, stages and grid cap
+    (a capped grid makes programs loop over several blocks of rows), one block or walked."""
     x, dy = random_tensor((13, 100), torch.float32, seed=14), random_tensor((13, 100), torch.float32, seed=15)
     weight = random_tensor(100, torch.float32, seed=16)
     y_ref, mean_ref, rstd_ref = chapter.layer_norm_forward(x, weight, None, 1e-5)
     grads_ref = chapter.layer_norm_backward(dy, x, weight, mean_ref, rstd_ref, reduction="two-stage")
-    for block, single, rows in ((128, True, 1), (128, True, 4), (32, False, 1)):
-        config = dict(BLOCK_N=block, ROWS_PER_PROGRAM=rows, SINGLE_BLOCK=single, num_warps=2)
-        y, mean, rstd = chapter.layer_norm_forward(x, weight, None, 1e-5, config=config)
+    launches = ((128, True, 1, None), (128, True, 4, None), (128, True, 2, 3), (128, True, 1, 1), (32, False, 1, None))
+    for block, single, rows, programs in launches:
+        config = dict(BLOCK_N=block, ROWS_PER_PROGRAM=rows, SINGLE_BLOCK=single, NUM_STAGES=2, num_warps=2)
+        y, mean, rstd = chapter.layer_norm_forward(x, weight, None, 1e-5, config={**config, "programs": programs})
         torch.testing.assert_close(y, y_ref, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(rstd, rstd_ref, rtol=1e-5, atol=1e-5)
         for backward_rows in (1, 4):
             config["ROWS_PER_PROGRAM"] = backward_rows
             grads = chapter.layer_norm_backward(dy, x, weight, mean, rstd, reduction=reduction, config=config)
             for mine, ref in zip(grads, grads_ref, strict=True):
                 torch.testing.assert_close(mine, ref, rtol=1e-5, atol=1e-5)
-    walking = dict(BLOCK_N=32, ROWS_PER_PROGRAM=4, SINGLE_BLOCK=False, num_warps=2)
+    walking = dict(BLOCK_N=32, ROWS_PER_PROGRAM=4, SINGLE_BLOCK=False, NUM_STAGES=1, num_warps=2)
     with pytest.raises(ValueError, match="one row per program"):
         chapter.layer_norm_forward(x, weight, None, 1e-5, config=walking)

@@ -103,6 +103,35 @@ def layer_norm_reference(x, weight, bias, eps):
 
 
 @triton.jit
+def normalize_rows(
+    x_ptr, y_ptr, weight_ptr, bias_ptr, mean_ptr, rstd_ptr, rows,
+    x_row_stride, y_row_stride, M, N, eps,
+    BLOCK_N: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
+):  # fmt: skip
+    """Normalize the rows ``rows`` (a vector of row indices), each in one block."""
+    cols = tl.arange(0, BLOCK_N)
+    row_mask = rows < M
+    col_mask = cols < N
+    mask = row_mask[:, None] & col_mask[None, :]
+    rows64 = rows.to(tl.int64)  # row * stride can pass 2**31 on large inputs
+    x_ptrs = x_ptr + rows64[:, None] * x_row_stride + cols[None, :]
+    x = tl.load(x_ptrs, mask=mask, other=0.0).to(tl.float32)
+    mean = tl.sum(x, axis=1) / N
+    centered = tl.where(mask, x - mean[:, None], 0.0)
+    var = tl.sum(centered * centered, axis=1) / N
+    rstd = 1.0 / tl.sqrt(var + eps)
+    y = centered * rstd[:, None]
+    if HAS_WEIGHT:
+        y = y * tl.load(weight_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
+    if HAS_BIAS:
+        y = y + tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
+    y_ptrs = y_ptr + rows64[:, None] * y_row_stride + cols[None, :]
+    tl.store(y_ptrs, y.to(y_ptr.dtype.element_ty), mask=mask)
+    tl.store(mean_ptr + rows, mean, mask=row_mask)
+    tl.store(rstd_ptr + rows, rstd, mask=row_mask)
+
+
+@triton.jit
 def layer_norm_forward_kernel(
     x_ptr,
     y_ptr,
@@ -120,30 +149,22 @@ def layer_norm_forward_kernel(
     SINGLE_BLOCK: tl.constexpr,
     HAS_WEIGHT: tl.constexpr,
     HAS_BIAS: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
 ):
     program_id = tl.program_id(axis=0)
     if SINGLE_BLOCK:
-        rows = program_id * ROWS_PER_PROGRAM + tl.arange(0, ROWS_PER_PROGRAM)
-        cols = tl.arange(0, BLOCK_N)
-        row_mask = rows < M
-        col_mask = cols < N
-        mask = row_mask[:, None] & col_mask[None, :]
-        rows64 = rows.to(tl.int64)  # row * stride can pass 2**31 on large inputs
-        x_ptrs = x_ptr + rows64[:, None] * x_row_stride + cols[None, :]
-        x = tl.load(x_ptrs, mask=mask, other=0.0).to(tl.float32)
-        mean = tl.sum(x, axis=1) / N
-        centered = tl.where(mask, x - mean[:, None], 0.0)
-        var = tl.sum(centered * centered, axis=1) / N
-        rstd = 1.0 / tl.sqrt(var + eps)
-        y = centered * rstd[:, None]
-        if HAS_WEIGHT:
-            y = y * tl.load(weight_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
-        if HAS_BIAS:
-            y = y + tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
-        y_ptrs = y_ptr + rows64[:, None] * y_row_stride + cols[None, :]
-        tl.store(y_ptrs, y.to(y_ptr.dtype.element_ty), mask=mask)
-        tl.store(mean_ptr + rows, mean, mask=row_mask)
-        tl.store(rstd_ptr + rows, rstd, mask=row_mask)
+        # Blocks of rows program_id, program_id + grid size, ...: one block when the grid
+        # covers all rows; with a smaller grid, NUM_STAGES > 1 loads the next block early.
+        n_row_blocks = tl.cdiv(M, ROWS_PER_PROGRAM)
+        grid_size = tl.num_programs(axis=0)
+        for block in tl.range(
+            program_id, n_row_blocks, grid_size, num_stages=NUM_STAGES
+        ):
+            normalize_rows(
+                x_ptr, y_ptr, weight_ptr, bias_ptr, mean_ptr, rstd_ptr,
+                block * ROWS_PER_PROGRAM + tl.arange(0, ROWS_PER_PROGRAM),
+                x_row_stride, y_row_stride, M, N, eps, BLOCK_N, HAS_WEIGHT, HAS_BIAS,
+            )  # fmt: skip
     else:
         # One row per program, walked in blocks; merge block statistics as Chan et al.
         row = program_id.to(tl.int64)
@@ -205,29 +226,39 @@ def forward_config(n_cols: int, n_rows: int, block_size: int | None = None) -> d
         rows = max(1, min(FORWARD_TILE // block, 16, triton.next_power_of_2(n_rows)))
         num_warps = max(1, min(16, rows * block // 512))
         return dict(
-            BLOCK_N=block, ROWS_PER_PROGRAM=rows, SINGLE_BLOCK=True, num_warps=num_warps
+            BLOCK_N=block,
+            ROWS_PER_PROGRAM=rows,
+            SINGLE_BLOCK=True,
+            NUM_STAGES=1,
+            num_warps=num_warps,
         )
     block = min(max_block, FORWARD_LOOP_BLOCK)
-    return dict(BLOCK_N=block, ROWS_PER_PROGRAM=1, SINGLE_BLOCK=False, num_warps=8)
+    return dict(
+        BLOCK_N=block, ROWS_PER_PROGRAM=1, SINGLE_BLOCK=False, NUM_STAGES=1, num_warps=8
+    )
 
 
 def layer_norm_forward(x2d, weight, bias, eps, block_size=None, config=None):
     """y, mean, rstd for a 2-D ``x2d`` whose rows are contiguous (any row stride).
 
-    ``config`` replaces ``forward_config``'s choice (a launch sweep passes its own)."""
+    ``config`` replaces ``forward_config``'s choice (a launch sweep passes its own); its
+    optional ``programs`` caps the grid, each program then taking several blocks of rows."""
     n_rows, n_cols = x2d.shape
     y = torch.empty((n_rows, n_cols), device=x2d.device, dtype=x2d.dtype)
     mean = torch.empty(n_rows, device=x2d.device, dtype=torch.float32)
     rstd = torch.empty(n_rows, device=x2d.device, dtype=torch.float32)
     if n_rows == 0:
         return y, mean, rstd
-    config = config or forward_config(n_cols, n_rows, block_size)
+    config = dict(config or forward_config(n_cols, n_rows, block_size))
     if not config["SINGLE_BLOCK"] and config["ROWS_PER_PROGRAM"] != 1:
         raise ValueError(
             "the walking forward takes one row per program: ROWS_PER_PROGRAM=1"
         )
-    grid = (triton.cdiv(n_rows, config["ROWS_PER_PROGRAM"]),)
-    layer_norm_forward_kernel[grid](
+    grid = triton.cdiv(n_rows, config["ROWS_PER_PROGRAM"])
+    programs = config.pop("programs", None)
+    if config["SINGLE_BLOCK"] and programs:
+        grid = min(grid, programs)
+    layer_norm_forward_kernel[(grid,)](
         x2d,
         y,
         x2d if weight is None else weight,  # never read when absent
@@ -382,6 +413,7 @@ def layer_norm_backward_kernel(
     HAS_WEIGHT: tl.constexpr,
     REDUCTION: tl.constexpr,
     GROUP_SIZE_M: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
 ):
     program_id = tl.program_id(axis=0)
     first_row = program_id * ROWS_PER_PROGRAM
@@ -396,7 +428,8 @@ def layer_norm_backward_kernel(
             w = tl.load(weight_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
         dw = tl.zeros([BLOCK_N], dtype=tl.float32)
         db = tl.zeros([BLOCK_N], dtype=tl.float32)
-        for i in range(ROWS_PER_PROGRAM):
+        # NUM_STAGES > 1: the next rows' loads are issued before this row's arithmetic
+        for i in tl.range(ROWS_PER_PROGRAM, num_stages=NUM_STAGES):
             row = first_row + i
             # rows past M are masked off whole (a mask of cols < 0)
             mask = cols < tl.where(row < M, N, 0)
@@ -605,6 +638,7 @@ def backward_config(
         BLOCK_N=block,
         ROWS_PER_PROGRAM=rows_per_program,
         SINGLE_BLOCK=single,
+        NUM_STAGES=1,
         num_warps=num_warps,
     )
 

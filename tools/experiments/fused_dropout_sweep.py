@@ -10,7 +10,9 @@ activation. This script times, on the same (N / 4096) x 4096 inputs:
   finds each element's bias with ``offset % n_cols``. When n_cols is a multiple of 4 its
   Philox counters are the chapter's (row * n_cols / 4 + column / 4 = offset / 4), so its
   output must equal the chapter's bit for bit: checked first, under the interpreter too;
-* plain seeded dropout, for the ceiling of the generator and the bytes.
+* plain seeded dropout, for the ceiling of the generator and the bytes;
+* plain seeded dropout at 2^24 elements over blocks and warps, next to a plain copy of the
+  same bytes (``kit.copy_of``): what a streaming kernel can reach at that size.
 
     PYTHONPATH=tutorials python tools/experiments/fused_dropout_sweep.py
 """
@@ -83,8 +85,31 @@ def sweep(dtype):
         print(line, flush=True)
 
 
+def plain_dropout_launches(dtype, n_elements=2**24):
+    x = torch.randn(n_elements, device="cuda", dtype=dtype)
+    out = torch.empty_like(x)
+    nbytes = 2 * x.numel() * x.element_size()
+
+    def rate(fn):
+        return nbytes / kit.measure_ms(fn)[0] / 1e6
+
+    def launch(block, warps):
+        grid = (triton.cdiv(n_elements, block),)
+        return lambda: chapter.dropout_kernel[grid](
+            x, out, n_elements, P, chapter.scale_for(P), SEED, block, num_warps=warps
+        )
+
+    line = f"{kit.dtype_name(dtype)}, 2^24 elements, GB/s: copy {rate(kit.copy_of(nbytes)):6.0f}"
+    line += f"  chapter {rate(lambda: chapter.dropout(x, P, SEED)):6.0f} |"
+    for block, warps in ((1024, 4), (2048, 4), (2048, 8), (4096, 4), (4096, 8), (8192, 8), (8192, 16)):
+        line += f"  {block}/{warps}w {rate(launch(block, warps)):6.0f}"
+    print(line, flush=True)
+
+
 check()
 if kit.ON_GPU:
     with kit.side_stream():  # as kit.measure does
+        for dtype in (torch.float32, torch.float16):
+            plain_dropout_launches(dtype)
         for dtype in (torch.float32, torch.float16):
             sweep(dtype)
