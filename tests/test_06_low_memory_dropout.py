@@ -261,8 +261,8 @@ def test_fused_matches_torch_forward_and_backward(shape, dtype, activation):
 
 @pytest.mark.parametrize("activation", kit.ACTIVATIONS)
 def test_fused_backward_spans_several_programs(activation, monkeypatch):
-    # Few programs force each one to walk several row blocks and reduce the bias over them.
-    monkeypatch.setattr(chapter, "BACKWARD_PROGRAMS", 2)
+    # Few programs force each one to walk many rows and reduce the bias over them.
+    monkeypatch.setattr(chapter, "FUSED_PROGRAMS_PER_SM", 1)
     chapter.check_fused((300, 20), torch.float32, activation, p=0.2, seed=1)
 
 

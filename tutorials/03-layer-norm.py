@@ -207,30 +207,41 @@ def layer_norm_forward_kernel(
 # Launch parameters for the forward
 # ---------------------------------
 # A row fits one block up to ``FORWARD_MAX_BLOCK`` elements; above that the kernel walks.
-# Short rows are packed until a program holds about ``FORWARD_TILE`` elements, and the number
-# of warps grows with the block so that each thread holds 16 to 32 values: enough for wide
-# vector loads, few enough to stay in registers. These constants come from the measurements
-# at the end of the chapter.
+# Short rows are packed until a program holds about ``FORWARD_TILE`` elements, with a warp
+# per 1,024 of them (32 values per thread: wide vector loads, few enough registers).
+#
+# The grid is capped at ``FORWARD_PROGRAMS_PER_SM`` programs per streaming multiprocessor;
+# each program then loops over several blocks of rows, and ``NUM_STAGES = 2`` asks Triton to
+# issue the loads of the next block before the arithmetic of this one, so a program always
+# has bytes in flight. These constants come from the launch sweep measured on the H100
+# (``tools/experiments/layer_norm_launch_sweep.py``, summarized at the end of the chapter):
+# at N = 16,384 in fp16 the capped, pipelined grid moved 2.74 TB/s against 2.19 for one
+# program per row.
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 FORWARD_MAX_BLOCK = 16384
 FORWARD_LOOP_BLOCK = 4096
 FORWARD_TILE = 4096
+FORWARD_PROGRAMS_PER_SM = 8
+FORWARD_STAGES = 2
+SM_COUNT = kit.SM_COUNT or 4  # the interpreter has no SMs: a stand-in of 4
 
 
 def forward_config(n_cols: int, n_rows: int, block_size: int | None = None) -> dict:
-    """Block, rows per program and warps for the forward; ``block_size`` caps the block."""
+    """Block, rows per program, warps, stages and grid cap for the forward.
+
+    ``block_size`` caps the block (the tests use it to reach the walking path)."""
     max_block = block_size or FORWARD_MAX_BLOCK
     block = triton.next_power_of_2(n_cols)
     if block <= max_block:
-        rows = max(1, min(FORWARD_TILE // block, 16, triton.next_power_of_2(n_rows)))
-        num_warps = max(1, min(16, rows * block // 512))
+        rows = max(1, min(FORWARD_TILE // block, triton.next_power_of_2(n_rows)))
         return dict(
             BLOCK_N=block,
             ROWS_PER_PROGRAM=rows,
             SINGLE_BLOCK=True,
-            NUM_STAGES=1,
-            num_warps=num_warps,
+            NUM_STAGES=FORWARD_STAGES,
+            num_warps=max(1, min(16, rows * block // 1024)),
+            programs=FORWARD_PROGRAMS_PER_SM * SM_COUNT,
         )
     block = min(max_block, FORWARD_LOOP_BLOCK)
     return dict(
@@ -583,7 +594,7 @@ def sum_partials_kernel(
     col_mask = cols < N
     dw = tl.zeros([BLOCK_P, BLOCK_N], dtype=tl.float32)
     db = tl.zeros([BLOCK_P, BLOCK_N], dtype=tl.float32)
-    for first in range(0, num_partials, BLOCK_P):
+    for first in tl.range(0, num_partials, BLOCK_P, num_stages=2):
         slots = first + tl.arange(0, BLOCK_P)
         keep = slots < num_partials
         if HAS_COUNTS:
@@ -609,21 +620,27 @@ def sum_partials_kernel(
 # ----------------------------------
 # The backward holds four row-sized fp32 arrays per program (x, dy and the two accumulators),
 # twice what the forward holds, so rows stop fitting in registers sooner:
-# ``BACKWARD_MAX_BLOCK`` is smaller than the forward's. The grid aims at
-# ``PROGRAMS_PER_SM`` programs per streaming multiprocessor, which sets
-# ``ROWS_PER_PROGRAM``; ``GROUP_SIZE_M`` is the number of lock-guarded buffers (the sweep at
-# the end of the chapter picks it).
+# ``BACKWARD_MAX_BLOCK`` is smaller than the forward's.
+#
+# The number of programs is a trade. Every program writes a partial row of dW and dB, so
+# fewer programs mean fewer partials; but a program that waits for its loads leaves the SM
+# idle unless others run beside it. Pipelining the row loop (``NUM_STAGES = 3``: two rows'
+# loads in flight while one is computed) keeps even one program per SM busy, which the sweep
+# found best from N = 4,096 up; shorter rows want more programs (``4096 // BLOCK_N`` per SM).
+# The stages live in shared memory, so their number shrinks for long fp32 rows.
+# ``GROUP_SIZE_M`` is the number of lock-guarded buffers (the sweep at the end of the chapter
+# measures the choice).
 
 REDUCTIONS = ("lock", "two-stage")
 BACKWARD_MAX_BLOCK = 8192
 BACKWARD_LOOP_BLOCK = 2048
-PROGRAMS_PER_SM = 2
-GROUP_SIZE_M = 32
-SM_COUNT = kit.SM_COUNT or 4  # the interpreter has no SMs: a stand-in of 4
+BACKWARD_STAGES = 3
+STAGE_BYTES = 96 * 1024  # shared memory for the pipelined loads of x and dy
+GROUP_SIZE_M = 64
 
 
 def backward_config(
-    n_cols: int, n_rows: int, block_size=None, rows_per_program=None
+    n_cols: int, n_rows: int, block_size=None, rows_per_program=None, itemsize=4
 ) -> dict:
     max_block = block_size or BACKWARD_MAX_BLOCK
     block = triton.next_power_of_2(n_cols)
@@ -631,15 +648,18 @@ def backward_config(
     if not single:
         block = min(max_block, BACKWARD_LOOP_BLOCK)
     if rows_per_program is None:
-        wanted = triton.cdiv(n_rows, PROGRAMS_PER_SM * SM_COUNT)
+        programs_per_sm = max(1, 4096 // block)
+        wanted = triton.cdiv(n_rows, programs_per_sm * SM_COUNT)
         rows_per_program = min(64, triton.next_power_of_2(wanted))
-    num_warps = max(4, min(16, block // 512))
+    stages = (
+        min(BACKWARD_STAGES, STAGE_BYTES // (2 * block * itemsize)) if single else 1
+    )
     return dict(
         BLOCK_N=block,
         ROWS_PER_PROGRAM=rows_per_program,
         SINGLE_BLOCK=single,
-        NUM_STAGES=1,
-        num_warps=num_warps,
+        NUM_STAGES=max(1, stages),
+        num_warps=max(4, min(16, block // 1024)),
     )
 
 
@@ -670,7 +690,9 @@ def layer_norm_backward(
             if grad is not None:
                 grad.zero_()
         return dx, dw, db
-    config = config or backward_config(n_cols, n_rows, block_size, rows_per_program)
+    config = config or backward_config(
+        n_cols, n_rows, block_size, rows_per_program, x2d.element_size()
+    )
     n_programs = triton.cdiv(n_rows, config["ROWS_PER_PROGRAM"])
     n_blocks = triton.cdiv(n_cols, config["BLOCK_N"])
     mode = reduction if (want_dw or want_db) else "none"
@@ -710,7 +732,9 @@ def layer_norm_backward(
         **config,
     )
     if mode != "none":
-        block_n = min(128, max(16, triton.next_power_of_2(n_cols // 64)))
+        # narrow column blocks: at least two programs per SM whenever N allows
+        block_n = triton.next_power_of_2(triton.cdiv(n_cols, 2 * SM_COUNT))
+        block_n = min(128, max(16, block_n))
         sum_partials_kernel[(triton.cdiv(n_cols, block_n),)](
             partials,
             locks[num_locks:] if mode == "lock" else partials,
@@ -1376,7 +1400,7 @@ group_sweep = kit.Benchmark(
     name="layer-norm-group-size",
     x_name="GROUP_SIZE_M (lock-guarded buffers)",
     x_values=[2**i for i in range(0, 9)],
-    providers=["1 row per program", "4 rows per program", "16 rows per program"],
+    providers=["1 row per program", "4 rows per program", "32 rows per program"],
     make=make_group_sweep,
     work=lambda group_size_m, dtype: 3 * SWEEP_ROWS * SWEEP_COLS * dtype.itemsize,
     dtypes=(torch.float16,),

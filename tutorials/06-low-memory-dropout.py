@@ -625,99 +625,102 @@ for provider, function in memory_providers.items():
 # thousand programs the partials are about a thousandth of the work.
 #
 # The fused layer is 2-D (rows x features), so its counters number *groups of four in a row*:
-# counter = row * ceil(n_cols / 4) + col // 4, lane = col % 4. A tile is then a 3-D block of
-# rows x groups x 4 lanes. As for dropout, every element has its own counter, whatever the
-# tiling, so the forward and the backward tiles may differ.
+# counter = row * ceil(n_cols / 4) + col // 4, lane = col % 4. Every row starts a new group,
+# so a tile of one row's columns is exactly the 2-D block of groups x 4 lanes that dropout
+# uses, and ``keep_mask`` serves it unchanged. A program owns a block of ``BLOCK_COLS``
+# columns (bias loaded once) and walks down a strip of rows, one row-tile at a time;
+# ``NUM_STAGES = 2`` lets Triton issue the next row's loads before this row's arithmetic.
+# As for dropout, every element has its own counter whatever the tiling.
+#
+# We first wrote these kernels on 3-D tiles (rows x groups x 4 lanes, 128 columns wide):
+# on the H100 that forward ran at 1.1 to 1.3 TB/s in fp32 for every activation, where the
+# same arithmetic on dropout's 2-D blocks ran at 2.8 to 3.0
+# (``tools/experiments/fused_dropout_sweep.py``, log in ``results/``). The row-tile layout
+# keeps every tensor in the one shape the generator produces.
 
 
 @triton.jit
-def tile_keep_mask(seed, p, rows, groups, groups_per_row):
-    """rows [M] and groups [G] (int64) -> which of the [M, G, 4] elements to keep."""
-    counters = (rows[:, None] * groups_per_row + groups[None, :]).to(tl.uint32)
-    r0, r1, r2, r3 = tl.rand4x(seed, counters)
-    lane = tl.arange(0, 4)[None, None, :]
-    random = tl.where(
-        lane == 0,
-        r0[:, :, None],
-        tl.where(
-            lane == 1,
-            r1[:, :, None],
-            tl.where(lane == 2, r2[:, :, None], r3[:, :, None]),
-        ),
-    )
-    return random >= p
+def row_tile(row, col_groups, groups_per_row, n_rows, n_cols):
+    """One row's tile: Philox counters [G], element offsets [G, 4], and its mask."""
+    cols = col_groups[:, None] * 4 + tl.arange(0, 4)[None, :]
+    in_bounds = cols < tl.where(row < n_rows, n_cols, 0)  # rows past the end: nothing
+    return row * groups_per_row + col_groups, row * n_cols + cols, in_bounds
 
 
 @triton.jit(do_not_specialize=["seed"])
 def bias_act_dropout_kernel(
-    x_ptr, bias_ptr, out_ptr, n_rows, n_cols, p, scale, seed,
-    ACTIVATION: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr,
+    x_ptr, bias_ptr, out_ptr, n_rows, n_cols, rows_per_program, p, scale, seed,
+    ACTIVATION: tl.constexpr, BLOCK_COLS: tl.constexpr, NUM_STAGES: tl.constexpr,
 ):  # fmt: skip
-    rows = tl.program_id(0).to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     groups_per_block: tl.constexpr = BLOCK_COLS // 4
-    groups = tl.program_id(1).to(tl.int64) * groups_per_block
-    groups += tl.arange(0, groups_per_block)
-    cols = groups[:, None] * 4 + tl.arange(0, 4)[None, :]  # [G, 4]
-    cols_in = cols < n_cols
-    in_bounds = (rows < n_rows)[:, None, None] & cols_in[None, :, :]
-    offsets = rows[:, None, None] * n_cols + cols[None, :, :]  # [M, G, 4]
-
-    bias = tl.load(bias_ptr + cols, mask=cols_in).to(tl.float32)
-    x = tl.load(x_ptr + offsets, mask=in_bounds).to(tl.float32)
-    activated = kit.apply_activation(x + bias[None, :, :], ACTIVATION)
-    keep = tile_keep_mask(seed, p, rows, groups, (n_cols + 3) // 4)
-    out = tl.where(keep, activated * scale, 0.0)
-    tl.store(out_ptr + offsets, out.to(out_ptr.dtype.element_ty), mask=in_bounds)
+    col_groups = tl.program_id(1) * groups_per_block + tl.arange(0, groups_per_block)
+    cols = col_groups[:, None] * 4 + tl.arange(0, 4)[None, :]
+    bias = tl.load(bias_ptr + cols, mask=cols < n_cols).to(tl.float32)
+    first_row = tl.program_id(0).to(tl.int64) * rows_per_program
+    for i in tl.range(0, rows_per_program, num_stages=NUM_STAGES):
+        counters, offsets, in_bounds = row_tile(
+            first_row + i, col_groups, (n_cols + 3) // 4, n_rows, n_cols
+        )
+        x = tl.load(x_ptr + offsets, mask=in_bounds).to(tl.float32)
+        activated = kit.apply_activation(x + bias, ACTIVATION)
+        keep = keep_mask(seed, p, counters)
+        out = tl.where(keep, activated * scale, 0.0)
+        tl.store(out_ptr + offsets, out.to(out_ptr.dtype.element_ty), mask=in_bounds)
 
 
 @triton.jit(do_not_specialize=["seed"])
 def bias_act_dropout_backward_kernel(
     grad_out_ptr, x_ptr, bias_ptr, grad_in_ptr, bias_partial_ptr,
     n_rows, n_cols, rows_per_program, p, scale, seed,
-    ACTIVATION: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr,
+    ACTIVATION: tl.constexpr, BLOCK_COLS: tl.constexpr, NUM_STAGES: tl.constexpr,
 ):  # fmt: skip
     groups_per_block: tl.constexpr = BLOCK_COLS // 4
-    groups = tl.program_id(1).to(tl.int64) * groups_per_block
-    groups += tl.arange(0, groups_per_block)
-    cols = groups[:, None] * 4 + tl.arange(0, 4)[None, :]
+    col_groups = tl.program_id(1) * groups_per_block + tl.arange(0, groups_per_block)
+    cols = col_groups[:, None] * 4 + tl.arange(0, 4)[None, :]
     cols_in = cols < n_cols
     if ACTIVATION is not None:
         bias = tl.load(bias_ptr + cols, mask=cols_in).to(tl.float32)
     bias_sum = tl.zeros((groups_per_block, 4), dtype=tl.float32)
     first_row = tl.program_id(0).to(tl.int64) * rows_per_program
-    for row_start in range(first_row, first_row + rows_per_program, BLOCK_ROWS):
-        rows = row_start + tl.arange(0, BLOCK_ROWS)
-        in_bounds = (rows < n_rows)[:, None, None] & cols_in[None, :, :]
-        offsets = rows[:, None, None] * n_cols + cols[None, :, :]
+    for i in tl.range(0, rows_per_program, num_stages=NUM_STAGES):
+        counters, offsets, in_bounds = row_tile(
+            first_row + i, col_groups, (n_cols + 3) // 4, n_rows, n_cols
+        )
         grad = tl.load(grad_out_ptr + offsets, mask=in_bounds).to(tl.float32)
-        keep = tile_keep_mask(seed, p, rows, groups, (n_cols + 3) // 4)
+        keep = keep_mask(seed, p, counters)
         grad = tl.where(keep, grad * scale, 0.0)
         if ACTIVATION is not None:  # recompute z = x + b: read x, store nothing
             x = tl.load(x_ptr + offsets, mask=in_bounds).to(tl.float32)
-            grad *= kit.activation_derivative(x + bias[None, :, :], ACTIVATION)
+            grad *= kit.activation_derivative(x + bias, ACTIVATION)
         grad = tl.where(in_bounds, grad, 0.0)
         tl.store(
             grad_in_ptr + offsets, grad.to(grad_in_ptr.dtype.element_ty), mask=in_bounds
         )
-        bias_sum += tl.sum(grad, axis=0)
+        bias_sum += grad
     partial_row = tl.program_id(0).to(tl.int64) * n_cols
     tl.store(bias_partial_ptr + partial_row + cols, bias_sum, mask=cols_in)
 
 
 # %%
-# The wrapper flattens every dimension but the last into rows, and picks the tile: up to 128
-# features wide (at least one group of four) and about 4,096 elements in all. In the backward
-# each program takes ``rows_per_program`` rows so that about 1,024 programs run, enough to fill
-# an H100's 132 SMs several times over.
+# The wrapper flattens every dimension but the last into rows and picks the launch: blocks of
+# up to ``FUSED_BLOCK_COLS`` columns (at least one group of four), and strips of rows long
+# enough that about ``FUSED_PROGRAMS_PER_SM`` programs run on each SM. The backward writes one
+# row of bias partials per strip: with a few hundred strips, well under 1% of its traffic.
 
-FUSED_TILE = 4096
-FUSED_MAX_COLS = 128
-BACKWARD_PROGRAMS = 1024
+FUSED_BLOCK_COLS = 1024
+FUSED_WARPS = 4
+FUSED_STAGES = 2
+FUSED_PROGRAMS_PER_SM = 8
+SM_COUNT = kit.SM_COUNT or 4  # the interpreter has no SMs: a stand-in of 4
 
 
-def fused_tile(n_cols: int) -> tuple[int, int]:
-    block_cols = min(FUSED_MAX_COLS, max(4, triton.next_power_of_2(n_cols)))
-    return FUSED_TILE // block_cols, block_cols
+def fused_launch(n_rows: int, n_cols: int) -> tuple[int, int, int]:
+    """(BLOCK_COLS, rows per program, row programs) for an n_rows x n_cols input."""
+    block_cols = min(FUSED_BLOCK_COLS, max(4, triton.next_power_of_2(n_cols)))
+    col_blocks = triton.cdiv(n_cols, block_cols)
+    wanted = triton.cdiv(FUSED_PROGRAMS_PER_SM * SM_COUNT, col_blocks)
+    rows_per_program = triton.cdiv(n_rows, min(n_rows, wanted))
+    return block_cols, rows_per_program, triton.cdiv(n_rows, rows_per_program)
 
 
 def check_activation(activation) -> None:
@@ -731,12 +734,12 @@ def bias_act_dropout_forward(x2d, bias, p, activation, seed):
     n_rows, n_cols = x2d.shape
     out = torch.empty_like(x2d)
     if x2d.numel():
-        block_rows, block_cols = fused_tile(n_cols)
-        grid = (triton.cdiv(n_rows, block_rows), triton.cdiv(n_cols, block_cols))
+        block_cols, rows_per_program, row_programs = fused_launch(n_rows, n_cols)
+        grid = (row_programs, triton.cdiv(n_cols, block_cols))
         bias_act_dropout_kernel[grid](
-            x2d, bias, out, n_rows, n_cols, p, scale_for(p), seed,
-            ACTIVATION=activation, BLOCK_ROWS=block_rows, BLOCK_COLS=block_cols,
-            num_warps=NUM_WARPS,
+            x2d, bias, out, n_rows, n_cols, rows_per_program, p, scale_for(p), seed,
+            ACTIVATION=activation, BLOCK_COLS=block_cols, NUM_STAGES=FUSED_STAGES,
+            num_warps=FUSED_WARPS,
         )  # fmt: skip
     return out
 
@@ -746,18 +749,13 @@ def bias_act_dropout_backward(grad_out, x2d, bias, p, activation, seed):
     grad_in = torch.empty_like(grad_out)
     if grad_out.numel() == 0:
         return grad_in, torch.zeros_like(bias)
-    block_rows, block_cols = fused_tile(n_cols)
-    col_blocks = triton.cdiv(n_cols, block_cols)
-    row_blocks = triton.cdiv(n_rows, block_rows)
-    row_programs = min(row_blocks, triton.cdiv(BACKWARD_PROGRAMS, col_blocks))
-    rows_per_program = triton.cdiv(row_blocks, row_programs) * block_rows
-    row_programs = triton.cdiv(n_rows, rows_per_program)
+    block_cols, rows_per_program, row_programs = fused_launch(n_rows, n_cols)
     partial = torch.empty(row_programs, n_cols, device=grad_out.device)
-    bias_act_dropout_backward_kernel[(row_programs, col_blocks)](
+    bias_act_dropout_backward_kernel[(row_programs, triton.cdiv(n_cols, block_cols))](
         grad_out, x2d, bias, grad_in, partial, n_rows, n_cols, rows_per_program,
         p, scale_for(p), seed,
-        ACTIVATION=activation, BLOCK_ROWS=block_rows, BLOCK_COLS=block_cols,
-        num_warps=NUM_WARPS,
+        ACTIVATION=activation, BLOCK_COLS=block_cols, NUM_STAGES=FUSED_STAGES,
+        num_warps=FUSED_WARPS,
     )  # fmt: skip
     return grad_in, partial.sum(0).to(bias.dtype)
 

@@ -13,7 +13,9 @@ it times (GPU time of CUDA-graph replays, L2 flushed, as the chapters measure):
 
 It prints the four fastest launches next to the chapter's default:
 
-    PYTHONPATH=tutorials python tools/experiments/layer_norm_launch_sweep.py [seconds]
+    PYTHONPATH=tutorials python tools/experiments/layer_norm_launch_sweep.py [seconds] [--long]
+
+``--long`` instead tries holding rows of 16,384 whole in the backward.
 """
 
 import itertools
@@ -25,7 +27,8 @@ import torch
 import triton
 
 chapter = kit.load_chapter("03")
-deadline = time.time() + (float(sys.argv[1]) if len(sys.argv) > 1 else 600)
+seconds = [float(arg) for arg in sys.argv[1:] if not arg.startswith("--")]
+deadline = time.time() + (seconds[0] if seconds else 600)
 ROWS = 4096
 SMS = kit.SM_COUNT
 failures = set()
@@ -132,10 +135,34 @@ try:
 except ImportError:
     liger = None
 
+
+def single_block_backward(dtype, n_cols=16384):
+    """Rows of 16,384 held whole in the backward (the chapter walks them): does it fit?"""
+    x = torch.randn(ROWS, n_cols, device="cuda", dtype=dtype)
+    dy, weight = torch.randn_like(x), torch.rand(n_cols, device="cuda", dtype=dtype) + 0.5
+    _, mean, rstd = chapter.layer_norm_forward(x, weight, None, 1e-5)
+    nbytes = 3 * x.numel() * x.element_size()
+
+    def call(reduction, config=None):
+        return lambda: chapter.layer_norm_backward(dy, x, weight, mean, rstd, reduction=reduction, config=config)
+
+    rated = []
+    for reduction, per_sm, warps, stages in itertools.product(("two-stage", "lock"), (1, 2), (16, 32), (1, 2)):
+        rows = triton.next_power_of_2(triton.cdiv(ROWS, per_sm * SMS))
+        config = dict(BLOCK_N=n_cols, ROWS_PER_PROGRAM=rows, SINGLE_BLOCK=True, NUM_STAGES=stages, num_warps=warps)
+        rated.append((gb_per_s(call(reduction, config), nbytes), f"{reduction} {per_sm}/SM w={warps} st={stages}"))
+    default = gb_per_s(call("two-stage"), nbytes)
+    print(f"bwd one block {kit.dtype_name(dtype):8} N={n_cols}: default (walks) {default:5.0f} | {best(rated, 6)}")
+
+
 if not kit.ON_GPU:
     sys.exit("GPU only: this script times launches")
 print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}")
 with kit.side_stream():
+    if "--long" in sys.argv:
+        for dtype in (torch.float16, torch.float32):
+            single_block_backward(dtype)
+        sys.exit()
     for dtype, n_cols in itertools.product((torch.float16, torch.float32), (1024, 4096, 16384, 2048, 8192)):
         if time.time() > deadline:
             print("time up")
