@@ -219,15 +219,18 @@ def layer_norm_forward_kernel(
 # program per row.
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-FORWARD_MAX_BLOCK = 16384
+FORWARD_MAX_BLOCK = 32768
 FORWARD_LOOP_BLOCK = 4096
-FORWARD_TILE = 4096
+FORWARD_TILE = 8192
 FORWARD_PROGRAMS_PER_SM = 8
 FORWARD_STAGES = 2
+FORWARD_STAGE_BYTES = 128 * 1024  # shared memory for the loads in flight
 SM_COUNT = kit.SM_COUNT or 4  # the interpreter has no SMs: a stand-in of 4
 
 
-def forward_config(n_cols: int, n_rows: int, block_size: int | None = None) -> dict:
+def forward_config(
+    n_cols: int, n_rows: int, block_size: int | None = None, itemsize: int = 4
+) -> dict:
     """Block, rows per program, warps, stages and grid cap for the forward.
 
     ``block_size`` caps the block (the tests use it to reach the walking path)."""
@@ -235,11 +238,12 @@ def forward_config(n_cols: int, n_rows: int, block_size: int | None = None) -> d
     block = triton.next_power_of_2(n_cols)
     if block <= max_block:
         rows = max(1, min(FORWARD_TILE // block, triton.next_power_of_2(n_rows)))
+        stages = FORWARD_STAGE_BYTES // (rows * block * itemsize)
         return dict(
             BLOCK_N=block,
             ROWS_PER_PROGRAM=rows,
             SINGLE_BLOCK=True,
-            NUM_STAGES=FORWARD_STAGES,
+            NUM_STAGES=max(1, min(FORWARD_STAGES, stages)),
             num_warps=max(1, min(16, rows * block // 1024)),
             programs=FORWARD_PROGRAMS_PER_SM * SM_COUNT,
         )
@@ -260,7 +264,9 @@ def layer_norm_forward(x2d, weight, bias, eps, block_size=None, config=None):
     rstd = torch.empty(n_rows, device=x2d.device, dtype=torch.float32)
     if n_rows == 0:
         return y, mean, rstd
-    config = dict(config or forward_config(n_cols, n_rows, block_size))
+    config = dict(
+        config or forward_config(n_cols, n_rows, block_size, x2d.element_size())
+    )
     if not config["SINGLE_BLOCK"] and config["ROWS_PER_PROGRAM"] != 1:
         raise ValueError(
             "the walking forward takes one row per program: ROWS_PER_PROGRAM=1"
@@ -632,7 +638,7 @@ def sum_partials_kernel(
 # measures the choice).
 
 REDUCTIONS = ("lock", "two-stage")
-BACKWARD_MAX_BLOCK = 8192
+BACKWARD_MAX_BLOCK = 16384
 BACKWARD_LOOP_BLOCK = 2048
 BACKWARD_STAGES = 3
 STAGE_BYTES = 96 * 1024  # shared memory for the pipelined loads of x and dy
@@ -1299,7 +1305,7 @@ forward_bench = kit.Benchmark(
     name="layer-norm-forward",
     x_name="N (columns), M = 4096 rows",
     x_values=N_VALUES,
-    providers=PROVIDERS,
+    providers=[*PROVIDERS, kit.COPY_PROVIDER],
     make=make_forward,
     work=lambda n_cols, dtype: 2 * BENCH_ROWS * n_cols * dtype.itemsize,
     dtypes=(torch.float16, torch.float32),
@@ -1340,7 +1346,7 @@ backward_bench = kit.Benchmark(
     name="layer-norm-backward",
     x_name="N (columns), M = 4096 rows",
     x_values=N_VALUES,
-    providers=PROVIDERS,
+    providers=[*PROVIDERS, kit.COPY_PROVIDER],
     make=make_backward,
     work=lambda n_cols, dtype: 3 * BENCH_ROWS * n_cols * dtype.itemsize,
     dtypes=(torch.float16, torch.float32),

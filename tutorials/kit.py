@@ -298,6 +298,7 @@ STYLE = {
     "torch": "tab:red",
     "torch.compile": "tab:orange",
     "naive": "tab:gray",
+    "copy (same bytes)": "black",
 }
 # For the other providers of a plot (variants of a kernel, other libraries), in order.
 OTHER_COLORS = (
@@ -464,6 +465,14 @@ def gpu_slug(gpu_name: str) -> str:
     return re.sub(r"[^a-z0-9]+", "-", gpu_name.lower()).strip("-")
 
 
+def make_call(bench: Benchmark, provider: str, x, dtype) -> Callable:
+    """The call to time: ``bench.make``'s, or for ``COPY_PROVIDER`` a copy of the bytes that
+    ``bench.work`` counts, so that a benchmark gets its size's ceiling by listing it."""
+    if provider == COPY_PROVIDER:
+        return copy_of(int(bench.work(x, dtype)))
+    return bench.make(provider, x, dtype)
+
+
 def measure(bench: Benchmark) -> list[Point]:
     # Inputs, warm-up and capture all on one side stream: autograd runs a backward on the
     # stream of its forward, so a forward made here is captured with its backward.
@@ -477,11 +486,11 @@ def measure_on_stream(bench: Benchmark) -> list[Point]:
         for x in bench.x_values:
             for provider in bench.providers:
                 if bench.unit == CPU_UNIT:
-                    us = cpu_us(bench.make(provider, x, dtype))
+                    us = cpu_us(make_call(bench, provider, x, dtype))
                     points.append(Point(provider, dtype_name(dtype), x, us))
                     continue
                 try:
-                    ms, q20, q80 = measure_ms(bench.make(provider, x, dtype))
+                    ms, q20, q80 = measure_ms(make_call(bench, provider, x, dtype))
                 except torch.OutOfMemoryError:
                     print(
                         f"  {provider} at {bench.x_name}={x}: out of GPU memory, skipped"
@@ -583,7 +592,7 @@ def smoke(bench: Benchmark) -> None:
             if (
                 provider != "torch.compile"
             ):  # compiles C++ on a CPU: slow, and says nothing here
-                bench.make(provider, bench.smoke_x, dtype)()
+                make_call(bench, provider, bench.smoke_x, dtype)()
 
 
 def describe(env: dict) -> str:
