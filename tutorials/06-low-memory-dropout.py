@@ -1069,27 +1069,35 @@ kit.run(fused_backward)
 # What the numbers say
 # --------------------
 # On the H100 (GPU time of each call, see How we measure), at 2^28 elements our dropout runs
-# at 2,982 GB/s in fp32 and 2,992 in fp16, the copy bandwidth, against 2,285 and 2,000 for
+# at 2,983 GB/s in fp32 and 2,993 in fp16, the copy bandwidth, against 2,285 and 1,999 for
 # ``torch.nn.functional.dropout``, and it leads ``torch`` and ``torch.compile`` at every size
-# from 2^16 up. The 2.7 TB/s floor is met from 2^26 elements (2,893 and 2,837); at 2^24, a
-# 64 MB (fp32) problem of 20 to 30 µs, it reaches 2,592 and 2,356, the sizes where even a
-# copy does not yet reach full speed (chapter 01). Two of our own variants show where the
-# time would go. Drawing one Philox call per element and throwing three of its four numbers
-# away more than halves the fp16 rate (1,328 GB/s at 2^28): the generator, not memory, then
-# sets the pace. Storing the mask as one byte per element costs 12 to 22% (2,624 and 2,328
-# GB/s), the extra byte written. Forward plus backward keeps the lead at every size: 2,990 and
-# 3,009 GB/s at 2^28 against 2,473 and 2,197 for ``torch``, and at or above 2.7 TB/s from 2^26
-# elements (2,692 and 2,531 at 2^24).
+# from 2^16 up. The black line is a plain Triton copy of the same bytes (How we measure): a
+# reference for what a simple streaming kernel reaches at each size, not a hard bound (at
+# 2^27 and 2^28 in fp16 dropout edges past it by 1%). The 2.7 TB/s floor is met from 2^26
+# elements (2,894 and 2,834); at 2^24, a 64 MB (fp32) problem of 20 to 30 µs, we reach 2,604
+# and 2,348, 98% and 96% of the copy of the same bytes (2,661 and 2,447), which itself falls
+# short of 2.7 there. Two of our own variants show where the time would go. Drawing one
+# Philox call per element and throwing three of its four numbers away more than halves the
+# fp16 rate (1,328 GB/s at 2^28): the generator, not memory, then sets the pace. Storing the
+# mask as one byte per element costs 12 to 22% (2,623 and 2,330 GB/s), the extra byte
+# written. Forward plus backward keeps the lead at every size: 2,991 and 3,010 GB/s at 2^28
+# against 2,471 and 2,198 for ``torch``, and at or above 2.7 TB/s from 2^26 elements (2,692
+# and 2,528 at 2^24).
 #
-# The fused bias + GELU + dropout layer is bound by arithmetic, not memory. At 2^28 it runs at
-# 1,317 GB/s in fp32 and 885 in fp16, 44% and 30% of the copy line, but that is 165 and 221
-# billion elements a second: halving the bytes per element bought only a third more elements,
-# so most of the time goes to the exact GELU's ``erf`` and the generator. Against eager
-# PyTorch's three kernels (853 and 681 GB/s) that is 1.5x and 1.3x, short of the 2x and
-# 2.5 TB/s we aimed for; ``torch.compile`` ties with us in fp32 (1,330) and trails in fp16
-# (730). Forward plus backward: 1,368 and 937 GB/s against ``torch``'s 1,133 and 982: ahead
-# in fp32, 5% behind in fp16, where our backward regenerates the mask and recomputes GELU
-# and its derivative per element; which of these costs the most we have not measured.
+# The fused bias + GELU + dropout layer runs at 2,701 GB/s in fp32 at 2^28 (91% of the copy
+# of the same bytes), 3.2 times eager PyTorch's three kernels (853) and 1.8 times
+# ``torch.compile`` (1,472). In fp16 it reaches 1,442 GB/s, 2.1 times eager (682) and 2.2 times
+# ``torch.compile`` (660), but only 49% of the copy: the 2.5 TB/s we aimed for is met in fp32
+# from 2^26 elements and never in fp16. The reason shows in elements per second: 338 billion
+# in fp32 and 360 billion in fp16, nearly the same, although an fp16 element has half the
+# bytes. The pace is set per element, by arithmetic: the exact GELU's ``erf`` and the
+# generator. The launch sweep (``tools/experiments/fused_dropout_sweep.py``) separates the
+# two: a flat variant of this forward, same bytes and same generator, ran at 2.3 TB/s in fp16
+# with ReLU and 1.5 with GELU.
+#
+# Forward plus backward: 2,288 GB/s in fp32 and 1,633 in fp16 at 2^28, against ``torch``'s
+# 1,133 and 983 and ``torch.compile``'s 1,056 and 589. The backward pays the same arithmetic
+# again: it regenerates the mask and evaluates GELU's derivative, ``erf`` included.
 #
 # What we learned
 # ---------------

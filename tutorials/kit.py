@@ -410,7 +410,8 @@ def hardware_limits() -> dict:
 # The copy bandwidth above is measured on 2 GiB. A kernel that moves tens of megabytes
 # spends a few microseconds filling and draining the GPU, which a large copy hides: the rate
 # it can reach is lower. ``copy_of(nbytes)`` is a plain Triton copy of the same bytes, timed
-# like any provider: the ceiling for a streaming kernel at that size.
+# like any provider: what a simple streaming kernel reaches at that size (a reference, not a
+# bound: a kernel with other tiles can beat it by a few percent).
 COPY_BLOCK, COPY_WARPS = 4096, 8
 COPY_PROVIDER = "copy (same bytes)"
 
