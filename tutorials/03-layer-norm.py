@@ -1344,9 +1344,10 @@ kit.run(forward_bench)
 # Against our targets (fp16: 2.7 TB/s from N = 4,096, 1.8 TB/s at N = 1,024) only N = 16,384
 # passes. At N = 1,024, 4,096 and 8,192 the target lies above what the copy of the same bytes
 # reaches on this H100 (1.52, 2.42 and 2.67 TB/s) and above every provider measured (the
-# best: 1.52, 2.46 and 2.63 TB/s); there we reach 83%, 93% and 94% of the copy. Above N = 16,384 the misses are ours: 2,686
-# against 2.7 TB/s at N = 32,768, and 1,942 for the walked rows of 65,536. ``torch.compile`` leads us at N = 1,024 and
-# from N = 8,192 up to 32,768, by 3 to 21%.
+# best: 1.52, 2.46 and 2.63 TB/s); there we reach 83%, 93% and 94% of the copy. Above
+# N = 16,384 the misses are ours: 2,686 against 2.7 TB/s at N = 32,768, and 1,942 for the
+# walked rows of 65,536. ``torch.compile`` leads us at N = 1,024 and from N = 8,192 up to
+# 32,768, by 3 to 21%.
 
 backward_bench = kit.Benchmark(
     name="layer-norm-backward",
