@@ -229,6 +229,11 @@ FORWARD_STAGE_BYTES = 128 * 1024  # shared memory for the loads in flight
 SM_COUNT = kit.SM_COUNT or 4  # the interpreter has no SMs: a stand-in of 4
 
 
+def pipeline_stages(most: int, bytes_per_stage: int, budget: int) -> int:
+    """Stages of loads in flight (at most ``most``, at least 1) within ``budget`` bytes."""
+    return max(1, min(most, budget // bytes_per_stage))
+
+
 def forward_config(
     n_cols: int, n_rows: int, block_size: int | None = None, itemsize: int = 4
 ) -> dict:
@@ -239,12 +244,13 @@ def forward_config(
     block = triton.next_power_of_2(n_cols)
     if block <= max_block:
         rows = max(1, min(FORWARD_TILE // block, triton.next_power_of_2(n_rows)))
-        stages = FORWARD_STAGE_BYTES // (rows * block * itemsize)
         return dict(
             BLOCK_N=block,
             ROWS_PER_PROGRAM=rows,
             SINGLE_BLOCK=True,
-            NUM_STAGES=max(1, min(FORWARD_STAGES, stages)),
+            NUM_STAGES=pipeline_stages(
+                FORWARD_STAGES, rows * block * itemsize, FORWARD_STAGE_BYTES
+            ),
             num_warps=max(1, min(16, rows * block // 1024)),
             programs=FORWARD_PROGRAMS_PER_SM * SM_COUNT,
         )
@@ -642,7 +648,7 @@ REDUCTIONS = ("lock", "two-stage")
 BACKWARD_MAX_BLOCK = 16384
 BACKWARD_LOOP_BLOCK = 2048
 BACKWARD_STAGES = 3
-STAGE_BYTES = 96 * 1024  # shared memory for the pipelined loads of x and dy
+BACKWARD_STAGE_BYTES = 96 * 1024  # shared memory for the pipelined loads of x and dy
 GROUP_SIZE_M = 64
 
 
@@ -658,14 +664,16 @@ def backward_config(
         programs_per_sm = max(1, 4096 // block)
         wanted = triton.cdiv(n_rows, programs_per_sm * SM_COUNT)
         rows_per_program = min(64, triton.next_power_of_2(wanted))
-    stages = (
-        min(BACKWARD_STAGES, STAGE_BYTES // (2 * block * itemsize)) if single else 1
-    )
+    stages = 1  # only the single-block row loop is pipelined
+    if single:
+        stages = pipeline_stages(
+            BACKWARD_STAGES, 2 * block * itemsize, BACKWARD_STAGE_BYTES
+        )
     return dict(
         BLOCK_N=block,
         ROWS_PER_PROGRAM=rows_per_program,
         SINGLE_BLOCK=single,
-        NUM_STAGES=max(1, stages),
+        NUM_STAGES=stages,
         num_warps=max(4, min(16, block // 1024)),
     )
 

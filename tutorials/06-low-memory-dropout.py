@@ -640,10 +640,18 @@ for provider, function in memory_providers.items():
 
 
 @triton.jit
-def row_tile(row, col_groups, groups_per_row, n_rows, n_cols):
+def column_block(BLOCK_COLS: tl.constexpr):
+    """This program's groups of columns [G] and columns [G, 4] (axis 1 of the grid)."""
+    groups_per_block: tl.constexpr = BLOCK_COLS // 4
+    col_groups = tl.program_id(1) * groups_per_block + tl.arange(0, groups_per_block)
+    return col_groups, col_groups[:, None] * 4 + tl.arange(0, 4)[None, :]
+
+
+@triton.jit
+def row_tile(row, col_groups, cols, n_rows, n_cols):
     """One row's tile: Philox counters [G], element offsets [G, 4], and its mask."""
-    cols = col_groups[:, None] * 4 + tl.arange(0, 4)[None, :]
     in_bounds = cols < tl.where(row < n_rows, n_cols, 0)  # rows past the end: nothing
+    groups_per_row = (n_cols + 3) // 4
     return row * groups_per_row + col_groups, row * n_cols + cols, in_bounds
 
 
@@ -652,14 +660,12 @@ def bias_act_dropout_kernel(
     x_ptr, bias_ptr, out_ptr, n_rows, n_cols, rows_per_program, p, scale, seed,
     ACTIVATION: tl.constexpr, BLOCK_COLS: tl.constexpr, NUM_STAGES: tl.constexpr,
 ):  # fmt: skip
-    groups_per_block: tl.constexpr = BLOCK_COLS // 4
-    col_groups = tl.program_id(1) * groups_per_block + tl.arange(0, groups_per_block)
-    cols = col_groups[:, None] * 4 + tl.arange(0, 4)[None, :]
+    col_groups, cols = column_block(BLOCK_COLS)
     bias = tl.load(bias_ptr + cols, mask=cols < n_cols).to(tl.float32)
     first_row = tl.program_id(0).to(tl.int64) * rows_per_program
     for i in tl.range(0, rows_per_program, num_stages=NUM_STAGES):
         counters, offsets, in_bounds = row_tile(
-            first_row + i, col_groups, (n_cols + 3) // 4, n_rows, n_cols
+            first_row + i, col_groups, cols, n_rows, n_cols
         )
         x = tl.load(x_ptr + offsets, mask=in_bounds).to(tl.float32)
         activated = kit.apply_activation(x + bias, ACTIVATION)
@@ -674,17 +680,15 @@ def bias_act_dropout_backward_kernel(
     n_rows, n_cols, rows_per_program, p, scale, seed,
     ACTIVATION: tl.constexpr, BLOCK_COLS: tl.constexpr, NUM_STAGES: tl.constexpr,
 ):  # fmt: skip
-    groups_per_block: tl.constexpr = BLOCK_COLS // 4
-    col_groups = tl.program_id(1) * groups_per_block + tl.arange(0, groups_per_block)
-    cols = col_groups[:, None] * 4 + tl.arange(0, 4)[None, :]
+    col_groups, cols = column_block(BLOCK_COLS)
     cols_in = cols < n_cols
     if ACTIVATION is not None:
         bias = tl.load(bias_ptr + cols, mask=cols_in).to(tl.float32)
-    bias_sum = tl.zeros((groups_per_block, 4), dtype=tl.float32)
+    bias_sum = tl.zeros((BLOCK_COLS // 4, 4), dtype=tl.float32)
     first_row = tl.program_id(0).to(tl.int64) * rows_per_program
     for i in tl.range(0, rows_per_program, num_stages=NUM_STAGES):
         counters, offsets, in_bounds = row_tile(
-            first_row + i, col_groups, (n_cols + 3) // 4, n_rows, n_cols
+            first_row + i, col_groups, cols, n_rows, n_cols
         )
         grad = tl.load(grad_out_ptr + offsets, mask=in_bounds).to(tl.float32)
         keep = keep_mask(seed, p, counters)

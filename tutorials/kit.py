@@ -468,7 +468,7 @@ def gpu_slug(gpu_name: str) -> str:
 
 def make_call(bench: Benchmark, provider: str, x, dtype) -> Callable:
     """The call to time: ``bench.make``'s, or for ``COPY_PROVIDER`` a copy of the bytes that
-    ``bench.work`` counts, so that a benchmark gets its size's ceiling by listing it."""
+    ``bench.work`` counts, so that a benchmark gets its size's reference by listing it."""
     if provider == COPY_PROVIDER:
         return copy_of(int(bench.work(x, dtype)))
     return bench.make(provider, x, dtype)

@@ -66,13 +66,15 @@ def check():
     print("flat fused forward equals the chapter's, bit for bit (fp32, fp16, every activation)")
 
 
+def rates_for(nbytes):
+    """GB/s of a call moving ``nbytes``, from its GPU time as the chapters measure it."""
+    return lambda fn: nbytes / kit.measure_ms(fn)[0] / 1e6
+
+
 def sweep(dtype):
     x = torch.randn(2**27 // 4096, 4096, device="cuda", dtype=dtype)
     bias = torch.randn(4096, device="cuda", dtype=dtype)
-    nbytes = 2 * x.numel() * x.element_size()
-
-    def rate(fn):
-        return nbytes / kit.measure_ms(fn)[0] / 1e6
+    rate = rates_for(2 * x.numel() * x.element_size())
 
     print(f"{kit.dtype_name(dtype)}, 2^27 elements, GB/s:")
     print(f"  plain seeded dropout  {rate(lambda: chapter.dropout(x, P, SEED)):6.0f}")
@@ -89,9 +91,7 @@ def plain_dropout_launches(dtype, n_elements=2**24):
     x = torch.randn(n_elements, device="cuda", dtype=dtype)
     out = torch.empty_like(x)
     nbytes = 2 * x.numel() * x.element_size()
-
-    def rate(fn):
-        return nbytes / kit.measure_ms(fn)[0] / 1e6
+    rate = rates_for(nbytes)
 
     def launch(block, warps):
         grid = (triton.cdiv(n_elements, block),)
