@@ -663,7 +663,35 @@ def launch_tma(a, b, activation, bias, return_preactivation, config):
 
 # %%
 # ``matmul`` is what the rest of the collection calls: the descriptor kernel on Hopper when
-# the operands allow it, the portable kernel everywhere else.
+# the operands allow it and the output has at least one 128 × 128 tile per SM, the portable
+# kernel everywhere else. Below one tile per SM a persistent program has no loop over tiles
+# to spread its descriptor setup over; in the recording before this rule the portable kernel
+# was the faster of the two at every such size (fp16 1,024³: 178 against 150 TFLOP/s; the
+# skinny family, M = 16 to 256 with N = K = 8,192: 3% to 12% faster).
+
+
+def fills_the_gpu(M: int, N: int) -> bool:
+    """At least one 128 × 128 tile of the M × N output per SM?"""
+    return triton.cdiv(M, 128) * triton.cdiv(N, 128) >= NUM_SMS
+
+
+# %%
+# One exception to reading transposes through strides: fp32 on Hopper. Its tensor-core
+# instruction (``wgmma``) reads 16-bit operands from shared memory in either order, but tf32
+# operands only *K-major*: A with its K index contiguous (row-major), B with its K index
+# contiguous (column-major). Given anything else, Triton's tf32 path through the
+# descriptor kernel ran at about 60 TFLOP/s on the H100, a quarter of cuBLAS. For fp32
+# the wrapper therefore copies an operand that is not K-major into one that is: one pass over
+# the operand, a few percent of the product's time at the sizes the descriptor kernel takes.
+
+
+def k_major_for_tf32(a, b):
+    """``a`` and ``b`` with K contiguous, copying whichever is not (fp32 on Hopper)."""
+    if a.stride(1) != 1:
+        a = a.contiguous()
+    if b.stride(0) != 1:
+        b = b.mT.contiguous().mT
+    return a, b
 
 
 def matmul(a, b, activation=None, *, bias=None, return_preactivation=False):
@@ -675,7 +703,10 @@ def matmul(a, b, activation=None, *, bias=None, return_preactivation=False):
     With ``return_preactivation`` it returns ``(out, a @ b + bias)``, both from one kernel.
     """
     check_inputs(a, b, activation, bias)
-    launch = launch_tma if ON_HOPPER and tma_applies(a, b) else launch_portable
+    use_tma = ON_HOPPER and tma_applies(a, b) and fills_the_gpu(a.shape[0], b.shape[1])
+    if use_tma and a.dtype == torch.float32:
+        a, b = k_major_for_tf32(a, b)
+    launch = launch_tma if use_tma else launch_portable
     config = _fixed_configs and _fixed_configs[a.dtype.itemsize]
     return launch(a, b, activation, bias, return_preactivation, config=config)
 
@@ -789,21 +820,22 @@ check_shapes = [
     (130, 264, 200),
 ] + kit.choose(gpu=[(1000, 1500, 700), (2048, 3000, 4096)], cpu=[])
 check_kernels = [matmul_portable] + ([matmul_tma] if ON_HOPPER or kit.INTERPRET else [])
-for kernel in check_kernels:
-    for dtype in check_dtypes:
-        check(kernel, dtype, check_shapes)
-names = ", ".join(kit.dtype_name(d) for d in check_dtypes)
-print(
-    f"{len(check_kernels)} kernels x {len(check_dtypes)} dtypes ({names}) x "
-    f"{len(check_shapes)} shapes x 3 layouts match fp64 within tolerance"
-)
+if not kit.loaded_by_another_chapter():  # chapter 05 imports this one for matmul alone
+    for kernel in check_kernels:
+        for dtype in check_dtypes:
+            check(kernel, dtype, check_shapes)
+    names = ", ".join(kit.dtype_name(d) for d in check_dtypes)
+    print(
+        f"{len(check_kernels)} kernels x {len(check_dtypes)} dtypes ({names}) x "
+        f"{len(check_shapes)} shapes x 3 layouts match fp64 within tolerance"
+    )
 
 # %%
 # fp8 is checked apart, with B column-major, the layout the Hopper tensor cores want for fp8
 # and the one ``torch._scaled_mm`` requires. Values are scaled so that they use the e4m3
 # range (largest finite value 448) without overflowing it.
 
-if HAS_FP8:
+if HAS_FP8 and not kit.loaded_by_another_chapter():
     for M, N, K in [(64, 96, 128), (77, 136, 48)] + kit.choose(
         gpu=[(1000, 1536, 704)], cpu=[]
     ):
@@ -853,7 +885,7 @@ def autotune_cost(size: int, dtype=torch.float16) -> tuple[float, float]:
     return times[0], times[1]
 
 
-if kit.ON_GPU:
+if kit.ON_GPU and not kit.loaded_by_another_chapter():
     for size in (1024, 4096, 8192):
         first, later = autotune_cost(size)
         print(

@@ -27,8 +27,10 @@ Prerequisites: chapter 04 (matrix multiplication), whose ``matmul`` we reuse as 
 # %%
 # Setup
 # -----
-# ``kit.load_chapter("04")`` imports chapter 04 as a module, quietly: its checks run, its
-# benchmarks and plots are skipped. We take one function from it:
+# ``kit.load_chapter("04")`` imports chapter 04 as a module, quietly: its kernels and
+# wrappers are defined, its benchmarks, plots and slow checks are skipped (they ran when
+# chapter 04 ran; on a GPU they compile kernels for over three minutes). We take one function
+# from it:
 # ``matmul(a, b, activation=None, *, bias=None, return_preactivation=False)``, which
 # computes ``activation(a @ b + bias)`` for a (M, K) and b (K, N) of any strides, in fp16,
 # bf16 or fp32 (as tf32 on a GPU) with fp32 accumulation, and can also return the
@@ -511,16 +513,21 @@ def gradients_match(shape, out_features, dtype, activation, bias=True):
         assert torch.equal(kept, recomputed)
 
 
+# On a GPU each (dtype, activation) pair compiles kernels of its own, a few seconds each, so
+# there we check every activation in fp16 and GELU alone in bf16 and fp32; the interpreter
+# compiles nothing and checks every activation in fp32 and fp16.
+cases = [(torch.float16, activation) for activation in kit.ACTIVATIONS] + kit.choose(
+    gpu=[(torch.bfloat16, "gelu"), (torch.float32, "gelu")],
+    cpu=[(torch.float32, activation) for activation in kit.ACTIVATIONS],
+)
 matmul_chapter.pin_configs(CHECK_CONFIGS)
-dtypes = kit.choose(gpu=SUPPORTED_DTYPES, cpu=(torch.float32, torch.float16))
-for dtype in dtypes:
-    for activation in kit.ACTIVATIONS:
-        gradients_match((3, 37, 45), 29, dtype, activation)
+for dtype, activation in cases:
+    gradients_match((3, 37, 45), 29, dtype, activation)
 gradients_match((1, 45), 29, torch.float32, "gelu", bias=False)
 matmul_chapter.pin_configs(None)
 print(
-    f"forward and gradients of x, weight and bias match torch for "
-    f"{', '.join(map(kit.dtype_name, dtypes))} x {len(kit.ACTIVATIONS)} activations"
+    "forward and gradients of x, weight and bias match torch for "
+    + ", ".join(f"{kit.dtype_name(dtype)} {activation}" for dtype, activation in cases)
 )
 
 # %%
@@ -782,6 +789,12 @@ matmul_chapter.pin_configs(None)  # the benchmarks below autotune
 TOKENS = kit.choose(gpu=4096, cpu=32)
 OUT_FEATURES = kit.choose(gpu=4096, cpu=32)
 _compiled = {}
+
+
+# Every case compiles the same Python function, and torch.compile keeps at most 8 compiled
+# versions of one function (``recompile_limit``) before it falls back to eager PyTorch without
+# an error. Our 26 cases (dtypes, sizes, activations, with and without gradients) need more.
+torch._dynamo.config.recompile_limit = 64
 
 
 def compiled_torch_linear(activation, backward):

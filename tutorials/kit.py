@@ -121,9 +121,9 @@ _quiet_loads = 0
 def load_chapter(number: str, quiet: bool = True):
     """Import chapter ``number`` ("04") as a module, to reuse its kernels and wrappers.
 
-    The chapter runs top to bottom as usual, its checks included. With ``quiet`` its
-    benchmarks are skipped and what it prints or draws is dropped, so that a chapter building
-    on another shows only its own output.
+    The chapter runs top to bottom. With ``quiet`` its benchmarks are skipped, so are the
+    checks it guards with ``loaded_by_another_chapter()``, and what it prints or draws is
+    dropped, so that a chapter building on another shows only its own output.
     """
     name = f"chapter_{number}"
     if name in sys.modules:
@@ -154,6 +154,13 @@ def load_chapter(number: str, quiet: bool = True):
         for figure in _open_figures() - figures_before:
             plt.close(figure)
     return module
+
+
+def loaded_by_another_chapter() -> bool:
+    """True while a quiet ``load_chapter`` runs this chapter for another one. A chapter may
+    then skip its slow checks: they ran when it ran itself, and on a GPU they compile dozens
+    of kernel variants (chapter 04's take over three minutes)."""
+    return _quiet_loads > 0
 
 
 def _open_figures() -> set:
