@@ -664,10 +664,11 @@ def launch_tma(a, b, activation, bias, return_preactivation, config):
 # %%
 # ``matmul`` is what the rest of the collection calls: the descriptor kernel on Hopper when
 # the operands allow it and the output has at least one 128 × 128 tile per SM, the portable
-# kernel everywhere else. Below one tile per SM a persistent program has no loop over tiles
-# to spread its descriptor setup over; in the recording before this rule the portable kernel
-# was the faster of the two at every such size (fp16 1,024³: 178 against 150 TFLOP/s; the
-# skinny family, M = 16 to 256 with N = K = 8,192: 3% to 12% faster).
+# kernel everywhere else (fp8 excepted, which we only measured on the descriptor kernel).
+# Below one tile per SM a persistent program has no loop over tiles to spread its descriptor
+# setup over; in the recording before this rule the portable kernel was the faster of the two
+# at every such size (fp16 1,024³: 178 against 150 TFLOP/s; the skinny family, M = 16 to 256
+# with N = K = 8,192: 3% to 12% faster).
 
 
 def fills_the_gpu(M: int, N: int) -> bool:
@@ -703,7 +704,9 @@ def matmul(a, b, activation=None, *, bias=None, return_preactivation=False):
     With ``return_preactivation`` it returns ``(out, a @ b + bias)``, both from one kernel.
     """
     check_inputs(a, b, activation, bias)
-    use_tma = ON_HOPPER and tma_applies(a, b) and fills_the_gpu(a.shape[0], b.shape[1])
+    use_tma = ON_HOPPER and tma_applies(a, b)
+    if a.dtype.itemsize > 1:  # measured for 2-byte types; fp8 stays on the descriptor kernel
+        use_tma = use_tma and fills_the_gpu(a.shape[0], b.shape[1])
     if use_tma and a.dtype == torch.float32:
         a, b = k_major_for_tf32(a, b)
     launch = launch_tma if use_tma else launch_portable
