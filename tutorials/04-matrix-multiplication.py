@@ -705,7 +705,9 @@ def matmul(a, b, activation=None, *, bias=None, return_preactivation=False):
     """
     check_inputs(a, b, activation, bias)
     use_tma = ON_HOPPER and tma_applies(a, b)
-    if a.dtype.itemsize > 1:  # measured for 2-byte types; fp8 stays on the descriptor kernel
+    if (
+        a.dtype.itemsize > 1
+    ):  # measured for 2-byte types; fp8 stays on the descriptor kernel
         use_tma = use_tma and fills_the_gpu(a.shape[0], b.shape[1])
     if use_tma and a.dtype == torch.float32:
         a, b = k_major_for_tf32(a, b)
