@@ -501,7 +501,7 @@ def matmul_tma_kernel(
     ACTIVATION: tl.constexpr, HAS_BIAS: tl.constexpr, STORE_PREACTIVATION: tl.constexpr,
     UPCAST: tl.constexpr, NUM_PROGRAMS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUP_SIZE_M: tl.constexpr,
+    GROUP_SIZE_M: tl.constexpr, FLATTEN: tl.constexpr = False,
 ):  # fmt: skip
     # One descriptor per tensor. A column-major operand is described as its transpose.
     if A_COLUMN_MAJOR:
@@ -532,7 +532,9 @@ def matmul_tma_kernel(
     tiles_n = tl.cdiv(N, BLOCK_N)
     k_steps = tl.cdiv(K, BLOCK_K)
     # Persistent: this program takes every NUM_PROGRAMS-th tile, in the grouped order.
-    for tile_id in tl.range(tl.program_id(axis=0), tiles_m * tiles_n, NUM_PROGRAMS):
+    for tile_id in tl.range(
+        tl.program_id(axis=0), tiles_m * tiles_n, NUM_PROGRAMS, flatten=FLATTEN
+    ):
         pid_m, pid_n = tile_of_program(tile_id, tiles_m, tiles_n, GROUP_SIZE_M)
         off_m = pid_m * BLOCK_M
         off_n = pid_n * BLOCK_N
