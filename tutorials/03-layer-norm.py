@@ -211,7 +211,8 @@ def layer_norm_forward_kernel(
 # Short rows are packed until a program holds about ``FORWARD_TILE`` elements (4,096 for rows
 # of up to 2,048 values, 8,192 for longer ones), with a warp per 1,024 of them (32 values per
 # thread: wide vector loads, few enough registers). The smaller tile for short rows gives
-# twice the programs: at N = 1,024 in fp16 it moved 1.48 TB/s against 1.26 with 8,192.
+# twice the programs: at N = 1,024 in fp16 the recording measures 1.45 TB/s, against 1.26
+# in the recording before it, with tiles of 8,192.
 #
 # The grid is capped at ``FORWARD_PROGRAMS_PER_SM`` programs per streaming multiprocessor;
 # each program then loops over several blocks of rows, and ``NUM_STAGES = 2`` asks Triton to
@@ -1334,33 +1335,30 @@ kit.run(forward_bench)
 # What the H100 recording shows (fp16, then fp32; every point is in the README's table). The
 # two ``triton`` lines run the same forward kernel, so they agree within 1%.
 #
-# * N = 1,024: 1,257 GB/s, ahead of ``torch`` (1,028) but behind ``torch.compile`` (1,524)
-#   and Liger-Kernel (1,380); the copy of the same bytes reaches 1,520. In fp32: 1,765
-#   against 1,481, 1,938 and 1,924. This is a launch rule we made worse: the run before this
-#   recording (same code, tiles of 4,096 values, so 4 rows and 4 warps per program at this
-#   N; its CSV is kept in ``results/.../experiments/layer-norm-forward-tile-4096.csv``)
-#   measured 1,477 in fp16 and 2,009 in fp32 here, and 2,118 instead of 2,250 at N = 4,096.
-#   The rule that keeps both is a per-N tile; it waits for the next recording.
-# * N = 4,096: 2,250 GB/s (93% of the same-bytes copy, 2,423), against 1,742 for ``torch``,
-#   2,066 for ``torch.compile`` and 2,464 for Liger-Kernel. fp32: 2,581 against 1,954, 2,663
-#   and 2,839.
-# * N = 16,384: 2,735 GB/s (97% of the copy, 2,815), against 1,696, 2,812 and 2,231. fp32:
-#   2,745 against 1,808, 2,923 and 2,887.
-# * N = 32,768 now fits one block: 2,686 GB/s in fp16 (2,064 in fp32, where 64 values per
-#   thread crowd the registers). Rows of 65,536 are walked and read twice: 1,942 GB/s, ahead
-#   of ``torch`` (1,800) and ``torch.compile`` (1,878).
+# * N = 1,024: 1,452 GB/s, ahead of ``torch`` (1,012) and Liger-Kernel (1,351), 3% behind
+#   ``torch.compile`` (1,502); the copy of the same bytes reaches 1,502. In fp32: 2,007
+#   against 1,477, 1,931 and 1,913. The short-row tile (4,096 values: 4 rows and 4 warps per
+#   program here) is what lifted this point from the 1,257 GB/s of tiles of 8,192.
+# * N = 4,096: 2,245 GB/s (93% of the same-bytes copy, 2,422), against 1,739 for ``torch``,
+#   2,133 for ``torch.compile`` and 2,461 for Liger-Kernel. fp32: 2,561 against 1,951, 2,643
+#   and 2,819.
+# * N = 16,384: 2,733 GB/s (97% of the copy, 2,804), against 1,704, 2,809 and 2,244. fp32:
+#   2,761 against 1,812, 2,914 and 2,883.
+# * N = 32,768 fits one block: 2,684 GB/s in fp16 (2,058 in fp32, where 64 values per
+#   thread crowd the registers). Rows of 65,536 are walked and read twice: 1,941 GB/s, ahead
+#   of ``torch`` (1,798) and ``torch.compile`` (1,877).
 #
 # The black line is one plain copy kernel (4,096 int32 values per program, 8 warps), a
-# reference rather than a bound: Liger-Kernel beats it by 2% at N = 4,096 in fp16 (2,464
-# against 2,423) and by up to 7% in fp32 from N = 2,048 to 8,192.
+# reference rather than a bound: Liger-Kernel beats it by 2% at N = 4,096 in fp16 (2,461
+# against 2,422) and by 6 to 7% in fp32 at N = 2,048 and 4,096.
 #
 # Against our targets (fp16: 2.7 TB/s from N = 4,096, 1.8 TB/s at N = 1,024) only N = 16,384
 # passes. At N = 1,024, 4,096 and 8,192 the target lies above what the copy of the same bytes
-# reaches on this H100 (1.52, 2.42 and 2.67 TB/s) and above every provider measured (the
-# best: 1.52, 2.46 and 2.63 TB/s); there we reach 83%, 93% and 94% of the copy. Above
-# N = 16,384 the misses are ours: 2,686 against 2.7 TB/s at N = 32,768, and 1,942 for the
+# reaches on this H100 (1.50, 2.42 and 2.66 TB/s) and above every provider measured (the
+# best: 1.50, 2.46 and 2.63 TB/s); there we reach 97%, 93% and 94% of the copy. Above
+# N = 16,384 the misses are ours: 2,684 against 2.7 TB/s at N = 32,768, and 1,941 for the
 # walked rows of 65,536. ``torch.compile`` leads us at N = 1,024 and from N = 8,192 up to
-# 32,768, by 3 to 21%.
+# 32,768, by 3 to 5%.
 
 backward_bench = kit.Benchmark(
     name="layer-norm-backward",
@@ -1379,16 +1377,16 @@ kit.run(backward_bench)
 # The backward (fp16; GB/s of compulsory bytes): both reductions are ahead of ``torch`` at
 # every N, and of ``torch.compile`` and Liger-Kernel from N = 1,024 to 8,192.
 #
-# * N = 1,024: 1,061 two-stage, 812 lock, against 745 (``torch``), 719 (``torch.compile``)
-#   and 495 (Liger-Kernel).
-# * N = 4,096: 1,935 and 1,803 against 1,070, 1,101 and 1,319; fp32 2,470 and 2,370.
-# * N = 8,192: 2,407 and 2,294 against 1,096, 1,230 and 1,936; fp32 2,608 and 2,572.
-# * N = 16,384, the longest row held whole: 1,654 and 1,526 against 1,140, 1,365 and 1,533.
+# * N = 1,024: 1,058 two-stage, 813 lock, against 742 (``torch``), 714 (``torch.compile``)
+#   and 493 (Liger-Kernel).
+# * N = 4,096: 1,931 and 1,797 against 1,066, 1,101 and 1,317; fp32 2,464 and 2,364.
+# * N = 8,192: 2,401 and 2,283 against 1,094, 1,227 and 1,933; fp32 2,606 and 2,570.
+# * N = 16,384, the longest row held whole: 1,650 and 1,538 against 1,139, 1,363 and 1,527.
 #   Each thread holds 32 values of each of x, dy and the two accumulators, and the registers
-#   run short. Longer rows are walked and read twice (1,321 to 1,385 GB/s).
+#   run short. Longer rows are walked and read twice (1,319 to 1,383 GB/s).
 #
 # The 2.2 TB/s target (N >= 4,096) is met at N = 8,192 only. At N = 4,096 the copy of the
-# same bytes reaches 2,587, so the target is reachable, and the launch sweep shows where the
+# same bytes reaches 2,572, so the target is reachable, and the launch sweep shows where the
 # rest goes: the dx kernel alone, with no dW or dB, ran at 2,419 GB/s, so the partial sums and
 # the second stage cost about a fifth of the time. Shrinking that (fewer, larger partials
 # summed by more programs) is the next step for this chapter. At N = 16,384 it is the
@@ -1442,10 +1440,10 @@ kit.run(group_sweep)
 # With one row per program (4,096 lock acquisitions) and one buffer, the backward crawls at
 # 10 GB/s: every program waits in one queue. Each doubling of ``GROUP_SIZE_M`` about doubles
 # the rate, up to 1.07 TB/s with 256 buffers. Summing 4 rows in registers first starts the
-# curve 4.8 times higher and peaks at 1.75 TB/s with 128 buffers. With 32 rows per program,
+# curve 4.6 times higher and peaks at 1.73 TB/s with 128 buffers. With 32 rows per program,
 # the chapter's launch at this size (128 programs, 128 acquisitions), one buffer already gives
-# 320 GB/s and 64 buffers, the chapter's default, 1.83 TB/s, within 1% of the best
-# (1.84 with 128, one program per buffer). Fewer acquisitions make the choice forgiving.
+# 322 GB/s and 64 buffers, the chapter's default, 1.83 TB/s, the same as the best
+# (1.83 with 128, one program per buffer). Fewer acquisitions make the choice forgiving.
 #
 # What we learned
 # ---------------
@@ -1459,7 +1457,7 @@ kit.run(group_sweep)
 #   free. The interpreter runs programs one at a time, so it will never catch a missing one;
 #   only a many-run test on a GPU (``tests/test_03_layer_norm.py``) can.
 # * A two-stage reduction with one partial row per program was a little faster here (0.0817
-#   against 0.0846 ms for the 4,096 x 4,096 fp32 backward) and gives the same bits on every
+#   against 0.0848 ms for the 4,096 x 4,096 fp32 backward) and gives the same bits on every
 #   run.
 # * At these sizes a kernel competes with a copy of the same bytes, not with the copy
 #   bandwidth of a large transfer; and a program that keeps its next loads in flight

@@ -4,9 +4,9 @@ Matrix multiplication at cuBLAS speed
 
 We write a matrix multiplication ``C = activation(A @ B + bias)`` in Triton, in fp16, bf16,
 fp32 and (on Hopper) fp8, with the bias and the activation fused into the kernel, and measure
-it against cuBLAS, the vendor library behind ``torch.matmul``: on an H100 it matches cuBLAS
-on large square products and in fp8, and trails it on small, odd-sized and skinny ones, by
-amounts the benchmarks at the end give.
+it against cuBLAS, the vendor library behind ``torch.matmul``: on an H100 it is level with
+cuBLAS on most large square products and in fp8, and trails it on small, odd-sized and skinny
+ones, by amounts the benchmarks at the end give.
 
 What you will learn:
 
@@ -52,7 +52,7 @@ HAS_FP8 = kit.INTERPRET or CAPABILITY >= (8, 9)
 # and an add per term) but needs only (M·K + K·N + M·N) elements of memory traffic. For
 # 4,096³ in fp16 that is 137 GFLOP against 101 MB: 1,365 FLOPs per byte. An H100 moves about
 # 3.0 TB/s and its tensor cores do about 990 dense fp16 TFLOP/s (the data-sheet figure;
-# cuBLAS reaches 675 to 732 at 4,096³ on our card), so it can afford 330 FLOPs per byte
+# cuBLAS reaches 666 to 697 at 4,096³ on our card), so it can afford 330 FLOPs per byte
 # before memory becomes the limit. A large matmul is *compute bound*: the speed is set by
 # how busy the tensor cores are, and we report it in TFLOP/s, counting 2·M·N·K per call.
 #
@@ -488,6 +488,11 @@ def launch_portable(a, b, activation, bias, return_preactivation, config):
 # Hopper. Descriptors built inside a kernel need a little global scratch memory for the
 # descriptor itself, which Triton asks for through ``triton.set_allocator``.
 #
+# ``FLATTEN`` asks Triton to pipeline the tile loop and the K loop as one, so that a program's
+# loads for its next tile can overlap this tile's epilogue. It stays off because it measured
+# mixed: 0.4% to 9% faster without an activation, 4% slower to 4% faster with GELU, at 4,096³
+# and 8,192³ (``results/nvidia-h100-80gb-hbm3/experiments/matmul_flatten.log``).
+#
 # The descriptor path also runs under the interpreter, so its correctness is checked below on
 # the CPU as well.
 
@@ -669,8 +674,9 @@ def launch_tma(a, b, activation, bias, return_preactivation, config):
 # kernel everywhere else (fp8 excepted, which we only measured on the descriptor kernel).
 # Below one tile per SM a persistent program has no loop over tiles to spread its descriptor
 # setup over; in the recording before this rule the portable kernel was the faster of the two
-# at every such size (fp16 1,024³: 178 against 150 TFLOP/s; the skinny family, M = 16 to 256
-# with N = K = 8,192: 3% to 12% faster).
+# at every such size (fp16 1,024³: 178 against 150 TFLOP/s; 2 to 3 µs less per product at
+# 256³ to 1,024³; the skinny family, M = 16 to 256 with N = K = 8,192: 3% to 12% faster). In
+# the recording shown below, ``triton`` and ``triton (portable)`` coincide at those sizes.
 
 
 def fills_the_gpu(M: int, N: int) -> bool:
@@ -682,10 +688,13 @@ def fills_the_gpu(M: int, N: int) -> bool:
 # One exception to reading transposes through strides: fp32 on Hopper. Its tensor-core
 # instruction (``wgmma``) reads 16-bit operands from shared memory in either order, but tf32
 # operands only *K-major*: A with its K index contiguous (row-major), B with its K index
-# contiguous (column-major). Given anything else, Triton's tf32 path through the
-# descriptor kernel ran at about 60 TFLOP/s on the H100, a quarter of cuBLAS. For fp32
-# the wrapper therefore copies an operand that is not K-major into one that is: one pass over
-# the operand, a few percent of the product's time at the sizes the descriptor kernel takes.
+# contiguous (column-major). At 4,096³ on the H100 Triton's tf32 path through the descriptor
+# kernel ran at 46 to 78 TFLOP/s for the three other orders of A and B, against 258 when both
+# are K-major; cuBLAS ran at 255 to 363 in the four orders, and the same kernel in fp16 at 660
+# to 711 (``results/nvidia-h100-80gb-hbm3/experiments/matmul_operand_order.log``). For fp32
+# the wrapper therefore copies an operand that is not K-major into one that is, a pass over
+# the operand: with the copy, ``matmul`` measured 173 to 209 TFLOP/s for those three orders
+# (258 for the K-major one), still below cuBLAS but 2.7 to 3.8 times the uncopied kernel.
 
 
 def k_major_for_tf32(a, b):
@@ -905,8 +914,9 @@ else:
 # %%
 # Benchmark: square matrices
 # --------------------------
-# We time ``matmul`` (``triton``; the descriptor kernel on the H100), the portable kernel on
-# its own (``triton (portable)``), ``torch.matmul`` (cuBLAS) and ``torch.compile(torch.mm)``
+# We time ``matmul`` (``triton``; on the H100 the descriptor kernel from 2,048³ up and the
+# portable one below, as ``fills_the_gpu`` decides), the portable kernel on its own
+# (``triton (portable)``), ``torch.matmul`` (cuBLAS) and ``torch.compile(torch.mm)``
 # from 256³ to 8,192³ in fp16 and bf16, counting 2·M·N·K FLOPs per call. ``torch.compile``
 # runs in its default mode, which hands a lone matmul to cuBLAS, so its line is a second
 # measurement of cuBLAS; the ``max-autotune`` modes, which would also try Triton templates,
@@ -952,37 +962,44 @@ kit.run(square)
 # %%
 # What the H100 recording shows (the table in the README has every point):
 #
-# * At 4,096³ the descriptor kernel runs at 689 TFLOP/s in fp16 and 713 in bf16, against 675
-#   and 724 for ``torch.matmul`` in the same sweep: 102% and 98% of cuBLAS. One cuBLAS shape
+# * At 4,096³ the descriptor kernel runs at 668 TFLOP/s in fp16 and 696 in bf16, against 666
+#   and 716 for ``torch.matmul`` in the same sweep: 100% and 97% of cuBLAS. One cuBLAS shape
 #   is not one number, though: the limit line, cuBLAS fp16 at 4,096³ in the same process, is
-#   732, and the ``torch.compile`` line, cuBLAS again, 700 (fp16) and 750 (bf16). Read 4,096³
-#   as a tie, not a win.
-# * At 8,192³ we are level in fp16 (631 against 639, 99%) and behind in bf16 (615 against
-#   716, 86%). At 6,144³ we are within 3% (625 against 645 in fp16, 663 against 660 in bf16).
-# * The portable kernel reaches 604 (fp16) and 643 (bf16) at 4,096³: TMA and the persistent
-#   loop are worth 11 to 14% there, and 3 to 9% at 8,192³ (612 and 564).
-# * We lose at 3,072³: 542 against 714 in fp16, 550 against 724 in bf16 (76%). The tile counts
-#   are uneven there: 3,072 is 24 tiles of 128 per side, so 128 × 128 tiles make 576 tiles
-#   for 132 SMs, 4.4 waves, and 576 of the 660 program slots of five waves do work (87%);
-#   128 × 256 tiles make 288, 2.2 waves, 288 of 396 slots (73%). Which config the autotuner
-#   chose is not recorded, so we cannot say how much of the gap this is.
-# * At 2,048³ we reach 91% of cuBLAS in fp16 (536 against 591) and 90% in bf16 (540 against
-#   598). Below that the descriptor kernel falls further behind: 150 against 212 (71%) in fp16
-#   and 154 against 210 (73%) in bf16 at 1,024³, 67 to 71% at 512³ and 256³. The portable
-#   kernel is faster than it there: 178 and 180 at 1,024³ (84% and 86% of cuBLAS), 91 to 97%
-#   at 512³ and 256³. In time, the descriptor kernel takes 2 to 3 µs longer per product than
-#   the portable one at each of these three sizes (14.3 against 12.1 µs at 1,024³ in fp16,
-#   10.2 against 7.0 at 256³), while the work grows 64-fold; we have not measured where those
-#   microseconds go.
+#   697, and the ``torch.compile`` line, cuBLAS again, 697 (fp16) and 743 (bf16). Read 4,096³
+#   as level with cuBLAS or a few percent behind it, not a win.
+# * At 8,192³ we are ahead of ``torch.matmul`` in fp16 (658 against 626, 105%; the
+#   ``torch.compile`` line measured 657) and behind in bf16 (588 against 669, 88%). Our code
+#   and config list are the same for both dtypes (which config the autotuner chose is not
+#   recorded). The recording before this one had 631 (fp16) and 615 (bf16) for us, 639 and
+#   716 for cuBLAS; the ``FLATTEN`` experiment's plain loop (one fixed config, plus a bias)
+#   measured 662 and 679. Differences of this size between runs and dtypes at 8,192³ are seen
+#   on this GPU, and we have not measured their cause. At 6,144³ we reach 97% in fp16 (608
+#   against 626) and 108% in bf16 (702 against 653).
+# * The portable kernel reaches 560 (fp16) and 622 (bf16) at 4,096³: TMA and the persistent
+#   loop are worth 19% and 12% there, 8% and 16% at 6,144³, and 8% in fp16 at 8,192³ (611);
+#   in bf16 at 8,192³ the two kernels tie (590 portable, 588 descriptor).
+# * We lose at 3,072³: 543 against 693 in fp16 (78%), 547 against 720 in bf16 (76%). The tile
+#   counts are uneven there: 3,072 is 24 tiles of 128 per side, so 128 × 128 tiles make 576
+#   tiles for 132 SMs, 4.4 waves, and 576 of the 660 program slots of five waves do work
+#   (87%); 128 × 256 tiles make 288, 2.2 waves, 288 of 396 slots (73%). Which config the
+#   autotuner chose is not recorded, so we cannot say how much of the gap this is.
+# * At 2,048³ we reach 91% of cuBLAS in both dtypes (536 against 592 in fp16, 543 against 594
+#   in bf16). Below that ``matmul`` runs the portable kernel: 84% of cuBLAS at 1,024³ in fp16
+#   (180 against 216) and 82% in bf16 (175 against 213), 94% and 99% at 512³, and at 256³ 96%
+#   in fp16 but 76% in bf16 (3.6 against 4.8). In time that is about 2 µs more per product at
+#   1,024³ (11.9 against 10.0 µs in fp16) and at 256³ in bf16 (9.2 against 7.0 µs); we have
+#   not measured where those microseconds go.
 # * The ``torch.compile`` line, compiled afresh for each shape, is within 6% of
-#   ``torch.matmul`` at every point but one: 6,144³ in bf16, where it measured 794 against 660.
-#   Both are cuBLAS, and we have not looked into why they differ there; the spread is a reason
-#   to read a few percent either way against cuBLAS as a tie.
+#   ``torch.matmul`` at every size but 6,144³, where it measured 674 against 626 in fp16 and
+#   697 against 653 in bf16 (8% and 7% more). Both are cuBLAS, and we have not looked into why
+#   they differ there; the spread is a reason to read a few percent either way against cuBLAS
+#   as a tie.
 #
-# Against our floors: 95% of cuBLAS at 4,096³ and 8,192³ is met in fp16 (102% and 99%) and at
-# 4,096³ in bf16 (98%), and missed at 8,192³ in bf16 (86%). 85% of cuBLAS from 1,024³ up is
-# met at 2,048³, 4,096³, 6,144³ and 8,192³ in both dtypes, and missed at 1,024³ (71% in fp16,
-# 73% in bf16) and 3,072³ (76% in both).
+# Against our floors: 95% of cuBLAS at 4,096³ and 8,192³ is met in fp16 (100% and 105%) and at
+# 4,096³ in bf16 (97%; 94% against the ``torch.compile`` line), and missed at 8,192³ in bf16
+# (88%). 85% of cuBLAS from 1,024³ up is met at 2,048³, 4,096³, 6,144³ and 8,192³ in both
+# dtypes, and missed at 1,024³ (84% in fp16, 82% in bf16) and 3,072³ (78% in fp16, 76% in
+# bf16).
 #
 #
 # Benchmark: what the program order is worth
@@ -1021,9 +1038,9 @@ program_order = kit.Benchmark(
 kit.run(program_order)
 
 # %%
-# With ``GROUP_SIZE_M = 8`` the kernel gains nothing at 2,048³ and 4,096³, where A and B (16 and
-# 64 MB together) fit or nearly fit in the 50 MB L2 anyway, 12% at 8,192³ (641 against 573
-# TFLOP/s) and 59% at 16,384³ (615 against 387). With 128 × 256 tiles a row of C at 16,384³ has
+# With ``GROUP_SIZE_M = 8`` the kernel gains under 1% at 2,048³ and 4,096³, where A and B (16
+# and 64 MB together) fit or nearly fit in the 50 MB L2 anyway, 6% at 8,192³ (596 against 563
+# TFLOP/s) and 63% at 16,384³ (605 against 371). With 128 × 256 tiles a row of C at 16,384³ has
 # 64 tiles, so in row-major order the 132 programs in flight span about two rows of tiles and
 # all 64 column panels of B: at each K-step they fetch 2 slices of A and 64 of B, each B slice
 # used by two programs. Grouped 8 rows deep, the same 132 programs span 8 row panels and about
@@ -1068,15 +1085,15 @@ skinny = kit.Benchmark(
 kit.run(skinny)
 
 # %%
-# Here we lose at every M, reaching 85 to 88% of cuBLAS: 31 against 36 TFLOP/s at M = 16, 124
-# against 145 at M = 64, 476 against 543 at M = 256. At M = 16 the bandwidth bound is about 48
-# TFLOP/s, so ours runs at 65% of it and cuBLAS at 76%. The descriptor kernel's tiles are at
-# least 128 columns wide, so for M up to 64 an 8,192-wide C gives it at most 64 programs for
-# 132 SMs: half the GPU issues no loads, however fast each program reads. The portable
-# kernel, whose list also has a 64 × 64 tile (128 programs at these M), is closer at every M:
-# 35, 139 and 492 at M = 16, 64 and 256, 91 to 96% of cuBLAS. Split-K (exercise 1) or
-# narrower tiles would give every SM a share of B; the descriptor kernel's config list has
-# neither yet.
+# None of these outputs has 132 tiles of 128 × 128 (M = 256 gives 2 × 64 = 128), so ``matmul``
+# runs the portable kernel and the two Triton lines coincide. It trails cuBLAS at every M, at
+# 90 to 96%: 34.6 against 36.5 TFLOP/s at M = 16, 138 against 145 at M = 64, 489 against 542 at
+# M = 256. At M = 16 the bandwidth bound is about 48 TFLOP/s, so ours runs at 72% of it and
+# cuBLAS at 76%. The descriptor kernel would do worse here: its tiles are at least 128 columns
+# wide, so for M up to 64 an 8,192-wide C gives it at most 64 programs for 132 SMs, and half
+# the GPU issues no loads (in the recording before the small-output rule it ran at 85 to 88%
+# of cuBLAS). The portable list's 64 × 64 tile makes 128 programs for M up to 64. Split-K
+# (exercise 1) would add programs along K as well; neither kernel has it yet.
 #
 #
 # Benchmark: fp8
@@ -1115,11 +1132,11 @@ else:
     print("This GPU has no fp8 tensor cores (compute capability below 8.9): skipped.")
 
 # %%
-# At 4,096³ and 8,192³ our fp8 kernel is ahead of ``torch._scaled_mm`` by 3% and 4%: 1,281
-# against 1,241 and 1,276 against 1,222 TFLOP/s, 1.9 and 2.0 times our fp16 kernel at the same
-# sizes and 64% of the data sheet's 1,980. The floor of 1,200 TFLOP/s at 8,192³ is met. It
-# trails at 2,048³ (806 against 876, 92%) and at 1,024³ (184 against 235, 78%): 1.7 and 2.5 µs
-# more per product (21.3 against 19.6 µs, 11.6 against 9.1).
+# At 4,096³ and 8,192³ our fp8 kernel is ahead of ``torch._scaled_mm`` by 2% and 1%: 1,250
+# against 1,222 and 1,203 against 1,190 TFLOP/s, 1.9 and 1.8 times our fp16 kernel at the same
+# sizes and 63% and 61% of the data sheet's 1,980. The floor of 1,200 TFLOP/s at 8,192³ is met,
+# by 3 TFLOP/s. It trails at 2,048³ (800 against 866, 92%) and at 1,024³ (182 against 234,
+# 78%): 1.6 and 2.6 µs more per product (21.5 against 19.8 µs, 11.8 against 9.2).
 #
 #
 # What we learned
@@ -1134,7 +1151,8 @@ else:
 # * The epilogue is free real estate: bias, activation and a second output cost a few
 #   instructions per element after the K loop, and save whole passes over C.
 # * On Hopper, tensor descriptors hand the copies to the TMA engine and persistent programs
-#   remove launch tails; the portable kernel stays the reference everywhere else.
+#   remove launch tails, once the output has a tile for every SM; below that, and on every
+#   other GPU, the portable kernel is the one to run.
 #
 # Exercises
 # ---------
