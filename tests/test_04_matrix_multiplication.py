@@ -205,3 +205,22 @@ def test_descriptor_kernel_refuses_layouts_it_cannot_describe():
     a, b, _ = operands(8, 4, 16, torch.float32)
     with pytest.raises(ValueError, match="portable"):
         chapter.matmul_tma(a[:, ::2], b[::2])
+
+
+@pytest.mark.parametrize("a_t, b_t", [(False, False), (False, True), (True, False), (True, True)])
+def test_k_major_for_tf32_makes_k_contiguous_and_keeps_values(a_t, b_t):
+    a, b = torch.randn(24, 40), torch.randn(40, 56)
+    a_in = a.mT.contiguous().mT if a_t else a
+    b_in = b.mT.contiguous().mT if b_t else b
+    a_out, b_out = chapter.k_major_for_tf32(a_in, b_in)
+    assert a_out.stride(1) == 1 and b_out.stride(0) == 1
+    assert torch.equal(a_out, a) and torch.equal(b_out, b)
+    assert (a_out.data_ptr() == a_in.data_ptr()) == (not a_t)  # already K-major: no copy
+    assert (b_out.data_ptr() == b_in.data_ptr()) == b_t
+
+
+def test_fills_the_gpu_counts_128_by_128_tiles_against_sms():
+    sms = chapter.NUM_SMS
+    assert chapter.fills_the_gpu(128 * sms, 128)
+    assert not chapter.fills_the_gpu(128 * sms - 128, 128)
+    assert chapter.fills_the_gpu(128 * (sms - 1) + 1, 128)  # a partial tile counts

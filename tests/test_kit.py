@@ -238,3 +238,9 @@ def test_every_provider_of_a_plot_gets_its_own_color(monkeypatch):
     assert len(set(colors.values())) == len(providers)
     monkeypatch.setitem(kit.STYLE, "liger_kernel", kit.OTHER_COLORS[0])  # as chapter 03 does
     assert len(set(kit.provider_colors(providers).values())) == len(providers)
+
+
+def test_loaded_by_another_chapter_only_inside_a_quiet_load(monkeypatch):
+    assert not kit.loaded_by_another_chapter()
+    monkeypatch.setattr(kit, "_quiet_loads", 1)  # as inside load_chapter(..., quiet=True)
+    assert kit.loaded_by_another_chapter()
