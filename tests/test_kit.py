@@ -244,3 +244,9 @@ def test_loaded_by_another_chapter_only_inside_a_quiet_load(monkeypatch):
     assert not kit.loaded_by_another_chapter()
     monkeypatch.setattr(kit, "_quiet_loads", 1)  # as inside load_chapter(..., quiet=True)
     assert kit.loaded_by_another_chapter()
+
+
+def test_rate_converts_work_per_millisecond_into_the_unit(monkeypatch):
+    monkeypatch.setattr(kit, "measure_ms", lambda fn: (0.5, 0.4, 0.6))
+    assert kit.rate(3e9, None) == pytest.approx(6000.0)  # 3 GB in 0.5 ms: 6,000 GB/s
+    assert kit.rate(2e12, None, "TFLOP/s") == pytest.approx(4000.0)

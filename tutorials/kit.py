@@ -383,6 +383,11 @@ def measure_ms(fn: Callable) -> tuple[float, float, float]:
     return median, q20, q80
 
 
+def rate(work: float, fn: Callable, unit: str = "GB/s") -> float:
+    """``work`` (bytes or FLOPs) per GPU time of ``fn``, in ``unit``, as benchmarks count it."""
+    return work / UNIT_SCALE[unit] * 1e3 / measure_ms(fn)[0]
+
+
 def cpu_us(fn: Callable, calls: int = 200) -> float:
     """CPU time of one call of ``fn`` in µs: Python, launchers, autograd; GPU drained first."""
     fn()

@@ -68,7 +68,7 @@ def check():
 
 def rates_for(nbytes):
     """GB/s of a call moving ``nbytes``, from its GPU time as the chapters measure it."""
-    return lambda fn: nbytes / kit.measure_ms(fn)[0] / 1e6
+    return lambda fn: kit.rate(nbytes, fn)
 
 
 def sweep(dtype):

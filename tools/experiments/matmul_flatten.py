@@ -41,6 +41,7 @@ if kit.ON_GPU:
                 for activation in (None, "gelu"):
                     line = f"{kit.dtype_name(dtype)} {size}³ {activation!s:5}:"
                     for flatten in (False, True):
-                        ms = kit.measure_ms(product(size, dtype, activation, flatten))[0]
-                        line += f"  flatten={flatten!s:5} {2 * size**3 / ms / 1e9:6.1f}"
+                        call = product(size, dtype, activation, flatten)
+                        tflops = kit.rate(2 * size**3, call, "TFLOP/s")
+                        line += f"  flatten={flatten!s:5} {tflops:6.1f}"
                     print(line + " TFLOP/s", flush=True)

@@ -39,11 +39,10 @@ def check():
 
 def rates(a, b):
     """TFLOP/s of a @ b: descriptor kernel as given (if it applies), matmul, portable, torch."""
-    rate = lambda fn: 2 * SIZE**3 / kit.measure_ms(fn)[0] / 1e9  # noqa: E731
     calls = [lambda: chapter.matmul(a, b), lambda: chapter.matmul_portable(a, b), lambda: a @ b]
     if chapter.tma_applies(a, b):
         calls.insert(0, lambda: chapter.matmul_tma(a, b))
-    return " | ".join(f"{rate(call):6.1f}" for call in calls)
+    return " | ".join(f"{kit.rate(2 * SIZE**3, call, 'TFLOP/s'):6.1f}" for call in calls)
 
 
 def sweep(dtype):

@@ -113,7 +113,7 @@ def sweep(dtype, n_cols):
             )
     line = f"{kit.dtype_name(dtype):8} N={n_cols:7}"
     for name, fn in calls.items():
-        line += f"  {name} {nbytes / kit.measure_ms(fn)[0] / 1e6:6.0f}"
+        line += f"  {name} {kit.rate(nbytes, fn):6.0f}"
     print(line, flush=True)
 
 

@@ -12,10 +12,6 @@ import torch
 chapter = kit.load_chapter("02")
 
 
-def gb_per_s(fn, nbytes):
-    return nbytes / kit.measure_ms(fn)[0] / 1e6
-
-
 def sweep(x):
     nbytes = 2 * x.numel() * x.element_size()
     calls = {
@@ -28,7 +24,7 @@ def sweep(x):
             calls[f"split {chunk}/{warps}w"] = lambda launch=launch: chapter.softmax_forward(x, launch=launch)
     line = f"{kit.dtype_name(x.dtype):8} N={x.shape[1]:7}"
     for name, fn in calls.items():
-        line += f"  {name} {gb_per_s(fn, nbytes):6.0f}"
+        line += f"  {name} {kit.rate(nbytes, fn):6.0f}"
     print(line, flush=True)
 
 
