@@ -250,3 +250,8 @@ def test_rate_converts_work_per_millisecond_into_the_unit(monkeypatch):
     monkeypatch.setattr(kit, "measure_ms", lambda fn: (0.5, 0.4, 0.6))
     assert kit.rate(3e9, None) == pytest.approx(6000.0)  # 3 GB in 0.5 ms: 6,000 GB/s
     assert kit.rate(2e12, None, "TFLOP/s") == pytest.approx(4000.0)
+
+
+def test_per_time_is_work_over_seconds_in_the_unit():
+    assert kit.per_time(3e9, 0.5, "GB/s") == pytest.approx(6000.0)
+    assert kit.per_time(2e12, 0.5, "TFLOP/s") == pytest.approx(4000.0)

@@ -383,9 +383,14 @@ def measure_ms(fn: Callable) -> tuple[float, float, float]:
     return median, q20, q80
 
 
+def per_time(work: float, ms: float, unit: str) -> float:
+    """``work`` (bytes or FLOPs) done in ``ms`` milliseconds, in ``unit`` (GB/s, TFLOP/s)."""
+    return work / UNIT_SCALE[unit] / (ms * 1e-3)
+
+
 def rate(work: float, fn: Callable, unit: str = "GB/s") -> float:
-    """``work`` (bytes or FLOPs) per GPU time of ``fn``, in ``unit``, as benchmarks count it."""
-    return work / UNIT_SCALE[unit] * 1e3 / measure_ms(fn)[0]
+    """``work`` per GPU time of ``fn``, in ``unit``, as benchmarks count it."""
+    return per_time(work, measure_ms(fn)[0], unit)
 
 
 def cpu_us(fn: Callable, calls: int = 200) -> float:
@@ -408,14 +413,14 @@ def hardware_limits() -> dict:
         # Plain calls, not a CUDA graph: in a graph this copy becomes a copy-engine node,
         # slower (2.4 TB/s on our H100) than the kernel an ordinary call runs (3.0 TB/s).
         copy_ms = triton.testing.do_bench(lambda: dst.copy_(src))
-        _limits["GB/s"] = 2 * src.numel() * 4 / (copy_ms * 1e-3) / 1e9
+        _limits["GB/s"] = per_time(2 * src.numel() * 4, copy_ms, "GB/s")
         del src, dst
         a, b = (
             torch.randn(4096, 4096, dtype=torch.float16, device=DEVICE)
             for _ in range(2)
         )
         matmul_ms = triton.testing.do_bench(lambda: a @ b)
-        _limits["TFLOP/s"] = 2 * 4096**3 / (matmul_ms * 1e-3) / 1e12
+        _limits["TFLOP/s"] = per_time(2 * 4096**3, matmul_ms, "TFLOP/s")
     return dict(_limits)
 
 
@@ -514,17 +519,11 @@ def measure_on_stream(bench: Benchmark) -> list[Point]:
                     continue
                 finally:
                     torch.cuda.empty_cache()
-                rate = bench.work(x, dtype) / UNIT_SCALE[bench.unit] * 1e3
-                points.append(
-                    Point(
-                        provider,
-                        dtype_name(dtype),
-                        x,
-                        rate / ms,
-                        rate / q80,
-                        rate / q20,
-                    )
+                work = bench.work(x, dtype)
+                value, low, high = (
+                    per_time(work, t, bench.unit) for t in (ms, q80, q20)
                 )
+                points.append(Point(provider, dtype_name(dtype), x, value, low, high))
     return points
 
 
