@@ -5,25 +5,32 @@ PY := $(VENV)/bin/python
 CHAPTERS ?= $(sort $(wildcard tutorials/[0-9][0-9]-*.py))
 SPHINXOPTS ?=
 SPHINX := $(PY) -m sphinx -c . -W --keep-going $(SPHINXOPTS)
+RESULTS := $(CURDIR)/src/stepkernels/results
 
-export PYTHONPATH := $(CURDIR)/tutorials
 export MPLBACKEND := agg
 
-.PHONY: help html notebooks test lint bench results-table clean distclean
+.PHONY: help html notebooks test lint export wheel bench results-table clean distclean
 help:
 	@echo "make html           build the gallery into build/html, executing every chapter"
-	@echo "make test           run every check: ruff, pytest, nbval on every notebook, the gallery build"
+	@echo "make test           run every check: ruff, the package against its chapters, pytest,"
+	@echo "                    nbval on every notebook, the gallery build"
+	@echo "make export         write the package's modules (src/stepkernels) from the chapters"
 	@echo "make notebooks      write every chapter as a notebook into build/notebooks"
-	@echo "make bench          on a GPU: run every chapter at full size and record results/"
+	@echo "make wheel          build the package as a wheel into dist/"
+	@echo "make bench          on a GPU: run every chapter at full size and record the results"
 	@echo "                    (CHAPTERS=tutorials/02-*.py ONLY=softmax-long-rows: just those)"
-	@echo "make results-table  rewrite the README's results table from results/"
+	@echo "make results-table  rewrite the README's results table from the recorded results"
 	@echo "make clean          remove what the builds wrote; distclean also removes $(VENV)"
 
-# Set-up: one stamp per requirements file, so each target installs only what it needs.
+# Set-up: one stamp per requirements file, so each target installs only what it needs; the
+# package itself is installed in editable mode, so the chapters and tests import src/.
 $(VENV)/.runtime: requirements.txt tools/setup_env.py
 	$(PYTHON) tools/setup_env.py $(VENV) requirements.txt
 	touch $@
-$(VENV)/.docs: $(VENV)/.runtime docs/requirements.txt
+$(VENV)/.package: $(VENV)/.runtime pyproject.toml
+	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps --no-build-isolation -e .
+	touch $@
+$(VENV)/.docs: $(VENV)/.package docs/requirements.txt
 	$(PYTHON) tools/setup_env.py $(VENV) docs/requirements.txt
 	touch $@
 $(VENV)/.tests: $(VENV)/.docs tests/requirements.txt
@@ -37,26 +44,33 @@ html: $(VENV)/.docs
 notebooks: $(VENV)/.docs
 	$(PY) tools/make_notebooks.py build/notebooks
 
+export: $(VENV)/.runtime
+	$(PY) tools/export.py
+
 lint: $(VENV)/.tests
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
 
 test: lint notebooks
+	$(PY) tools/export.py --check
 	$(PY) -m pytest tests
 	$(PY) -m pytest --nbval-lax --nbval-current-env build/notebooks
 	$(SPHINX) -b html docs build/html
 
-bench: $(VENV)/.runtime
+wheel: $(VENV)/.runtime
+	$(PY) -m pip wheel --quiet --no-deps --no-build-isolation -w dist .
+
+bench: $(VENV)/.package
 	@$(PY) -c "import torch; assert torch.cuda.is_available(), 'make bench needs a GPU'"
 	set -e; for chapter in $(CHAPTERS); do \
-		echo "== $$chapter"; KIT_RECORD=1 KIT_ONLY="$(ONLY)" KIT_COMMAND="make bench" \
-		$(PY) $$chapter; done
+		echo "== $$chapter"; STEPKERNELS_RECORD=1 STEPKERNELS_ONLY="$(ONLY)" \
+		STEPKERNELS_COMMAND="make bench" STEPKERNELS_RESULTS="$(RESULTS)" $(PY) $$chapter; done
 	$(MAKE) results-table
 
-results-table: $(VENV)/.runtime
+results-table: $(VENV)/.package
 	$(PY) tools/results_table.py README.md
 
 clean:
-	rm -rf build docs/tutorials docs/sg_execution_times.rst
+	rm -rf build dist docs/tutorials docs/sg_execution_times.rst
 distclean: clean
 	rm -rf $(VENV)

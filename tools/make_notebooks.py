@@ -2,11 +2,11 @@
 
     python tools/make_notebooks.py OUTPUT_DIR
 
-Uses the gallery's own setup cell from conf.py, so the notebooks that nbval executes are
-the ones readers download.
+Uses the gallery's own first cell from conf.py, so the notebooks that nbval executes are the
+ones readers download.
 """
 
-import importlib.util
+import ast
 import shutil
 import sys
 from pathlib import Path
@@ -16,12 +16,17 @@ from sphinx_gallery.notebook import python_to_jupyter_cli
 ROOT = Path(__file__).resolve().parent.parent
 
 
+def setup_cell() -> str:
+    """conf.py's NOTEBOOK_SETUP_CELL, read without running conf.py (which writes a stamp)."""
+    tree = ast.parse((ROOT / "conf.py").read_text())
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", "") == "NOTEBOOK_SETUP_CELL":
+            return ast.literal_eval(node.value)
+    raise LookupError("conf.py defines no NOTEBOOK_SETUP_CELL")
+
+
 def main(output_dir: str) -> None:
-    spec = importlib.util.spec_from_file_location("conf", ROOT / "conf.py")
-    conf = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(conf)
-    # The chapters draw their pictures with code, so the setup cell is the only setting needed.
-    settings = {"first_notebook_cell": conf.sphinx_gallery_conf["first_notebook_cell"]}
+    settings = {"first_notebook_cell": setup_cell()}
     out = Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)
     chapters = sorted((ROOT / "tutorials").glob("[0-9][0-9]-*.py"))

@@ -20,17 +20,19 @@ cell runs under Triton's interpreter on the CPU, at a smaller size.
 # %%
 # Setup
 # -----
-# ``kit`` is this collection's helper module: device detection, problem sizes, timing and
-# plots, shared by every chapter. Import it before ``triton``: on a machine without a GPU it
-# switches Triton to its interpreter, a setting Triton reads when it is imported.
+# The chapters build a package, ``stepkernels``: each chapter's final kernels are in it, and
+# later chapters import them from it. It also holds what every chapter shares: device
+# handling, timing, plots and the recorded GPU results. Import it before ``triton``: on a
+# machine without a GPU it switches Triton to its interpreter, a setting Triton reads when it
+# is imported.
 
-import kit
+from stepkernels import bench, figures, tutorial
 import torch
 import triton
 import triton.language as tl
 
-kit.announce()
-DEVICE = kit.DEVICE
+tutorial.announce()
+DEVICE = tutorial.DEVICE
 # sphinx_gallery_thumbnail_number = 2
 
 # %%
@@ -70,12 +72,16 @@ DEVICE = kit.DEVICE
 # tensors. A *mask*, ``offsets < n_elements``, switches those lanes off: masked lanes neither
 # load nor store. Here is the picture for ten elements in blocks of four:
 
-kit.draw_programs(n_elements=10, block_size=4)
+figures.draw_programs(n_elements=10, block_size=4)
 
 # %%
 # The kernel
 # ----------
 # ``@triton.jit`` compiles the function for the GPU (or hands it to the interpreter).
+# The first line of the cell, ``#@save vector_add``, marks it as part of the package: the
+# kernels and wrappers that a chapter marks so are what ``stepkernels.vector_add`` holds,
+# written out by ``make export``, so the kernel you edit here and the one the package runs are
+# one text.
 # Pointer arguments receive torch tensors, which Triton turns into the address of their
 # first element; ``x_ptr + offsets`` is then a block of addresses. ``BLOCK_SIZE`` is a
 # ``tl.constexpr``: a compile-time constant, because the size of ``tl.arange`` must be known
@@ -85,6 +91,10 @@ kit.draw_programs(n_elements=10, block_size=4)
 # That is what PyTorch does too, so results agree to the bit. It is also what the
 # interpreter needs: it keeps bf16 values as raw 16-bit integers, and adding those directly
 # gives nonsense. The conversions cost nothing measurable in a memory-bound kernel.
+
+# @save vector_add
+
+from stepkernels._core import FLOAT_DTYPES, check_tensor
 
 
 @triton.jit
@@ -111,18 +121,19 @@ def add_kernel(x_ptr, y_ptr, out_ptr, n_elements, BLOCK_SIZE: tl.constexpr):
 # The kernel treats its inputs as flat arrays of consecutive elements, so the wrapper refuses
 # anything else with a message that says what to do: a strided view, tensors of different
 # shapes (no broadcasting), different dtypes, or a tensor on the wrong device. A silent wrong
-# answer is the one outcome we never accept. The checks every chapter needs live in
-# ``kit.check_tensor``.
+# answer is the one outcome we never accept. The checks every chapter needs live in the
+# package, ``check_tensor``.
 
-SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+# @save vector_add
+SUPPORTED_DTYPES = FLOAT_DTYPES
 BLOCK_SIZE = 1024  # chosen by the measurement at the end of this chapter
 NUM_WARPS = 4
 
 
 def add(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """Elementwise ``x + y`` for two contiguous tensors of the same shape and dtype."""
-    kit.check_tensor(x, "x", SUPPORTED_DTYPES)
-    kit.check_tensor(y, "y", SUPPORTED_DTYPES)
+    check_tensor(x, "x", SUPPORTED_DTYPES, contiguous=True)
+    check_tensor(y, "y", SUPPORTED_DTYPES, contiguous=True)
     if x.shape != y.shape or x.dtype != y.dtype:
         raise ValueError(
             f"add() takes tensors of one shape and dtype, got {tuple(x.shape)} {x.dtype} and "
@@ -141,10 +152,10 @@ def add(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 # %%
 # Seeing inside a kernel
 # ----------------------
-# Set ``TRITON_INTERPRET=1`` before Triton is imported (``kit`` does it for you when there is
-# no GPU) and every ``@triton.jit`` function runs as ordinary Python on the CPU: the programs
-# of the grid run one after another, and every block value is a NumPy array. You can then
-# debug a kernel as you would any Python function:
+# Set ``TRITON_INTERPRET=1`` before Triton is imported (``stepkernels`` does it for you
+# when there is no GPU) and every ``@triton.jit`` function runs as ordinary Python on the
+# CPU: the programs of the grid run one after another, and every block value is a NumPy
+# array. You can then debug a kernel as you would any Python function:
 #
 # * ``print(offsets)`` or ``tl.device_print("offsets", offsets)`` inside the kernel. The
 #   second also works on a GPU, but there every thread that holds a value prints it, so a
@@ -169,7 +180,7 @@ def show_blocks_kernel(n_elements, BLOCK_SIZE: tl.constexpr):
     tl.device_print("in bounds", offsets < n_elements)
 
 
-if kit.INTERPRET:
+if tutorial.INTERPRET:
     show_blocks_kernel[(triton.cdiv(10, 4),)](10, BLOCK_SIZE=4)
 else:
     print(
@@ -190,7 +201,7 @@ else:
 
 
 def tolerance(dtype: torch.dtype) -> dict:
-    if dtype == torch.bfloat16 and kit.INTERPRET:
+    if dtype == torch.bfloat16 and tutorial.INTERPRET:
         return {"rtol": 2**-7, "atol": 0.0}
     return {"rtol": 0.0, "atol": 0.0}
 
@@ -202,7 +213,7 @@ shapes = [
     (BLOCK_SIZE,),
     (BLOCK_SIZE + 1,),
     (3, 333),
-    (kit.choose(gpu=98_432_017, cpu=20_011),),
+    (bench.choose(gpu=98_432_017, cpu=20_011),),
 ]
 for dtype in SUPPORTED_DTYPES:
     for shape in shapes:
@@ -223,7 +234,7 @@ bad_calls = {
     "integer dtype": lambda: add(x.int(), y.int()),
     "wrong device": lambda: add(x.to("meta"), y.to("meta")),
 }
-kit.show_refusals("add()", bad_calls)
+tutorial.show_refusals("add()", bad_calls)
 
 # %%
 # Benchmark
@@ -243,7 +254,7 @@ def make_vector_add(provider: str, n_elements: int, dtype: torch.dtype):
     return {"triton": lambda: add(x, y), "torch": lambda: x + y}[provider]
 
 
-vector_add = kit.Benchmark(
+vector_add = bench.Benchmark(
     name="vector-add",
     x_name="elements",
     x_values=[2**i for i in range(12, 29)],
@@ -254,7 +265,7 @@ vector_add = kit.Benchmark(
     smoke_x=2**12,
     headline_x=2**26,
 )
-kit.run(vector_add)
+bench.run(vector_add)
 
 # %%
 # Both lines climb to the ceiling together. At small sizes the time is not the bytes but the
@@ -280,7 +291,7 @@ kit.run(vector_add)
 
 def make_block_sweep(provider: str, block_size: int, dtype: torch.dtype):
     num_warps = int(provider.split("=")[1])
-    x = torch.rand(kit.choose(gpu=2**26, cpu=2**12), device=DEVICE, dtype=dtype)
+    x = torch.rand(bench.choose(gpu=2**26, cpu=2**12), device=DEVICE, dtype=dtype)
     y = torch.rand_like(x)
     out = torch.empty_like(x)
     grid = (triton.cdiv(x.numel(), block_size),)
@@ -289,7 +300,7 @@ def make_block_sweep(provider: str, block_size: int, dtype: torch.dtype):
     )
 
 
-block_sweep = kit.Benchmark(
+block_sweep = bench.Benchmark(
     name="vector-add-block-size",
     x_name="BLOCK_SIZE",
     x_values=[2**i for i in range(7, 15)],
@@ -298,7 +309,7 @@ block_sweep = kit.Benchmark(
     work=lambda block_size, dtype: 3 * 2**26 * dtype.itemsize,
     smoke_x=256,
 )
-kit.run(block_sweep)
+bench.run(block_sweep)
 
 # %%
 # Very small blocks lose: each program moves too few bytes to keep enough loads in flight,

@@ -1,266 +1,49 @@
-r"""The plumbing every chapter shares: where kernels run, problem sizes, input checks,
-timing, plots, and the GPU results recorded in ``results/``.
+r"""Timing, recording and plotting for the chapters' benchmarks, in one place.
 
-Import it before ``triton``. Without a GPU it turns on Triton's interpreter, and Triton
-reads that setting when it is imported.
+On a GPU, ``run(benchmark)`` measures every provider at every size (GPU time of CUDA-graph
+replays, L2 flushed), plots the rates against the hardware limit and prints a summary; with
+``STEPKERNELS_RECORD=1`` (``make bench``) it also writes them to the results folder. Without a
+GPU it calls every provider once at a small size, so the code runs, and shows the results
+recorded on a GPU instead: interpreter timings are never shown.
+
+Importing this module changes nothing: every setting a measurement needs (Inductor's compile
+threads, dynamo's recompile limit, fp32 matmul precision) is set for the measurement and
+restored after it, also on error.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 import contextlib
 import csv
+from dataclasses import dataclass
 import datetime
-import importlib.util
-import io
 import json
 import os
+from pathlib import Path
 import re
 import subprocess
 import sys
 import textwrap
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
-from pathlib import Path
 
-# torch.compile's Inductor compiles kernels in a pool of worker processes, which it starts
-# afresh after each compilation; while they start they take every CPU core for seconds, and a
-# GPU timing taken meanwhile measures a starved CPU. One thread: compile in this process.
-os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+from stepkernels._core import DEVICE, ON_GPU, dtype_name
+import torch
+import triton
+import triton.language as tl
 
-import torch  # noqa: E402
-
-# ----------------------------------------------------------------------- where kernels run
-HAS_GPU = torch.cuda.is_available()
-if not HAS_GPU and os.environ.get("TRITON_INTERPRET") != "1":
-    if "triton" in sys.modules:
-        raise ImportError(
-            "No GPU here, so Triton must run under its interpreter, which has to be chosen "
-            "before triton is imported: import kit before triton, or set TRITON_INTERPRET=1."
-        )
-    os.environ["TRITON_INTERPRET"] = "1"
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-ON_GPU = HAS_GPU and not INTERPRET
-DEVICE = torch.device("cuda" if ON_GPU else "cpu")
-# Streaming multiprocessors, for sizing persistent grids; None under the interpreter.
-SM_COUNT = (
-    torch.cuda.get_device_properties(DEVICE).multi_processor_count if ON_GPU else None
-)
-
-import triton  # noqa: E402  (after the interpreter switch above)
-import triton.language as tl  # noqa: E402
-
-RESULTS_DIR = Path(
-    os.environ.get("KIT_RESULTS", Path(__file__).resolve().parent.parent / "results")
-)
+# Where make bench records, and where a reader's plots come from: the package's own copy.
+PACKAGE_RESULTS = Path(__file__).resolve().parent / "results"
 
 
-def announce() -> None:
-    """Print one line saying where this chapter's kernels run."""
-    if ON_GPU:
-        print(
-            f"Running on {torch.cuda.get_device_name()} with torch {torch.__version__} "
-            f"and triton {triton.__version__}: full problem sizes, live timings."
-        )
-    else:
-        print(
-            "No GPU in use: kernels run under Triton's interpreter on the CPU at reduced size; "
-            "the plots show results recorded on a GPU, never interpreter timings."
-        )
+def default_results_dir() -> Path:
+    """$STEPKERNELS_RESULTS, else the results shipped inside the package."""
+    return Path(os.environ.get("STEPKERNELS_RESULTS", PACKAGE_RESULTS))
 
 
 def choose(gpu, cpu):
     """The full-size value on a GPU, the small one under the interpreter."""
     return gpu if ON_GPU else cpu
-
-
-def autotune_configs(configs: list) -> list:
-    """All configs on a GPU; the first alone under the interpreter, which cannot time kernels."""
-    return list(configs) if ON_GPU else list(configs)[:1]
-
-
-def check_tensor(tensor, name: str, dtypes=None, contiguous: bool = True) -> None:
-    """Reject an input the kernels cannot take, saying what to do instead."""
-    if not isinstance(tensor, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
-    if tensor.device.type != DEVICE.type:
-        raise ValueError(
-            f"{name} is on {tensor.device}, but kernels here run on {DEVICE.type}: "
-            f"move it with {name}.to('{DEVICE.type}')"
-        )
-    if dtypes is not None and tensor.dtype not in dtypes:
-        names = ", ".join(str(d).replace("torch.", "") for d in dtypes)
-        raise TypeError(
-            f"{name} has dtype {tensor.dtype}; supported: {names}. Convert with {name}.to(...)"
-        )
-    if contiguous and not tensor.is_contiguous():
-        raise ValueError(
-            f"{name} is not contiguous (strides {tuple(tensor.stride())}): pass {name}.contiguous()"
-        )
-
-
-def show_refusals(function_name: str, bad_calls: dict) -> None:
-    """Make each call in ``bad_calls`` (case name -> call) and print the error it raises.
-
-    A call that raises no TypeError or ValueError means bad input was accepted: an error.
-    """
-    width = max(map(len, bad_calls))
-    for case, call in bad_calls.items():
-        try:
-            call()
-        except (TypeError, ValueError) as error:
-            print(f"{case:>{width}}: {error}")
-        else:
-            raise AssertionError(f"{function_name} accepted bad input: {case}")
-
-
-# ----------------------------------------------------------------------- chapters as modules
-_quiet_loads = 0
-
-
-def load_chapter(number: str, quiet: bool = True):
-    """Import chapter ``number`` ("04") as a module, to reuse its kernels and wrappers.
-
-    The chapter runs top to bottom. With ``quiet`` its benchmarks are skipped, so are the
-    checks it guards with ``loaded_by_another_chapter()``, and what it prints or draws is
-    dropped, so that a chapter building on another shows only its own output.
-    """
-    name = f"chapter_{number}"
-    if name in sys.modules:
-        return sys.modules[name]
-    found = sorted(Path(__file__).resolve().parent.glob(f"{number}-*.py"))
-    if not found:
-        raise FileNotFoundError(
-            f"Chapter {number} builds on chapter {number}'s script, {number}-*.py, which must sit "
-            f"beside kit.py ({Path(__file__).resolve().parent}): download it from the gallery."
-        )
-    spec = importlib.util.spec_from_file_location(name, found[0])
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    global _quiet_loads
-    figures_before = _open_figures()
-    _quiet_loads += quiet
-    try:
-        with contextlib.redirect_stdout(io.StringIO() if quiet else sys.stdout):
-            spec.loader.exec_module(module)
-    except BaseException:
-        del sys.modules[name]
-        raise
-    finally:
-        _quiet_loads -= quiet
-    if quiet:
-        import matplotlib.pyplot as plt
-
-        for figure in _open_figures() - figures_before:
-            plt.close(figure)
-    return module
-
-
-def loaded_by_another_chapter() -> bool:
-    """True while a quiet ``load_chapter`` runs this chapter for another one. A chapter may
-    then skip its slow checks: they ran when it ran itself, and on a GPU they compile dozens
-    of kernel variants (chapter 04's take over three minutes)."""
-    return _quiet_loads > 0
-
-
-def _open_figures() -> set:
-    if "matplotlib.pyplot" not in sys.modules:
-        return set()
-    return set(sys.modules["matplotlib.pyplot"].get_fignums())
-
-
-# ----------------------------------------------------------------------- shared device functions
-# The activations that chapters fuse into their kernels (matmul epilogues, the fused dropout
-# layer), with their derivatives for the backward. Both take and return fp32. ACTIVATION is a
-# compile-time string: each choice compiles to its own kernel, so the branches cost nothing.
-ACTIVATIONS = (None, "relu", "leaky_relu", "gelu", "squared_relu")
-
-
-@triton.jit
-def apply_activation(z, ACTIVATION: tl.constexpr):
-    if ACTIVATION == "relu":
-        return tl.maximum(z, 0.0)
-    elif ACTIVATION == "leaky_relu":  # slope 0.01, torch's default
-        return tl.where(z > 0, z, 0.01 * z)
-    elif ACTIVATION == "gelu":  # the exact form, z * Phi(z), as torch's default
-        return 0.5 * z * (1.0 + tl.math.erf(z * 0.7071067811865476))
-    elif ACTIVATION == "squared_relu":
-        relu = tl.maximum(z, 0.0)
-        return relu * relu
-    else:
-        return z
-
-
-@triton.jit
-def activation_derivative(z, ACTIVATION: tl.constexpr):
-    if ACTIVATION == "relu":
-        return tl.where(z > 0, 1.0, 0.0)
-    elif ACTIVATION == "leaky_relu":
-        return tl.where(z > 0, 1.0, 0.01)
-    elif ACTIVATION == "gelu":  # Phi(z) + z * phi(z)
-        cdf = 0.5 * (1.0 + tl.math.erf(z * 0.7071067811865476))
-        return cdf + z * 0.3989422804014327 * tl.exp(-0.5 * z * z)
-    elif ACTIVATION == "squared_relu":
-        return 2.0 * tl.maximum(z, 0.0)
-    else:
-        return tl.full(z.shape, 1.0, tl.float32)
-
-
-def activation_reference(z: torch.Tensor, activation: str | None) -> torch.Tensor:
-    """The same activation in PyTorch, to check kernels against and to benchmark."""
-    if activation is None:
-        return z
-    if activation == "squared_relu":
-        return torch.relu(z).square()
-    if activation not in ACTIVATIONS:
-        raise ValueError(
-            f"activation {activation!r} unknown; choose one of {ACTIVATIONS}"
-        )
-    return getattr(torch.nn.functional, activation)(z)
-
-
-# ----------------------------------------------------------------------- pictures
-def draw_programs(n_elements: int, block_size: int) -> None:
-    """Draw a vector cut into blocks, one program each, with the masked-off tail hatched."""
-    import matplotlib.pyplot as plt
-
-    n_programs = -(-n_elements // block_size)
-    colors = plt.get_cmap("tab10")
-    fig, ax = plt.subplots(figsize=(0.42 * n_programs * block_size + 1, 1.9))
-    for index in range(n_programs * block_size):
-        program, in_bounds = index // block_size, index < n_elements
-        face = colors(program % 10) if in_bounds else "white"
-        ax.add_patch(
-            plt.Rectangle(
-                (index, 0),
-                0.94,
-                1,
-                facecolor=face,
-                alpha=0.75,
-                edgecolor="0.4",
-                hatch=None if in_bounds else "//",
-            )
-        )
-        ax.text(index + 0.47, 0.5, str(index), ha="center", va="center", fontsize=8)
-    for program in range(n_programs):
-        ax.text(
-            (program + 0.5) * block_size,
-            1.25,
-            f"program_id = {program}",
-            ha="center",
-            fontsize=9,
-        )
-    ax.text(
-        n_elements, -0.35, "masked off: offsets >= n_elements", fontsize=8, color="0.3"
-    )
-    ax.set(xlim=(-0.3, n_programs * block_size + 0.3), ylim=(-0.6, 1.6))
-    ax.axis("off")
-    ax.set_title(
-        f"n_elements = {n_elements}, BLOCK_SIZE = {block_size}: "
-        f"grid = cdiv({n_elements}, {block_size}) = {n_programs} programs",
-        fontsize=9,
-    )
-    fig.tight_layout()
 
 
 # ----------------------------------------------------------------------- benchmarks
@@ -284,6 +67,10 @@ class Benchmark:
     smoke_x: object = None
     headline_x: object = None
     x_log2: bool = True
+    # Colors for this benchmark's own providers (the shared ones are in STYLE).
+    colors: dict | None = None
+    # torch.get_float32_matmul_precision while measuring ("high": tf32 for every provider).
+    float32_matmul_precision: str | None = None
 
 
 @dataclass
@@ -318,18 +105,41 @@ OTHER_COLORS = (
 )
 
 
-def provider_colors(providers: list) -> dict:
-    """A distinct color for each provider: the fixed ones above, then OTHER_COLORS in turn."""
-    taken = {STYLE[p] for p in providers if p in STYLE}
+def provider_colors(providers: list, chosen: dict | None = None) -> dict:
+    """A distinct color for each provider: ``chosen`` ones, the fixed ones above, then
+    OTHER_COLORS in turn."""
+    fixed = {**STYLE, **(chosen or {})}
+    taken = {fixed[p] for p in providers if p in fixed}
     others = iter([color for color in OTHER_COLORS if color not in taken])
-    return {p: STYLE[p] if p in STYLE else next(others, None) for p in providers}
+    return {p: fixed[p] if p in fixed else next(others, None) for p in providers}
 
 
 _limits: dict = {}
 
 
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).replace("torch.", "")
+@contextlib.contextmanager
+def measurement_settings(bench: Benchmark):
+    """The settings a measurement needs, restored afterwards, also on error.
+
+    Inductor compiles in a pool of worker processes that it starts afresh after each
+    compilation, taking every CPU core for seconds: a GPU timing taken meanwhile measures a
+    starved CPU, so we compile in this process. Dynamo keeps at most 8 compiled versions of a
+    function before it silently runs eager PyTorch: a benchmark of many cases raises that.
+    """
+    import torch._dynamo.config
+    import torch._inductor.config
+
+    precision = torch.get_float32_matmul_precision()
+    try:
+        if bench.float32_matmul_precision:
+            torch.set_float32_matmul_precision(bench.float32_matmul_precision)
+        with (
+            torch._inductor.config.patch(compile_threads=1),
+            torch._dynamo.config.patch(recompile_limit=64),
+        ):
+            yield
+    finally:
+        torch.set_float32_matmul_precision(precision)
 
 
 def compile_static(fn: Callable) -> Callable:
@@ -415,10 +225,7 @@ def hardware_limits() -> dict:
         copy_ms = triton.testing.do_bench(lambda: dst.copy_(src))
         _limits["GB/s"] = per_time(2 * src.numel() * 4, copy_ms, "GB/s")
         del src, dst
-        a, b = (
-            torch.randn(4096, 4096, dtype=torch.float16, device=DEVICE)
-            for _ in range(2)
-        )
+        a, b = (torch.randn(4096, 4096, dtype=torch.float16, device=DEVICE) for _ in range(2))
         matmul_ms = triton.testing.do_bench(lambda: a @ b)
         _limits["TFLOP/s"] = per_time(2 * 4096**3, matmul_ms, "TFLOP/s")
     return dict(_limits)
@@ -457,11 +264,7 @@ def environment() -> dict:
     """What a reader needs to reproduce a measurement on this machine."""
     try:
         smi = ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"]
-        driver = (
-            subprocess.run(smi, capture_output=True, text=True, timeout=30)
-            .stdout.split("\n")[0]
-            .strip()
-        )
+        driver = subprocess.run(smi, capture_output=True, text=True, timeout=30).stdout.split("\n")[0].strip()
     except (OSError, subprocess.SubprocessError):
         driver = "unknown"
     return {
@@ -471,9 +274,7 @@ def environment() -> dict:
         "torch": torch.__version__,
         "triton": triton.__version__,
         "date": datetime.date.today().isoformat(),
-        "command": os.environ.get(
-            "KIT_COMMAND", " ".join([Path(sys.argv[0]).name, *sys.argv[1:]])
-        ),
+        "command": os.environ.get("STEPKERNELS_COMMAND", " ".join([Path(sys.argv[0]).name, *sys.argv[1:]])),
         "limits": hardware_limits(),
         "timing": TIMING,
     }
@@ -494,7 +295,7 @@ def make_call(bench: Benchmark, provider: str, x, dtype) -> Callable:
 def measure(bench: Benchmark) -> list[Point]:
     # Inputs, warm-up and capture all on one side stream: autograd runs a backward on the
     # stream of its forward, so a forward made here is captured with its backward.
-    with side_stream():
+    with measurement_settings(bench), side_stream():
         return measure_on_stream(bench)
 
 
@@ -510,9 +311,7 @@ def measure_on_stream(bench: Benchmark) -> list[Point]:
                 try:
                     ms, q20, q80 = measure_ms(make_call(bench, provider, x, dtype))
                 except torch.OutOfMemoryError:
-                    print(
-                        f"  {provider} at {bench.x_name}={x}: out of GPU memory, skipped"
-                    )
+                    print(f"  {provider} at {bench.x_name}={x}: out of GPU memory, skipped")
                     continue
                 except RuntimeError as error:  # a call a CUDA graph cannot capture
                     print(f"  {provider} at {bench.x_name}={x}: skipped, {error}")
@@ -520,25 +319,19 @@ def measure_on_stream(bench: Benchmark) -> list[Point]:
                 finally:
                     torch.cuda.empty_cache()
                 work = bench.work(x, dtype)
-                value, low, high = (
-                    per_time(work, t, bench.unit) for t in (ms, q80, q20)
-                )
+                value, low, high = (per_time(work, t, bench.unit) for t in (ms, q80, q20))
                 points.append(Point(provider, dtype_name(dtype), x, value, low, high))
     return points
 
 
-def record(
-    bench: Benchmark, points: list[Point], env: dict, results_dir: Path | None = None
-) -> Path:
+def record(bench: Benchmark, points: list[Point], env: dict, results_dir: Path | None = None) -> Path:
     """Write the points as results/<gpu>/<benchmark>.csv and note the environment they ran in."""
-    folder = (results_dir or RESULTS_DIR) / gpu_slug(env["gpu"])
+    folder = (results_dir or default_results_dir()) / gpu_slug(env["gpu"])
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / f"{bench.name}.csv"
     with path.open("w", newline="") as f:
         writer = csv.writer(f, lineterminator="\n")
-        writer.writerow(
-            ["benchmark", "provider", "dtype", "x_name", "x", "value", "unit"]
-        )
+        writer.writerow(["benchmark", "provider", "dtype", "x_name", "x", "value", "unit"])
         for p in points:
             writer.writerow(
                 [
@@ -554,19 +347,14 @@ def record(
     env_path = folder / "environment.json"
     recorded = json.loads(env_path.read_text()) if env_path.exists() else {}
     benchmarks = {**recorded.get("benchmarks", {}), bench.name: env}
-    env_path.write_text(
-        json.dumps({**env, "benchmarks": dict(sorted(benchmarks.items()))}, indent=1)
-        + "\n"
-    )
+    env_path.write_text(json.dumps({**env, "benchmarks": dict(sorted(benchmarks.items()))}, indent=1) + "\n")
     return path
 
 
 def recorded_gpu_dir(results_dir: Path | None = None) -> Path | None:
-    """The results folder to show without a GPU: $KIT_RESULTS_GPU, else the newest recording."""
-    folders = [
-        p.parent for p in (results_dir or RESULTS_DIR).glob("*/environment.json")
-    ]
-    wanted = os.environ.get("KIT_RESULTS_GPU")
+    """The results folder to show without a GPU: $STEPKERNELS_RESULTS_GPU, else the newest recording."""
+    folders = [p.parent for p in (results_dir or default_results_dir()).glob("*/environment.json")]
+    wanted = os.environ.get("STEPKERNELS_RESULTS_GPU")
     if wanted:
         folders = [f for f in folders if f.name == wanted]
     newest_first = sorted(
@@ -579,9 +367,7 @@ def recorded_gpu_dir(results_dir: Path | None = None) -> Path | None:
     return newest_first[-1] if newest_first else None
 
 
-def load_recorded(
-    name: str, results_dir: Path | None = None
-) -> tuple[list[Point], dict] | None:
+def load_recorded(name: str, results_dir: Path | None = None) -> tuple[list[Point], dict] | None:
     folder = recorded_gpu_dir(results_dir)
     if folder is None or not (folder / f"{name}.csv").exists():
         return None
@@ -591,19 +377,15 @@ def load_recorded(
 
 def read_points(path: Path) -> list[Point]:
     with path.open() as f:
-        return [
-            Point(r["provider"], r["dtype"], float(r["x"]), float(r["value"]))
-            for r in csv.DictReader(f)
-        ]
+        return [Point(r["provider"], r["dtype"], float(r["x"]), float(r["value"])) for r in csv.DictReader(f)]
 
 
 def smoke(bench: Benchmark) -> None:
     """Under the interpreter: call every provider once at a small size, so the code runs."""
     for dtype in bench.dtypes:
         for provider in bench.providers:
-            if (
-                provider != "torch.compile"
-            ):  # compiles C++ on a CPU: slow, and says nothing here
+            # torch.compile would compile C++ on a CPU: slow, and says nothing here.
+            if provider != "torch.compile":
                 make_call(bench, provider, bench.smoke_x, dtype)()
 
 
@@ -618,13 +400,11 @@ def plot(bench: Benchmark, points: list[Point], env: dict, live: bool):
     import matplotlib.pyplot as plt
 
     dtypes = list(dict.fromkeys(p.dtype for p in points))
-    fig, axes = plt.subplots(
-        1, len(dtypes), figsize=(6.2 * len(dtypes), 4.2), squeeze=False, sharey=True
-    )
+    fig, axes = plt.subplots(1, len(dtypes), figsize=(6.2 * len(dtypes), 4.2), squeeze=False, sharey=True)
     limit = env["limits"].get(bench.unit)  # None: no hardware line (CPU time)
     # A recording may hold providers this machine cannot run (a library not installed here).
     providers = list(dict.fromkeys([*bench.providers, *(p.provider for p in points)]))
-    colors = provider_colors(providers)
+    colors = provider_colors(providers, bench.colors)
     for ax, dtype in zip(axes[0], dtypes, strict=True):
         for provider in providers:
             mine = sorted(
@@ -686,36 +466,60 @@ def summarize(bench: Benchmark, points: list[Point], env: dict) -> None:
         print(f"{bench.name}, {dtype}, {bench.x_name} = {bench.headline_x:,}:")
         for p in points:
             if p.dtype == dtype and p.x == bench.headline_x:
-                share = (
-                    "" if limit is None else f"{p.value / limit:6.1%} of {limit:,.0f}"
-                )
+                share = "" if limit is None else f"{p.value / limit:6.1%} of {limit:,.0f}"
                 print(f"  {p.provider:<14} {p.value:>9,.1f} {bench.unit}  {share}")
 
 
-def run(bench: Benchmark) -> None:
+@dataclass
+class Results:
+    """What ``run`` measured or loaded, for a chapter to quote: figures reach the page through
+    code, so a new recording cannot make the prose wrong."""
+
+    bench: Benchmark
+    points: list[Point]
+    env: dict
+    live: bool
+
+    def value(self, provider: str, x, dtype: str | torch.dtype = "float32") -> float:
+        """The rate (or CPU time) of ``provider`` at ``x``; NaN where nothing was recorded."""
+        dtype = dtype if isinstance(dtype, str) else dtype_name(dtype)
+        for p in self.points:
+            if p.provider == provider and p.dtype == dtype and p.x == x:
+                return p.value
+        return float("nan")
+
+    def ratio(self, provider: str, other: str, x, dtype: str | torch.dtype = "float32") -> float:
+        """``provider``'s value over ``other``'s at ``x``."""
+        return self.value(provider, x, dtype) / self.value(other, x, dtype)
+
+    @property
+    def how(self) -> str:
+        return "measured now" if self.live else f"recorded on {describe(self.env)}"
+
+
+def run(bench: Benchmark) -> Results | None:
     """Measure (GPU) or show the recording (no GPU), draw the plot and print the summary.
 
-    With KIT_RECORD=1 (``make bench``) the measurement is also written to results/; with
-    KIT_ONLY set to benchmark names, separated by commas, a GPU measures only those. Inside
-    a quiet ``load_chapter`` it does nothing.
+    Returns the points shown (None when there are none). With STEPKERNELS_RECORD=1 (``make
+    bench``) the measurement is also written to the results folder; with STEPKERNELS_ONLY set
+    to benchmark names, separated by commas, a GPU measures only those.
     """
-    if _quiet_loads:
-        return
-    only = os.environ.get("KIT_ONLY")  # make bench ONLY=name,name: measure just these
+    only = os.environ.get("STEPKERNELS_ONLY")  # make bench ONLY=name,name
     if ON_GPU and only and bench.name not in only.split(","):
-        print(f"{bench.name}: not measured (KIT_ONLY={only})")
-        return
+        print(f"{bench.name}: not measured (STEPKERNELS_ONLY={only})")
+        return None
     if ON_GPU:
         points, env = measure(bench), environment()
-        if os.environ.get("KIT_RECORD") == "1":
+        if os.environ.get("STEPKERNELS_RECORD") == "1":
             print(f"recorded {record(bench, points, env)}")
     else:
         smoke(bench)
         found = load_recorded(bench.name)
         if found is None:
-            where = f"{bench.name!r} under {RESULTS_DIR}"
+            where = f"{bench.name!r} under {default_results_dir()}"
             print(f"No recorded GPU results for {where}: run `make bench` on a GPU.")
-            return
+            return None
         points, env = found
     plot(bench, points, env, live=ON_GPU)
     summarize(bench, points, env)
+    return Results(bench, points, env, live=ON_GPU)

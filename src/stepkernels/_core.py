@@ -1,0 +1,77 @@
+"""What every operation of the package shares: where kernels run, input checks, seeds, and
+refusing what autograd cannot do. Hand-written; the operations' modules are generated from the
+chapters (see tools/export.py)."""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+# Without a GPU the kernels run under Triton's interpreter on CPU tensors (the package's
+# __init__ chooses it before triton is imported).
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+ON_GPU = torch.cuda.is_available() and not INTERPRET
+DEVICE = torch.device("cuda" if ON_GPU else "cpu")
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+@functools.cache
+def sm_count() -> int:
+    """Streaming multiprocessors of the current GPU; 4 under the interpreter, which has none
+    (a small number, so that persistent loops still take several turns there)."""
+    if not ON_GPU:
+        return 4
+    return torch.cuda.get_device_properties(DEVICE).multi_processor_count
+
+
+@functools.cache
+def capability() -> tuple[int, int]:
+    """The GPU's compute capability, (0, 0) under the interpreter."""
+    return torch.cuda.get_device_capability() if ON_GPU else (0, 0)
+
+
+def autotune_configs(configs: list) -> list:
+    """All configs on a GPU; the first alone under the interpreter, which cannot time kernels."""
+    return list(configs) if ON_GPU else list(configs)[:1]
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def check_tensor(tensor, name: str, dtypes=None, contiguous: bool = False) -> None:
+    """Reject an input the kernels cannot take, saying what to do instead."""
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
+    if tensor.device.type != DEVICE.type:
+        raise ValueError(
+            f"{name} is on {tensor.device}, but the kernels here run on {DEVICE.type}: "
+            f"move it with {name}.to('{DEVICE.type}')"
+        )
+    if dtypes is not None and tensor.dtype not in dtypes:
+        names = ", ".join(dtype_name(d) for d in dtypes)
+        raise TypeError(f"{name} has dtype {dtype_name(tensor.dtype)}; supported: {names}. Convert with {name}.to(...)")
+    if contiguous and not tensor.is_contiguous():
+        raise ValueError(f"{name} is not contiguous (strides {tuple(tensor.stride())}): pass {name}.contiguous()")
+
+
+def refuse_double_backward(operation: str, alternative: str) -> None:
+    """Call first thing in an ``autograd.Function.backward`` whose kernels autograd cannot
+    differentiate. Autograd runs a backward with gradients enabled exactly when the caller
+    asked for ``create_graph=True``: a second derivative (a gradient penalty, say) would then
+    be silently missing, so we refuse instead."""
+    if torch.is_grad_enabled():
+        raise RuntimeError(
+            f"{operation} cannot be differentiated twice: its backward is a Triton kernel "
+            f"that autograd cannot differentiate, so create_graph=True would silently drop the "
+            f"second derivative. Use {alternative} where you need one."
+        )
+
+
+def fresh_seed() -> int:
+    """A seed for one call of a random kernel, drawn from PyTorch's default (CPU) generator,
+    so that ``torch.manual_seed`` makes a run reproducible. 63 bits: drawing 31 would repeat a
+    seed (and so a whole mask) about once in 46,000 calls; 63 bits, never in practice."""
+    return int(torch.randint(2**63 - 1, (), dtype=torch.int64))
