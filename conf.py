@@ -28,9 +28,9 @@ html_show_sourcelink = False
 # imports (skipped where it is installed already, as in this repository's environment).
 NOTEBOOK_SETUP_CELL = """\
 # Setup: the chapters import their kernels, timing and plots from the package stepkernels.
-# Installed already (a clone: pip install -e <clone>; a wheel: pip install <wheel>)? Then
-# this cell does nothing; otherwise it installs it. Without a GPU the kernels run under
-# Triton's interpreter (Linux; elsewhere see "Running the tutorials").
+# Where it is installed (pip install <clone of the repository> or <wheel>), this does
+# nothing; elsewhere it installs it. Without a GPU the kernels run under Triton's
+# interpreter, on Linux (see "Running the tutorials" for other systems).
 %matplotlib inline
 import importlib.util
 

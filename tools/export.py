@@ -3,7 +3,7 @@
     python tools/export.py           # write src/stepkernels/<module>.py from the chapters
     python tools/export.py --check   # fail if a module differs from its chapter (make test)
 
-A chapter marks each code cell that belongs to the package with a first line ``#@save NAME``:
+A chapter marks each code cell that belongs to the package with a first line ``# @save NAME``:
 the cell's code, up to the next ``# %%``, goes into ``src/stepkernels/NAME.py``. The cells of
 one module are written in the order they appear (a module may collect cells from more than one
 chapter, in chapter order). Everything else in a chapter (checks, pictures, benchmarks) stays
@@ -20,7 +20,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 CHAPTERS = ROOT / "tutorials"
 PACKAGE = ROOT / "src" / "stepkernels"
-MARKER = re.compile(r"^#@save (\w+)\s*$")
+MARKER = re.compile(r"^# ?@save (\w+)\s*$")  # "# @save NAME": ruff format adds the space
 CELL = re.compile(r"^# ?%%")
 GENERATED = "# Generated from {sources} by tools/export.py: edit the chapter, then `make export`."
 

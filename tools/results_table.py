@@ -1,4 +1,4 @@
-"""Write the README's results table from the recordings in results/.
+"""Write the README's results table from the recordings in src/stepkernels/results/.
 
     python tools/results_table.py README.md           # rewrite the table in place
     python tools/results_table.py README.md --check   # fail if the table is out of date
@@ -8,12 +8,11 @@ The table sits between the markers <!-- results:begin --> and <!-- results:end -
 
 import csv
 import json
+from pathlib import Path
 import re
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tutorials"))
-import kit  # noqa: E402
+from stepkernels import bench
 
 BEGIN, END = "<!-- results:begin -->", "<!-- results:end -->"
 COLUMNS = 5  # sizes shown per benchmark, spread evenly over its sweep
@@ -31,7 +30,7 @@ def cell(value: float, limit: float | None) -> str:
 
 
 def benchmark_table(csv_path: Path, env: dict) -> list[str]:
-    points = kit.read_points(csv_path)
+    points = bench.read_points(csv_path)
     with csv_path.open() as f:
         first = next(csv.DictReader(f))
     x_name, unit = first["x_name"], first["unit"]
@@ -40,7 +39,7 @@ def benchmark_table(csv_path: Path, env: dict) -> list[str]:
     shown = sorted({xs[round(i * (len(xs) - 1) / (COLUMNS - 1))] for i in range(COLUMNS)}) if len(xs) > 1 else xs
     title = f"**{csv_path.stem}**: {unit} by {x_name}"
     if limit is not None:
-        title += f"; in brackets, the share of the {kit.LIMIT_NAME[unit]} ({limit:,.0f} {unit})"
+        title += f"; in brackets, the share of the {bench.LIMIT_NAME[unit]} ({limit:,.0f} {unit})"
     lines = [
         title,
         "",
@@ -55,14 +54,15 @@ def benchmark_table(csv_path: Path, env: dict) -> list[str]:
     return [*lines, ""]
 
 
-def results_markdown(results_dir: Path = kit.RESULTS_DIR) -> str:
+def results_markdown(results_dir: Path | None = None) -> str:
+    results_dir = results_dir or bench.default_results_dir()
     lines = []
     for env_path in sorted(results_dir.glob("*/environment.json")):
         env = json.loads(env_path.read_text())
         lines += [f"### {env['gpu']}", ""]
         for csv_path in sorted(env_path.parent.glob("*.csv")):
             recorded = env["benchmarks"].get(csv_path.stem, env)
-            lines += [f"Recorded {kit.describe(recorded).split(', ', 1)[1]} by `{recorded['command']}`.", ""]
+            lines += [f"Recorded {bench.describe(recorded).split(', ', 1)[1]} by `{recorded['command']}`.", ""]
             lines += benchmark_table(csv_path, recorded)
     return "\n".join(lines) if lines else "No results recorded yet: run `make bench` on a GPU.\n"
 

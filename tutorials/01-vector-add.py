@@ -78,7 +78,7 @@ figures.draw_programs(n_elements=10, block_size=4)
 # The kernel
 # ----------
 # ``@triton.jit`` compiles the function for the GPU (or hands it to the interpreter).
-# The first line of the cell, ``#@save vector_add``, marks it as part of the package: the
+# The first line of the cell, ``# @save vector_add``, marks it as part of the package: the
 # kernels and wrappers that a chapter marks so are what ``stepkernels.vector_add`` holds,
 # written out by ``make export``, so the kernel you edit here and the one the package runs are
 # one text.
@@ -93,8 +93,10 @@ figures.draw_programs(n_elements=10, block_size=4)
 # gives nonsense. The conversions cost nothing measurable in a memory-bound kernel.
 
 # @save vector_add
-
 from stepkernels._core import FLOAT_DTYPES, check_tensor
+import torch
+import triton
+import triton.language as tl
 
 
 @triton.jit

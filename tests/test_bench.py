@@ -1,0 +1,232 @@
+import csv
+import importlib.util
+import json
+import os
+from pathlib import Path
+import subprocess
+import sys
+
+import matplotlib.pyplot as plt
+import pytest
+from stepkernels import bench
+from stepkernels._core import INTERPRET, ON_GPU
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+
+FAKE_ENV = {
+    "gpu": "Some GPU 80GB",
+    "driver": "1.2.3",
+    "cuda": "13.0",
+    "torch": "2.11.0",
+    "triton": "3.6.0",
+    "date": "2026-11-22",
+    "command": "make bench",
+    "limits": {"GB/s": 3000.0, "TFLOP/s": 700.0},
+}
+
+
+def copy_benchmark(**overrides):
+    fields = dict(
+        name="copy",
+        x_name="elements",
+        x_values=[2**10, 2**12],
+        providers=["triton", "torch"],
+        make=lambda provider, n, dtype: lambda: torch.ones(n, dtype=dtype).clone(),
+        work=lambda n, dtype: 2 * n * dtype.itemsize,
+        smoke_x=16,
+        headline_x=2**12,
+    )
+    return bench.Benchmark(**{**fields, **overrides})
+
+
+POINTS = [
+    bench.Point("triton", "float32", 2**10, 1500.0),
+    bench.Point("torch", "float32", 2**10, 1400.0),
+    bench.Point("triton", "float32", 2**12, 2700.0),
+    bench.Point("torch", "float32", 2**12, 2600.0),
+]
+
+
+def test_record_writes_exactly_the_agreed_columns(tmp_path):
+    path = bench.record(copy_benchmark(), POINTS, FAKE_ENV, results_dir=tmp_path)
+    assert path == tmp_path / "some-gpu-80gb" / "copy.csv"
+    with path.open() as f:
+        rows = list(csv.reader(f))
+    assert rows[0] == ["benchmark", "provider", "dtype", "x_name", "x", "value", "unit"]
+    assert rows[1] == ["copy", "triton", "float32", "elements", "1024", "1500", "GB/s"]
+    env = json.loads((path.parent / "environment.json").read_text())
+    assert env["gpu"] == "Some GPU 80GB" and env["benchmarks"]["copy"]["triton"] == "3.6.0"
+
+
+def test_recorded_points_come_back_as_written(tmp_path):
+    bench.record(copy_benchmark(), POINTS, FAKE_ENV, results_dir=tmp_path)
+    points, env = bench.load_recorded("copy", results_dir=tmp_path)
+    assert [(p.provider, p.x, p.value) for p in points] == [(p.provider, p.x, p.value) for p in POINTS]
+    assert env["date"] == "2026-11-22"
+    assert bench.load_recorded("missing", results_dir=tmp_path) is None
+
+
+def test_newest_recording_is_shown(tmp_path, monkeypatch):
+    bench.record(copy_benchmark(), POINTS, FAKE_ENV, results_dir=tmp_path)
+    bench.record(copy_benchmark(), POINTS, {**FAKE_ENV, "gpu": "Other GPU", "date": "2026-12-01"}, results_dir=tmp_path)
+    assert bench.recorded_gpu_dir(tmp_path).name == "other-gpu"
+    monkeypatch.setenv("STEPKERNELS_RESULTS_GPU", "some-gpu-80gb")
+    assert bench.recorded_gpu_dir(tmp_path).name == "some-gpu-80gb"
+
+
+def test_plot_says_recorded_and_draws_the_limit():
+    fig = bench.plot(copy_benchmark(), POINTS, FAKE_ENV, live=False)
+    assert "recorded on Some GPU 80GB" in fig._suptitle.get_text()
+    (ax,) = fig.axes
+    assert any(list(line.get_ydata()) == [3000.0, 3000.0] for line in ax.get_lines())
+
+
+def test_cpu_time_benchmarks_plot_and_summarize_without_a_limit(capsys):
+    cpu_bench = copy_benchmark(unit=bench.CPU_UNIT)
+    points = [bench.Point("triton", "float32", 2**12, 360.0), bench.Point("torch", "float32", 2**12, 120.0)]
+    fig = bench.plot(cpu_bench, points, FAKE_ENV, live=True)
+    (ax,) = fig.axes
+    assert all(len(line.get_xdata()) != 2 or line.get_ydata()[0] != line.get_ydata()[1] for line in ax.get_lines())
+    assert ax.get_ylabel() == bench.CPU_UNIT
+    bench.summarize(cpu_bench, points, FAKE_ENV)
+    out = capsys.readouterr().out
+    assert "360.0 µs of CPU per call" in out and "% of" not in out
+
+
+def test_results_table_shows_cpu_time_without_a_share(tmp_path):
+    spec = importlib.util.spec_from_file_location("results_table", ROOT / "tools" / "results_table.py")
+    results_table = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(results_table)
+    points = [bench.Point("triton", "float32", 2**10, 364.0), bench.Point("triton", "float32", 2**12, 300.0)]
+    bench.record(copy_benchmark(unit=bench.CPU_UNIT), points, FAKE_ENV, results_dir=tmp_path)
+    markdown = results_table.results_markdown(tmp_path)
+    assert "| float32 | triton | 364 | 300 |" in markdown
+
+
+def test_summary_states_the_share_of_the_limit(capsys):
+    bench.summarize(copy_benchmark(), POINTS, FAKE_ENV)
+    assert "90.0% of 3,000" in capsys.readouterr().out
+
+
+def test_run_without_a_gpu_smoke_runs_providers_and_shows_no_timings(tmp_path, monkeypatch, capsys):
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    calls = []
+    smoked = copy_benchmark(make=lambda provider, n, dtype: lambda: calls.append((provider, n)))
+    monkeypatch.setenv("STEPKERNELS_RESULTS", str(tmp_path))
+    assert bench.run(smoked) is None
+    assert calls == [("triton", 16), ("torch", 16)]
+    assert "No recorded GPU results for 'copy'" in capsys.readouterr().out
+    assert not plt.get_fignums()
+
+
+def test_run_without_a_gpu_plots_the_recording(tmp_path, monkeypatch, capsys):
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    bench.record(copy_benchmark(), POINTS, FAKE_ENV, results_dir=tmp_path)
+    monkeypatch.setenv("STEPKERNELS_RESULTS", str(tmp_path))
+    bench.run(copy_benchmark())
+    assert "recorded on Some GPU 80GB" in plt.gcf()._suptitle.get_text()
+    lines = capsys.readouterr().out.splitlines()
+    assert ["triton", "2,700.0", "GB/s", "90.0%", "of", "3,000"] in [line.split() for line in lines]
+
+
+def test_readme_results_table_is_up_to_date():
+    table = subprocess.run(
+        [sys.executable, "tools/results_table.py", "README.md", "--check"], cwd=ROOT, capture_output=True, text=True
+    )
+    assert table.returncode == 0, table.stderr
+
+
+def test_results_table_reads_recordings(tmp_path):
+    spec = importlib.util.spec_from_file_location("results_table", ROOT / "tools" / "results_table.py")
+    results_table = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(results_table)
+    bench.record(copy_benchmark(), POINTS, FAKE_ENV, results_dir=tmp_path)
+    markdown = results_table.results_markdown(tmp_path)
+    assert "### Some GPU 80GB" in markdown
+    assert "| float32 | triton | 1,500 (50%) | 2,700 (90%) |" in markdown
+
+
+def test_every_provider_of_a_plot_gets_its_own_color():
+    providers = ["triton", "triton (portable)", "torch", "liger_kernel", "torch.compile"]
+    colors = bench.provider_colors(providers)
+    assert colors["triton"] == bench.STYLE["triton"] and colors["torch"] == bench.STYLE["torch"]
+    assert len(set(colors.values())) == len(providers)
+    chosen = bench.provider_colors(providers, {"liger_kernel": bench.OTHER_COLORS[0]})
+    assert chosen["liger_kernel"] == bench.OTHER_COLORS[0]
+    assert len(set(chosen.values())) == len(providers)
+
+
+def test_rate_converts_work_per_millisecond_into_the_unit(monkeypatch):
+    monkeypatch.setattr(bench, "measure_ms", lambda fn: (0.5, 0.4, 0.6))
+    assert bench.rate(3e9, None) == pytest.approx(6000.0)  # 3 GB in 0.5 ms: 6,000 GB/s
+    assert bench.rate(2e12, None, "TFLOP/s") == pytest.approx(4000.0)
+
+
+def test_per_time_is_work_over_seconds_in_the_unit():
+    assert bench.per_time(3e9, 0.5, "GB/s") == pytest.approx(6000.0)
+    assert bench.per_time(2e12, 0.5, "TFLOP/s") == pytest.approx(4000.0)
+
+
+def test_run_returns_what_it_shows_for_the_prose_to_quote(tmp_path, monkeypatch):
+    if ON_GPU:
+        pytest.skip("on a GPU run measures instead")
+    bench.record(copy_benchmark(), POINTS, FAKE_ENV, results_dir=tmp_path)
+    monkeypatch.setenv("STEPKERNELS_RESULTS", str(tmp_path))
+    results = bench.run(copy_benchmark())
+    assert results.value("triton", 2**12) == 2700.0
+    assert results.ratio("triton", "torch", 2**12) == pytest.approx(2700 / 2600)
+    assert results.value("triton", 2**12, torch.float16) != results.value("triton", 2**12, torch.float16)  # NaN
+    assert results.how.startswith("recorded on Some GPU 80GB, 2026-11-22")
+
+
+def test_measurement_settings_are_restored_even_on_error():
+    import torch._dynamo.config
+    import torch._inductor.config
+
+    before = (
+        torch.get_float32_matmul_precision(),
+        torch._dynamo.config.recompile_limit,
+        torch._inductor.config.compile_threads,
+    )
+    with pytest.raises(RuntimeError, match="boom"):
+        with bench.measurement_settings(copy_benchmark(float32_matmul_precision="medium")):
+            assert torch.get_float32_matmul_precision() == "medium"
+            assert torch._dynamo.config.recompile_limit == 64
+            assert torch._inductor.config.compile_threads == 1
+            raise RuntimeError("boom")
+    after = (
+        torch.get_float32_matmul_precision(),
+        torch._dynamo.config.recompile_limit,
+        torch._inductor.config.compile_threads,
+    )
+    assert after == before
+
+
+def test_importing_the_package_changes_no_setting_but_the_interpreter_switch():
+    """A fresh process: importing every module of the package leaves torch's settings and the
+    environment as they were, except TRITON_INTERPRET where there is no GPU."""
+    probe = """
+import os, torch
+before = dict(os.environ), torch.get_float32_matmul_precision(), torch.are_deterministic_algorithms_enabled()
+import stepkernels, stepkernels.bench, stepkernels.tutorial, stepkernels.figures
+after = dict(os.environ), torch.get_float32_matmul_precision(), torch.are_deterministic_algorithms_enabled()
+changed = {k for k in set(before[0]) | set(after[0]) if before[0].get(k) != after[0].get(k)}
+assert changed <= {"TRITON_INTERPRET"}, changed
+assert before[1:] == after[1:]
+print("unchanged")
+"""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    ran = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True)
+    assert ran.returncode == 0 and "unchanged" in ran.stdout, ran.stderr
+
+
+def test_importing_triton_first_without_a_gpu_is_refused_with_advice():
+    if ON_GPU or not INTERPRET:
+        pytest.skip("only where kernels must be interpreted")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["CUDA_VISIBLE_DEVICES"] = ""
+    ran = subprocess.run([sys.executable, "-c", "import triton, stepkernels"], env=env, capture_output=True, text=True)
+    assert ran.returncode != 0 and "import stepkernels before triton" in ran.stderr

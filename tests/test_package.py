@@ -1,0 +1,75 @@
+"""The package and its chapters are one source: tools/export.py, the wheel, the lessons' size."""
+
+import importlib.util
+from pathlib import Path
+import subprocess
+import sys
+import zipfile
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+CHAPTERS = sorted((ROOT / "tutorials").glob("[0-9][0-9]-*.py"))
+spec = importlib.util.spec_from_file_location("export", ROOT / "tools" / "export.py")
+export = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(export)
+
+
+def test_the_package_modules_are_what_the_chapters_say():
+    ran = subprocess.run([sys.executable, "tools/export.py", "--check"], cwd=ROOT, capture_output=True, text=True)
+    assert ran.returncode == 0, ran.stderr
+
+
+def test_saved_cells_are_read_up_to_the_next_cell(tmp_path):
+    chapter = tmp_path / "09-example.py"
+    chapter.write_text(
+        '"""\nAn example\n==========\n"""\n\n'
+        "# %%\n# Text of the first cell.\n\n# @save example\nimport torch\n\nA = 1\n\n"
+        "# %%\n# Not saved.\n\nB = 2\n\n"
+        "# %%\n# Saved, in the old spelling.\n\n#@save example\nC = 3\n"
+    )
+    assert export.saved_cells(chapter) == [("example", "import torch\n\nA = 1"), ("example", "C = 3")]
+    assert export.title(chapter) == "An example"
+
+
+def test_export_check_fails_when_a_chapter_changes_and_write_mends_it(tmp_path, monkeypatch):
+    chapters, package = tmp_path / "tutorials", tmp_path / "src"
+    chapters.mkdir()
+    package.mkdir()
+    chapter = chapters / "01-example.py"
+    chapter.write_text('"""\nExample\n=======\n"""\n\n# %%\n# A kernel.\n\n# @save example\nX = 1\n')
+    monkeypatch.setattr(export, "ROOT", tmp_path)
+    monkeypatch.setattr(export, "CHAPTERS", chapters)
+    monkeypatch.setattr(export, "PACKAGE", package)
+    export.main()
+    export.main("--check")
+    chapter.write_text(chapter.read_text().replace("X = 1", "X = 2"))
+    with pytest.raises(SystemExit, match="make export"):
+        export.main("--check")
+    export.main()
+    assert "X = 2" in (package / "example.py").read_text()
+    chapter.write_text(chapter.read_text().replace("# @save example", ""))
+    export.main()
+    assert not (package / "example.py").exists()  # generated, and no chapter saves into it now
+
+
+@pytest.mark.parametrize("chapter", CHAPTERS, ids=lambda path: path.name[:2])
+def test_every_chapter_is_a_lesson_of_at_most_600_lines(chapter):
+    lines = len(chapter.read_text().splitlines())
+    assert lines <= 600, f"{chapter.name} has {lines} lines: move what is not the lesson out"
+
+
+def test_the_wheel_holds_the_modules_and_the_recorded_results(tmp_path):
+    ran = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--no-build-isolation", "-w", tmp_path, ROOT],
+        capture_output=True,
+        text=True,
+    )
+    assert ran.returncode == 0, ran.stderr
+    (wheel,) = tmp_path.glob("stepkernels-*.whl")
+    names = set(zipfile.ZipFile(wheel).namelist())
+    modules = {f"stepkernels/{path.name}" for path in (ROOT / "src" / "stepkernels").glob("*.py")}
+    assert modules <= names
+    recorded = [name for name in names if name.startswith("stepkernels/results/") and name.endswith(".csv")]
+    assert any(name.endswith("/environment.json") for name in names) and len(recorded) >= 10
+    assert not any("/experiments/" in name for name in names)
