@@ -5,12 +5,14 @@ build: at full size on a GPU, at reduced size under Triton's interpreter without
 import the package ``stepkernels`` (src/), installed in the build's environment.
 """
 
-import hashlib
 import os
 from pathlib import Path
+import sys
 
 ROOT = Path(__file__).resolve().parent
-PACKAGE = ROOT / "src" / "stepkernels"
+sys.path.insert(0, str(ROOT / "tools"))
+from gallery_stamp import package_changed  # noqa: E402
+
 os.environ.setdefault("MPLBACKEND", "agg")
 
 project = "Triton Kernels, Step by Step"
@@ -36,27 +38,6 @@ import importlib.util
 
 if importlib.util.find_spec("stepkernels") is None:
     %pip install --quiet stepkernels matplotlib"""
-
-
-def package_stamp() -> str:
-    """A hash of the package and its recorded results: the chapters' output depends on both."""
-    digest = hashlib.sha256()
-    for path in sorted(PACKAGE.rglob("*")):
-        if path.is_file() and "__pycache__" not in path.parts:
-            digest.update(path.relative_to(PACKAGE).as_posix().encode() + path.read_bytes())
-    return digest.hexdigest()
-
-
-def package_changed(stamp_file: Path = ROOT / "docs" / "tutorials" / ".package-stamp") -> bool:
-    """Has the package changed since the gallery last executed its chapters? sphinx-gallery
-    re-runs a chapter only when the chapter's own file changes, so we tell it to re-run all
-    of them (``run_stale_examples``) when the code or the results they import changed."""
-    stamp = package_stamp()
-    changed = not stamp_file.exists() or stamp_file.read_text() != stamp
-    if changed:
-        stamp_file.parent.mkdir(parents=True, exist_ok=True)
-        stamp_file.write_text(stamp)
-    return changed
 
 
 sphinx_gallery_conf = {

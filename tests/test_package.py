@@ -73,3 +73,18 @@ def test_the_wheel_holds_the_modules_and_the_recorded_results(tmp_path):
     recorded = [name for name in names if name.startswith("stepkernels/results/") and name.endswith(".csv")]
     assert any(name.endswith("/environment.json") for name in names) and len(recorded) >= 10
     assert not any("/experiments/" in name for name in names)
+
+
+def test_the_gallery_reruns_its_chapters_when_the_package_changes(tmp_path):
+    spec = importlib.util.spec_from_file_location("gallery_stamp", ROOT / "tools" / "gallery_stamp.py")
+    stamp = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(stamp)
+    package, stamp_file = tmp_path / "package", tmp_path / "build" / ".stamp"
+    (package / "results").mkdir(parents=True)
+    (package / "ops.py").write_text("X = 1\n")
+    assert stamp.package_changed(stamp_file, package)  # first build
+    assert not stamp.package_changed(stamp_file, package)  # nothing changed
+    (package / "results" / "bench.csv").write_text("a new recording\n")
+    assert stamp.package_changed(stamp_file, package)
+    (package / "ops.py").write_text("X = 2\n")
+    assert stamp.package_changed(stamp_file, package)

@@ -13,9 +13,10 @@ stepkernels`` runs are one text, written once, in the chapter.
 
 from __future__ import annotations
 
+from pathlib import Path
 import re
 import sys
-from pathlib import Path
+import textwrap
 
 ROOT = Path(__file__).resolve().parent.parent
 CHAPTERS = ROOT / "tutorials"
@@ -63,7 +64,9 @@ def modules() -> dict[Path, str]:
         chapters = list(dict.fromkeys(chapter for chapter, _ in cells))
         docstring = "; ".join(f"chapter {c.name[:2]}, {title(c)}" for c in chapters)
         sources = ", ".join(f"tutorials/{c.name}" for c in chapters)
-        header = f'"""{module}: the code of {docstring}."""\n\n{GENERATED.format(sources=sources)}\n'
+        summary = textwrap.fill(f"{module}: the code of {docstring}.", 96)
+        generated = textwrap.fill(GENERATED.format(sources=sources), 98, subsequent_indent="# ")
+        header = f'"""{summary}"""\n\n{generated}\n'
         texts[PACKAGE / f"{module}.py"] = header + "\n" + "\n\n\n".join(code for _, code in cells) + "\n"
     return texts
 

@@ -7,9 +7,9 @@ ones readers download.
 """
 
 import ast
+from pathlib import Path
 import shutil
 import sys
-from pathlib import Path
 
 from sphinx_gallery.notebook import python_to_jupyter_cli
 

@@ -9,12 +9,12 @@ never replaced. Elsewhere the pinned versions are installed. pip's own settings 
 PIP_NO_INDEX=1 PIP_FIND_LINKS=wheels/ installs offline.
 """
 
+from pathlib import Path
 import re
 import site
 import subprocess
 import sys
 import tempfile
-from pathlib import Path
 
 CUDA_STACK_CHECK = "import torch, triton; raise SystemExit(torch.version.cuda is None)"
 

@@ -1,6 +1,7 @@
 """vector_add: the code of chapter 01, Vector addition: a first Triton kernel."""
 
-# Generated from tutorials/01-vector-add.py by tools/export.py: edit the chapter, then `make export`.
+# Generated from tutorials/01-vector-add.py by tools/export.py: edit the chapter, then `make
+# export`.
 
 from stepkernels._core import FLOAT_DTYPES, check_tensor
 import torch
