@@ -52,9 +52,13 @@ def check_tensor(tensor, name: str, dtypes=None, contiguous: bool = False) -> No
         )
     if dtypes is not None and tensor.dtype not in dtypes:
         names = ", ".join(dtype_name(d) for d in dtypes)
-        raise TypeError(f"{name} has dtype {dtype_name(tensor.dtype)}; supported: {names}. Convert with {name}.to(...)")
+        raise TypeError(
+            f"{name} has dtype {dtype_name(tensor.dtype)}; supported: {names}. Convert with {name}.to(...)"
+        )
     if contiguous and not tensor.is_contiguous():
-        raise ValueError(f"{name} is not contiguous (strides {tuple(tensor.stride())}): pass {name}.contiguous()")
+        raise ValueError(
+            f"{name} is not contiguous (strides {tuple(tensor.stride())}): pass {name}.contiguous()"
+        )
 
 
 def refuse_double_backward(operation: str, alternative: str) -> None:

@@ -225,7 +225,10 @@ def hardware_limits() -> dict:
         copy_ms = triton.testing.do_bench(lambda: dst.copy_(src))
         _limits["GB/s"] = per_time(2 * src.numel() * 4, copy_ms, "GB/s")
         del src, dst
-        a, b = (torch.randn(4096, 4096, dtype=torch.float16, device=DEVICE) for _ in range(2))
+        a, b = (
+            torch.randn(4096, 4096, dtype=torch.float16, device=DEVICE)
+            for _ in range(2)
+        )
         matmul_ms = triton.testing.do_bench(lambda: a @ b)
         _limits["TFLOP/s"] = per_time(2 * 4096**3, matmul_ms, "TFLOP/s")
     return dict(_limits)
@@ -264,7 +267,11 @@ def environment() -> dict:
     """What a reader needs to reproduce a measurement on this machine."""
     try:
         smi = ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"]
-        driver = subprocess.run(smi, capture_output=True, text=True, timeout=30).stdout.split("\n")[0].strip()
+        driver = (
+            subprocess.run(smi, capture_output=True, text=True, timeout=30)
+            .stdout.split("\n")[0]
+            .strip()
+        )
     except (OSError, subprocess.SubprocessError):
         driver = "unknown"
     return {
@@ -274,7 +281,9 @@ def environment() -> dict:
         "torch": torch.__version__,
         "triton": triton.__version__,
         "date": datetime.date.today().isoformat(),
-        "command": os.environ.get("STEPKERNELS_COMMAND", " ".join([Path(sys.argv[0]).name, *sys.argv[1:]])),
+        "command": os.environ.get(
+            "STEPKERNELS_COMMAND", " ".join([Path(sys.argv[0]).name, *sys.argv[1:]])
+        ),
         "limits": hardware_limits(),
         "timing": TIMING,
     }
@@ -311,7 +320,9 @@ def measure_on_stream(bench: Benchmark) -> list[Point]:
                 try:
                     ms, q20, q80 = measure_ms(make_call(bench, provider, x, dtype))
                 except torch.OutOfMemoryError:
-                    print(f"  {provider} at {bench.x_name}={x}: out of GPU memory, skipped")
+                    print(
+                        f"  {provider} at {bench.x_name}={x}: out of GPU memory, skipped"
+                    )
                     continue
                 except RuntimeError as error:  # a call a CUDA graph cannot capture
                     print(f"  {provider} at {bench.x_name}={x}: skipped, {error}")
@@ -319,19 +330,25 @@ def measure_on_stream(bench: Benchmark) -> list[Point]:
                 finally:
                     torch.cuda.empty_cache()
                 work = bench.work(x, dtype)
-                value, low, high = (per_time(work, t, bench.unit) for t in (ms, q80, q20))
+                value, low, high = (
+                    per_time(work, t, bench.unit) for t in (ms, q80, q20)
+                )
                 points.append(Point(provider, dtype_name(dtype), x, value, low, high))
     return points
 
 
-def record(bench: Benchmark, points: list[Point], env: dict, results_dir: Path | None = None) -> Path:
+def record(
+    bench: Benchmark, points: list[Point], env: dict, results_dir: Path | None = None
+) -> Path:
     """Write the points as results/<gpu>/<benchmark>.csv and note the environment they ran in."""
     folder = (results_dir or default_results_dir()) / gpu_slug(env["gpu"])
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / f"{bench.name}.csv"
     with path.open("w", newline="") as f:
         writer = csv.writer(f, lineterminator="\n")
-        writer.writerow(["benchmark", "provider", "dtype", "x_name", "x", "value", "unit"])
+        writer.writerow(
+            ["benchmark", "provider", "dtype", "x_name", "x", "value", "unit"]
+        )
         for p in points:
             writer.writerow(
                 [
@@ -347,13 +364,19 @@ def record(bench: Benchmark, points: list[Point], env: dict, results_dir: Path |
     env_path = folder / "environment.json"
     recorded = json.loads(env_path.read_text()) if env_path.exists() else {}
     benchmarks = {**recorded.get("benchmarks", {}), bench.name: env}
-    env_path.write_text(json.dumps({**env, "benchmarks": dict(sorted(benchmarks.items()))}, indent=1) + "\n")
+    env_path.write_text(
+        json.dumps({**env, "benchmarks": dict(sorted(benchmarks.items()))}, indent=1)
+        + "\n"
+    )
     return path
 
 
 def recorded_gpu_dir(results_dir: Path | None = None) -> Path | None:
     """The results folder to show without a GPU: $STEPKERNELS_RESULTS_GPU, else the newest recording."""
-    folders = [p.parent for p in (results_dir or default_results_dir()).glob("*/environment.json")]
+    folders = [
+        p.parent
+        for p in (results_dir or default_results_dir()).glob("*/environment.json")
+    ]
     wanted = os.environ.get("STEPKERNELS_RESULTS_GPU")
     if wanted:
         folders = [f for f in folders if f.name == wanted]
@@ -367,7 +390,9 @@ def recorded_gpu_dir(results_dir: Path | None = None) -> Path | None:
     return newest_first[-1] if newest_first else None
 
 
-def load_recorded(name: str, results_dir: Path | None = None) -> tuple[list[Point], dict] | None:
+def load_recorded(
+    name: str, results_dir: Path | None = None
+) -> tuple[list[Point], dict] | None:
     folder = recorded_gpu_dir(results_dir)
     if folder is None or not (folder / f"{name}.csv").exists():
         return None
@@ -377,7 +402,10 @@ def load_recorded(name: str, results_dir: Path | None = None) -> tuple[list[Poin
 
 def read_points(path: Path) -> list[Point]:
     with path.open() as f:
-        return [Point(r["provider"], r["dtype"], float(r["x"]), float(r["value"])) for r in csv.DictReader(f)]
+        return [
+            Point(r["provider"], r["dtype"], float(r["x"]), float(r["value"]))
+            for r in csv.DictReader(f)
+        ]
 
 
 def smoke(bench: Benchmark) -> None:
@@ -400,7 +428,9 @@ def plot(bench: Benchmark, points: list[Point], env: dict, live: bool):
     import matplotlib.pyplot as plt
 
     dtypes = list(dict.fromkeys(p.dtype for p in points))
-    fig, axes = plt.subplots(1, len(dtypes), figsize=(6.2 * len(dtypes), 4.2), squeeze=False, sharey=True)
+    fig, axes = plt.subplots(
+        1, len(dtypes), figsize=(6.2 * len(dtypes), 4.2), squeeze=False, sharey=True
+    )
     limit = env["limits"].get(bench.unit)  # None: no hardware line (CPU time)
     # A recording may hold providers this machine cannot run (a library not installed here).
     providers = list(dict.fromkeys([*bench.providers, *(p.provider for p in points)]))
@@ -466,7 +496,9 @@ def summarize(bench: Benchmark, points: list[Point], env: dict) -> None:
         print(f"{bench.name}, {dtype}, {bench.x_name} = {bench.headline_x:,}:")
         for p in points:
             if p.dtype == dtype and p.x == bench.headline_x:
-                share = "" if limit is None else f"{p.value / limit:6.1%} of {limit:,.0f}"
+                share = (
+                    "" if limit is None else f"{p.value / limit:6.1%} of {limit:,.0f}"
+                )
                 print(f"  {p.provider:<14} {p.value:>9,.1f} {bench.unit}  {share}")
 
 
@@ -488,7 +520,9 @@ class Results:
                 return p.value
         return float("nan")
 
-    def ratio(self, provider: str, other: str, x, dtype: str | torch.dtype = "float32") -> float:
+    def ratio(
+        self, provider: str, other: str, x, dtype: str | torch.dtype = "float32"
+    ) -> float:
         """``provider``'s value over ``other``'s at ``x``."""
         return self.value(provider, x, dtype) / self.value(other, x, dtype)
 

@@ -37,7 +37,9 @@ def draw_programs(n_elements: int, block_size: int) -> None:
             ha="center",
             fontsize=9,
         )
-    ax.text(n_elements, -0.35, "masked off: offsets >= n_elements", fontsize=8, color="0.3")
+    ax.text(
+        n_elements, -0.35, "masked off: offsets >= n_elements", fontsize=8, color="0.3"
+    )
     ax.set(xlim=(-0.3, n_programs * block_size + 0.3), ylim=(-0.6, 1.6))
     ax.axis("off")
     ax.set_title(

@@ -6,27 +6,26 @@ eager ``torch``, timed a few seconds later, did not. Inductor compiles in a pool
 processes that it starts again for each compilation. This times the same calls before a
 compilation, right after it, and 2 to 10 s later, and prints the load average:
 
-    PYTHONPATH=tutorials python tools/experiments/after_compile.py
+    python tools/experiments/after_compile.py
 
-kit sets TORCHINDUCTOR_COMPILE_THREADS=1 unless it is set already; run it once with
-TORCHINDUCTOR_COMPILE_THREADS=16 in the environment to see the default pool's effect.
+Here Inductor compiles as configured (its pool of workers by default); run it once with
+TORCHINDUCTOR_COMPILE_THREADS=1 to compile in this process, as ``bench`` does while measuring.
 """
 
 import os
 import time
 
-import kit
+from stepkernels import bench, softmax
 import torch
 import triton
 
-chapter = kit.load_chapter("02")
 x = torch.randn(4096, 512, device="cuda")
 xg = torch.randn(4096, 4096, device="cuda", dtype=torch.float16, requires_grad=True)
 dy = torch.randn_like(xg)
 cases = {
-    "fwd fp32 N=512 triton": (lambda: chapter.softmax(x), 2 * x.numel() * 4),
+    "fwd fp32 N=512 triton": (lambda: softmax(x), 2 * x.numel() * 4),
     "fwd fp32 N=512 torch": (lambda: torch.softmax(x, -1), 2 * x.numel() * 4),
-    "fwd+bwd fp16 N=4096 triton": (lambda: torch.autograd.grad(chapter.softmax(xg), xg, dy), 5 * xg.numel() * 2),
+    "fwd+bwd fp16 N=4096 triton": (lambda: torch.autograd.grad(softmax(xg), xg, dy), 5 * xg.numel() * 2),
     "fwd+bwd fp16 N=4096 torch": (lambda: torch.autograd.grad(torch.softmax(xg, -1), xg, dy), 5 * xg.numel() * 2),
 }
 
@@ -56,7 +55,7 @@ def measure(label, names=tuple(cases)):
 print("TORCHINDUCTOR_COMPILE_THREADS =", os.environ.get("TORCHINDUCTOR_COMPILE_THREADS"), "(GB/s)")
 measure("before any compile")
 for n_cols in (700,):
-    compiled = kit.compile_static(lambda t: torch.softmax(t, -1))
+    compiled = bench.compile_static(lambda t: torch.softmax(t, -1))
     start = time.time()
     compiled(torch.randn(4096, n_cols, device="cuda"))
     print(f"compiled N={n_cols} in {time.time() - start:.1f} s")

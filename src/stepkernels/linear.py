@@ -1,0 +1,185 @@
+"""linear: the code of chapter 05, Autograd: a fused linear layer that trains."""
+
+# Generated from tutorials/05-autograd-fused-linear.py by tools/export.py: edit the chapter, then
+# `make export`.
+
+from stepkernels._core import FLOAT_DTYPES, check_tensor, refuse_double_backward
+from stepkernels.activations import activation_derivative, check_activation
+from stepkernels.matmul import matmul
+import torch
+from torch import Tensor, nn
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def activation_backward_kernel(
+    grad_y_ptr, z_ptr, grad_z_ptr, bias_partial_ptr,
+    M, N,
+    stride_grad_y_m, stride_grad_y_n, stride_z_m, stride_z_n,
+    ACTIVATION: tl.constexpr, BIAS_GRAD: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    block_m = tl.program_id(axis=0)
+    rows = block_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    columns = tl.program_id(axis=1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = (rows[:, None] < M) & (columns[None, :] < N)
+    grad_y_ptrs = (
+        grad_y_ptr
+        + rows[:, None] * stride_grad_y_m
+        + columns[None, :] * stride_grad_y_n
+    )
+    z_ptrs = z_ptr + rows[:, None] * stride_z_m + columns[None, :] * stride_z_n
+    # fp32 arithmetic whatever the storage dtype (and bf16 must be converted first anyway).
+    grad_y = tl.load(grad_y_ptrs, mask=mask, other=0.0).to(tl.float32)
+    z = tl.load(z_ptrs, mask=mask, other=0.0).to(tl.float32)
+    grad_z = grad_y * activation_derivative(z, ACTIVATION)
+    grad_z_ptrs = grad_z_ptr + rows[:, None] * N + columns[None, :]
+    tl.store(grad_z_ptrs, grad_z.to(grad_z_ptr.dtype.element_ty), mask=mask)
+    if BIAS_GRAD:  # masked lanes hold dY = 0, so they add nothing to the column sums
+        partial_ptrs = bias_partial_ptr + block_m * N + columns
+        tl.store(partial_ptrs, tl.sum(grad_z, axis=0), mask=columns < N)
+
+
+ACTIVATION_BACKWARD_BLOCK = {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4}
+
+
+def activation_backward(grad_y, z, activation, bias_grad: bool):
+    """dZ = dY * act'(Z) (contiguous, in Z's dtype) and, if asked, db in fp32."""
+    M, N = z.shape
+    grad_z = torch.empty((M, N), device=z.device, dtype=z.dtype)
+    blocks_m = triton.cdiv(M, ACTIVATION_BACKWARD_BLOCK["BLOCK_M"])
+    partial = torch.zeros((blocks_m, N), device=z.device, dtype=torch.float32)
+    if grad_z.numel() > 0:
+        grid = (blocks_m, triton.cdiv(N, ACTIVATION_BACKWARD_BLOCK["BLOCK_N"]))
+        activation_backward_kernel[grid](
+            grad_y, z, grad_z, partial, M, N,
+            grad_y.stride(0), grad_y.stride(1), z.stride(0), z.stride(1),
+            ACTIVATION=activation, BIAS_GRAD=bias_grad, **ACTIVATION_BACKWARD_BLOCK,
+        )  # fmt: skip
+    return grad_z, (partial.sum(dim=0) if bias_grad else None)
+
+
+def fused_linear_forward(x, weight, bias, activation, keep_z):
+    if activation is not None and keep_z:
+        return matmul(x, weight.mT, activation, bias=bias, return_preactivation=True)
+    return matmul(x, weight.mT, activation, bias=bias), x.new_empty(0)
+
+
+def fused_linear_backward(grad_y, x, weight, bias, z, activation, needs_grad):
+    need_x, need_weight, need_bias = needs_grad
+    if activation is None:  # act' = 1: dZ is dY itself
+        grad_z = grad_y
+        grad_bias = grad_y.sum(dim=0, dtype=torch.float32) if need_bias else None
+    else:
+        if z is None:  # recompute: the forward product again, without the activation
+            z = matmul(x, weight.mT, None, bias=bias)
+        grad_z, grad_bias = activation_backward(grad_y, z, activation, need_bias)
+    return (
+        matmul(grad_z, weight) if need_x else x.new_empty(0),
+        matmul(grad_z.mT, x) if need_weight else x.new_empty(0),  # dZ^T: a view
+        grad_bias.to(x.dtype) if need_bias else x.new_empty(0),
+    )
+
+
+@torch.library.custom_op("stepkernels::fused_linear", mutates_args=())
+def fused_linear_op(
+    x: Tensor, weight: Tensor, bias: Tensor | None, activation: str | None, keep_z: bool
+) -> tuple[Tensor, Tensor]:
+    return fused_linear_forward(x, weight, bias, activation, keep_z)
+
+
+@fused_linear_op.register_fake
+def _(x, weight, bias, activation, keep_z):
+    y = x.new_empty((x.shape[0], weight.shape[0]))
+    return y, (torch.empty_like(y) if activation and keep_z else x.new_empty(0))
+
+
+@torch.library.custom_op("stepkernels::fused_linear_backward", mutates_args=())
+def fused_linear_backward_op(
+    grad_y: Tensor,
+    x: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    z: Tensor | None,
+    activation: str | None,
+    needs_grad: list[bool],
+) -> tuple[Tensor, Tensor, Tensor]:
+    return fused_linear_backward(grad_y, x, weight, bias, z, activation, needs_grad)
+
+
+@fused_linear_backward_op.register_fake
+def _(grad_y, x, weight, bias, z, activation, needs_grad):
+    shapes = (x.shape, weight.shape, weight.shape[:1])
+    return tuple(
+        x.new_empty(s if n else (0,)) for s, n in zip(shapes, needs_grad, strict=True)
+    )
+
+
+def autograd_setup(ctx, inputs, output):
+    x, weight, bias, activation, keep_z = inputs
+    ctx.activation = activation
+    ctx.save_for_backward(x, weight, bias, output[1] if activation and keep_z else None)
+    ctx.set_materialize_grads(False)  # Z's gradient is never used: do not fill one in
+
+
+def autograd_backward(ctx, grad_y, _grad_z):
+    refuse_double_backward("linear", "torch.nn.functional.linear and the activation")
+    needs_grad = list(ctx.needs_input_grad[:3])  # of x, weight, bias
+    args = (grad_y, *ctx.saved_tensors, ctx.activation, needs_grad)
+    grads = fused_linear_backward_op(*args)
+    grads = [g if n else None for g, n in zip(grads, needs_grad, strict=True)]
+    return *grads, None, None  # none for activation and keep_z
+
+
+fused_linear_op.register_autograd(autograd_backward, setup_context=autograd_setup)
+
+
+def check_linear_inputs(x, weight, bias, activation):
+    check_tensor(x, "x", FLOAT_DTYPES)
+    check_tensor(weight, "weight", (x.dtype,))
+    if bias is not None:
+        check_tensor(bias, "bias", (x.dtype,))
+    bias_fits = bias is None or bias.shape == weight.shape[:1]
+    if (
+        weight.dim() != 2
+        or x.dim() == 0
+        or x.shape[-1] != weight.shape[1]
+        or not bias_fits
+    ):
+        raise ValueError(
+            "x must be (..., in_features), weight (out_features, in_features) and bias "
+            f"(out_features,) or None, got shapes {tuple(x.shape)}, {tuple(weight.shape)} "
+            f"and {None if bias is None else tuple(bias.shape)}: the transposed weight?"
+        )
+    check_activation(activation)
+
+
+def linear(x, weight, bias=None, activation=None, *, recompute=False):
+    """``activation(x @ weight.T + bias)`` in one kernel, differentiable, for weight and bias
+    as ``nn.Linear`` holds them; ``recompute``: recompute x @ weight.T + bias in the backward
+    instead of keeping it from the forward."""
+    check_linear_inputs(x, weight, bias, activation)
+    tensors = (x, weight) if bias is None else (x, weight, bias)
+    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+    rows = x.reshape(x.shape[:-1].numel(), x.shape[-1])
+    y, _ = fused_linear_op(rows, weight, bias, activation, needs_grad and not recompute)
+    return y.view(*x.shape[:-1], weight.shape[0])
+
+
+class FusedLinear(nn.Linear):
+    """``nn.Linear`` followed by an activation, fused into one Triton kernel."""
+
+    def __init__(self, in_features, out_features, bias=True, activation=None,
+                 recompute=False, device=None, dtype=None):  # fmt: skip
+        super().__init__(in_features, out_features, bias, device=device, dtype=dtype)
+        check_activation(activation)
+        self.activation, self.recompute = activation, recompute
+
+    def forward(self, x):
+        return linear(
+            x, self.weight, self.bias, self.activation, recompute=self.recompute
+        )
+
+    def extra_repr(self):
+        return f"{super().extra_repr()}, activation={self.activation}"

@@ -1,0 +1,308 @@
+"""softmax: the code of chapter 02, Fused softmax: one pass over memory, for rows of any length."""
+
+# Generated from tutorials/02-fused-softmax.py by tools/export.py: edit the chapter, then `make
+# export`.
+
+from dataclasses import dataclass
+import functools
+
+import numpy as np
+from stepkernels._core import (
+    INTERPRET,
+    ON_GPU,
+    check_tensor,
+    refuse_double_backward,
+    sm_count,
+)
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def softmax_kernel(
+    x_ptr, y_ptr, n_rows, n_cols, x_row_stride, y_row_stride,
+    ROWS: tl.constexpr, BLOCK_N: tl.constexpr, LOG: tl.constexpr,
+):  # fmt: skip
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    cols = tl.arange(0, BLOCK_N)[None, :]
+    in_bounds = (rows < n_rows)[:, None] & (cols < n_cols)
+    rows = rows.to(tl.int64)[:, None]  # M x N may pass 2**31 elements
+    x_ptrs = x_ptr + rows * x_row_stride + cols
+    x = tl.load(x_ptrs, mask=in_bounds, other=-float("inf")).to(tl.float32)
+    row_max = tl.max(x, axis=1)
+    shifted = x - row_max[:, None]
+    numerator = tl.exp(shifted)
+    denominator = tl.sum(numerator, axis=1)
+    if LOG:
+        y = shifted - tl.log(denominator)[:, None]
+    else:
+        y = numerator * (1.0 / denominator)[:, None]
+    y_ptrs = y_ptr + rows * y_row_stride + cols
+    tl.store(y_ptrs, y.to(y_ptr.dtype.element_ty), mask=in_bounds)
+
+
+@triton.jit
+def online_max_and_sum(x_row, n_cols, BLOCK_N: tl.constexpr, NUM_STAGES: tl.constexpr):
+    """One pass over the ``n_cols`` values at ``x_row`` in chunks of ``BLOCK_N``: the row's
+    maximum and its sum of exp(x - maximum), the online softmax's running pair."""
+    cols = tl.arange(0, BLOCK_N)
+    running_max = -float("inf")
+    lane_sum = tl.zeros([BLOCK_N], tl.float32)
+    for chunk in tl.range(0, tl.cdiv(n_cols, BLOCK_N), num_stages=NUM_STAGES):
+        offsets = chunk * BLOCK_N + cols
+        x = tl.load(
+            x_row + offsets,
+            mask=offsets < n_cols,
+            other=-float("inf"),
+            eviction_policy="evict_last",
+        ).to(tl.float32)
+        new_max = tl.maximum(running_max, tl.max(x, axis=0))
+        shift = tl.where(new_max == -float("inf"), 0.0, new_max)
+        lane_sum = lane_sum * tl.exp(running_max - shift) + tl.exp(x - shift)
+        running_max = new_max
+    return running_max, tl.sum(lane_sum, axis=0)
+
+
+@triton.jit
+def publish_and_wait(counter_ptr, row, n_chunks, MAX_POLLS: tl.constexpr):
+    """Announce this program's stores to the other programs of its row, then wait (at most
+    MAX_POLLS tries) until all ``n_chunks`` have announced theirs. True if they all did."""
+    tl.debug_barrier()  # every thread of this program has stored
+    tl.atomic_add(counter_ptr + row, 1, sem="release")
+    published = tl.atomic_add(counter_ptr + row, 0, sem="acquire")
+    polls = 0
+    while (published < n_chunks) & (polls < MAX_POLLS):
+        published = tl.atomic_add(counter_ptr + row, 0, sem="acquire")
+        polls += 1
+    return published >= n_chunks
+
+
+@triton.jit
+def softmax_split_kernel(
+    x_ptr, y_ptr, stats_ptr, counter_ptr, n_cols, n_chunks, x_row_stride, y_row_stride,
+    BLOCK_N: tl.constexpr, CHUNKS_POW2: tl.constexpr, LOG: tl.constexpr,
+    MAX_POLLS: tl.constexpr,
+):  # fmt: skip
+    row = (tl.program_id(0) // n_chunks).to(tl.int64)
+    chunk = tl.program_id(0) % n_chunks
+    cols = chunk * BLOCK_N + tl.arange(0, BLOCK_N)
+    in_row = cols < n_cols
+    x_row = x_ptr + row * x_row_stride
+    x = tl.load(x_row + cols, mask=in_row, other=-float("inf")).to(tl.float32)
+    chunk_max = tl.max(x, axis=0)
+    chunk_shift = tl.where(chunk_max == -float("inf"), 0.0, chunk_max)
+    chunk_sum = tl.sum(tl.exp(x - chunk_shift), axis=0)
+    # stats holds, per row, CHUNKS_POW2 maxima and then CHUNKS_POW2 sums.
+    row_stats = stats_ptr + row * 2 * CHUNKS_POW2
+    tl.store(row_stats + chunk, chunk_max)
+    tl.store(row_stats + CHUNKS_POW2 + chunk, chunk_sum)
+    if publish_and_wait(counter_ptr, row, n_chunks, MAX_POLLS):  # combine the pairs
+        chunks = tl.arange(0, CHUNKS_POW2)
+        present = chunks < n_chunks
+        maxima = tl.load(
+            row_stats + chunks, mask=present, other=-float("inf"), volatile=True
+        )
+        sums = tl.load(row_stats + CHUNKS_POW2 + chunks, mask=present, volatile=True)
+        row_max = tl.max(maxima, axis=0)
+        row_shift = tl.where(row_max == -float("inf"), 0.0, row_max)
+        # A chunk of only -inf has sum 0 and weight exp(-inf) = 0: never 0 * overflow.
+        weights = tl.exp(maxima - row_shift)
+        row_sum = tl.sum(tl.where(present, sums * weights, 0.0))
+    else:  # the siblings are not running: read the row ourselves, online
+        row_max, row_sum = online_max_and_sum(x_row, n_cols, BLOCK_N, 1)
+        row_shift = tl.where(row_max == -float("inf"), 0.0, row_max)
+    if LOG:
+        y = (x - row_max) - tl.log(row_sum)
+    else:
+        y = tl.exp(x - row_shift) / row_sum
+    y_row = y_ptr + row * y_row_stride
+    tl.store(y_row + cols, y.to(y_ptr.dtype.element_ty), mask=in_row)
+
+
+@triton.jit
+def softmax_backward_kernel(
+    y_ptr, dy_ptr, dx_ptr, n_rows, n_cols, y_row_stride, dy_row_stride, dx_row_stride,
+    ROWS: tl.constexpr, BLOCK_N: tl.constexpr, LOG: tl.constexpr,
+):  # fmt: skip
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    cols = tl.arange(0, BLOCK_N)[None, :]
+    in_bounds = (rows < n_rows)[:, None] & (cols < n_cols)
+    rows = rows.to(tl.int64)[:, None]
+    y = tl.load(y_ptr + rows * y_row_stride + cols, mask=in_bounds, other=0.0)
+    dy = tl.load(dy_ptr + rows * dy_row_stride + cols, mask=in_bounds, other=0.0)
+    y, dy = y.to(tl.float32), dy.to(tl.float32)
+    if LOG:
+        dx = dy - tl.exp(y) * tl.sum(dy, axis=1)[:, None]
+    else:
+        dx = y * (dy - tl.sum(dy * y, axis=1)[:, None])
+    dx_ptrs = dx_ptr + rows * dx_row_stride + cols
+    tl.store(dx_ptrs, dx.to(dx_ptr.dtype.element_ty), mask=in_bounds)
+
+
+@triton.jit
+def softmax_backward_looped_kernel(
+    y_ptr, dy_ptr, dx_ptr, n_rows, n_cols, y_row_stride, dy_row_stride, dx_row_stride,
+    BLOCK_N: tl.constexpr, LOG: tl.constexpr, NUM_STAGES: tl.constexpr,
+):  # fmt: skip
+    cols = tl.arange(0, BLOCK_N)
+    n_chunks = tl.cdiv(n_cols, BLOCK_N)
+    for row in tl.range(tl.program_id(0), n_rows, tl.num_programs(0)):
+        y_row = y_ptr + tl.cast(row, tl.int64) * y_row_stride
+        dy_row = dy_ptr + tl.cast(row, tl.int64) * dy_row_stride
+        dx_row = dx_ptr + tl.cast(row, tl.int64) * dx_row_stride
+        lane_total = tl.zeros([BLOCK_N], tl.float32)
+        for chunk in tl.range(0, n_chunks, num_stages=NUM_STAGES):
+            offsets = chunk * BLOCK_N + cols
+            in_row = offsets < n_cols
+            dy = tl.load(
+                dy_row + offsets, mask=in_row, other=0.0, eviction_policy="evict_last"
+            ).to(tl.float32)
+            if LOG:
+                lane_total += dy
+            else:
+                y = tl.load(
+                    y_row + offsets,
+                    mask=in_row,
+                    other=0.0,
+                    eviction_policy="evict_last",
+                ).to(tl.float32)
+                lane_total += dy * y
+        total = tl.sum(lane_total, axis=0)
+        for chunk in tl.range(0, n_chunks, num_stages=NUM_STAGES):
+            offsets = (n_chunks - 1 - chunk) * BLOCK_N + cols  # backwards
+            in_row = offsets < n_cols
+            y = tl.load(
+                y_row + offsets, mask=in_row, other=0.0, eviction_policy="evict_first"
+            ).to(tl.float32)
+            dy = tl.load(
+                dy_row + offsets, mask=in_row, other=0.0, eviction_policy="evict_first"
+            ).to(tl.float32)
+            if LOG:
+                dx = dy - tl.exp(y) * total
+            else:
+                dx = y * (dy - total)
+            tl.store(dx_row + offsets, dx.to(dx_ptr.dtype.element_ty), mask=in_row)
+
+
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+MAX_FUSED_BLOCK = 32768  # longest row kept whole in registers (forward)
+MAX_FUSED_BLOCK_BACKWARD = 16384  # the backward holds two tensors, y and dy
+TILE_ELEMENTS = 4096  # values per tile for short rows
+ELEMENTS_PER_WARP = 1024
+SPLIT_CHUNK = {4: 8192, 2: 4096}  # split kernel: values per program, by element size
+MAX_POLLS = 100_000 if ON_GPU else 2  # split kernel: tries before it reads the row
+
+
+@dataclass(frozen=True)
+class Launch:
+    kernel: str  # "fused" (a tile in registers), "split" or "looped" (a row in chunks)
+    block_n: int  # columns of a tile: the whole row (fused) or one chunk
+    rows: int = 1  # rows of a tile (fused)
+    num_warps: int = 4
+    num_stages: int = 1  # looped: chunks loaded ahead
+    programs_per_sm: int = 1  # looped: the persistent grid
+
+
+LOOPED_LAUNCH = Launch("looped", 4096, num_warps=8, num_stages=2)
+
+
+@functools.cache  # called on every softmax: keep it off the launch's critical path
+def default_launch(n_cols: int, element_size: int, backward: bool = False) -> Launch:
+    block_n = max(16, triton.next_power_of_2(n_cols))
+    if block_n > MAX_FUSED_BLOCK and not backward:
+        return Launch("split", SPLIT_CHUNK[element_size], num_warps=8)
+    if block_n > (MAX_FUSED_BLOCK_BACKWARD if backward else MAX_FUSED_BLOCK):
+        return LOOPED_LAUNCH
+    rows = max(1, TILE_ELEMENTS // block_n)
+    num_warps = min(32, max(4, rows * block_n // ELEMENTS_PER_WARP))
+    return Launch("fused", block_n, rows, num_warps)
+
+
+# The interpreter computes with NumPy, which warns where a GPU silently makes NaN (padding
+# rows of a tile, rows of only -inf): the same NaN, so we silence it.
+QUIET = {"invalid": "ignore", "divide": "ignore"} if INTERPRET else {}
+
+
+def as_rows(t: torch.Tensor) -> torch.Tensor:
+    rows = t.reshape(-1, t.shape[-1])
+    return rows if rows.stride(-1) == 1 else rows.contiguous()
+
+
+def launch_rows(tensors: tuple, log: bool, launch: Launch, backward: bool) -> None:
+    """Run ``launch`` over matrices of rows: (x, y) forward, (y, dy, dx) backward."""
+    n_rows, n_cols = tensors[0].shape
+    strides = [t.stride(0) for t in tensors]
+    meta = {"BLOCK_N": launch.block_n, "LOG": log, "num_warps": launch.num_warps}
+    if launch.kernel == "split" and not backward:
+        n_chunks = triton.cdiv(n_cols, launch.block_n)
+        chunks_pow2 = triton.next_power_of_2(n_chunks)
+        stats = torch.empty(n_rows, 2, chunks_pow2, device=tensors[0].device)
+        counters = torch.zeros(n_rows, device=stats.device, dtype=torch.int32)
+        softmax_split_kernel[(n_rows * n_chunks,)](
+            *tensors, stats, counters, n_cols, n_chunks, *strides,
+            CHUNKS_POW2=chunks_pow2, MAX_POLLS=MAX_POLLS, **meta,
+        )  # fmt: skip
+    elif launch.kernel == "looped" and backward:
+        grid = (min(n_rows, launch.programs_per_sm * sm_count()),)
+        softmax_backward_looped_kernel[grid](
+            *tensors, n_rows, n_cols, *strides, NUM_STAGES=launch.num_stages, **meta
+        )
+    elif launch.kernel == "fused" and launch.block_n >= n_cols:
+        kernel = softmax_backward_kernel if backward else softmax_kernel
+        grid = (triton.cdiv(n_rows, launch.rows),)
+        kernel[grid](*tensors, n_rows, n_cols, *strides, ROWS=launch.rows, **meta)
+    else:
+        raise ValueError(f"{launch} cannot take rows of {n_cols}")
+
+
+def softmax_forward(x, log: bool = False, launch: Launch | None = None):
+    """Softmax (or log-softmax) over the last dimension, without autograd."""
+    y = torch.empty(x.shape, device=x.device, dtype=x.dtype)
+    if x.numel() > 0:
+        x_rows = as_rows(x)
+        launch = launch or default_launch(x.shape[-1], x.element_size())
+        with np.errstate(**QUIET):
+            launch_rows((x_rows, y.view(x_rows.shape)), log, launch, backward=False)
+    return y
+
+
+def softmax_backward(y, dy, log: bool = False, launch: Launch | None = None):
+    """The gradient with respect to x, given the forward's output y and dy."""
+    dx = torch.empty(y.shape, device=y.device, dtype=y.dtype)
+    if y.numel() > 0:
+        rows = (as_rows(y), as_rows(dy.to(y.dtype)), dx.view(-1, y.shape[-1]))
+        launch = launch or default_launch(y.shape[-1], y.element_size(), backward=True)
+        with np.errstate(**QUIET):
+            launch_rows(rows, log, launch, backward=True)
+    return dx
+
+
+class SoftmaxFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, log):
+        check_tensor(x, "x", SUPPORTED_DTYPES)
+        if x.dim() == 0:
+            raise ValueError("x is 0-dim, but softmax runs over the last dimension: "
+                             "pass x.reshape(1) (whose softmax is [1.0])")  # fmt: skip
+        y = softmax_forward(x, log)
+        ctx.save_for_backward(y)
+        ctx.log = log
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        name = "log_softmax" if ctx.log else "softmax"
+        refuse_double_backward(name, f"torch.{name}")
+        (y,) = ctx.saved_tensors
+        return softmax_backward(y, dy, ctx.log), None
+
+
+def softmax(x: torch.Tensor) -> torch.Tensor:
+    """``torch.softmax(x, dim=-1)`` for fp32, fp16 and bf16, with autograd."""
+    return SoftmaxFunction.apply(x, False)
+
+
+def log_softmax(x: torch.Tensor) -> torch.Tensor:
+    """``torch.log_softmax(x, dim=-1)`` for fp32, fp16 and bf16, with autograd."""
+    return SoftmaxFunction.apply(x, True)
