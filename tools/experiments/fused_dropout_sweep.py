@@ -1,28 +1,33 @@
 """Where does chapter 06's fused bias + activation + dropout forward spend its time?
 
-On the H100 the chapter's fused forward (GELU, p = 0.1, rows of 4,096) ran at 1.30 TB/s in
-fp32 where plain seeded dropout ran at 2.95: same generator, same bytes, plus a bias and an
-activation. This script times, on the same (N / 4096) x 4096 inputs:
+The log (src/stepkernels/results/nvidia-h100-80gb-hbm3/experiments/fused_dropout_sweep.log)
+was written at commit 8b8530e, when the chapter's fused forward used 3-D tiles [rows, groups,
+4], 128 columns wide: on the H100 it ran at 1.1 to 1.3 TB/s in fp32 with GELU, p = 0.1 and
+rows of 4,096, where plain seeded dropout ran at 2.95. The package now ships the row-tile
+kernel that this sweep led to; run today, "package" below is that kernel. On the same
+(N / 4096) x 4096 inputs the script times:
 
-* the chapter's kernel (3-D tiles [rows, groups, 4], 128 columns wide) for each activation,
-  so that GELU's ``erf`` is separated from the rest;
-* a flat variant, tiled like plain dropout (one block of 4,096 consecutive elements), which
-  finds each element's bias with ``offset % n_cols``. When n_cols is a multiple of 4 its
-  Philox counters are the chapter's (row * n_cols / 4 + column / 4 = offset / 4), so its
-  output must equal the chapter's bit for bit: checked first, under the interpreter too;
+* the package's fused forward (``stepkernels.dropout_bias_act``) for each activation, so that
+  GELU's ``erf`` is separated from the rest;
+* a flat variant, tiled like plain dropout (one block of consecutive elements), which finds
+  each element's bias with ``offset % n_cols``. When n_cols is a multiple of 4 its Philox
+  counters are the package's (row * n_cols / 4 + column / 4 = offset / 4), so its output must
+  equal the package's bit for bit: ``check()``, which tests/test_dropout.py also runs;
 * plain seeded dropout, for the ceiling of the generator and the bytes;
 * plain seeded dropout at 2^24 elements over blocks and warps, next to a plain copy of the
-  same bytes (``kit.copy_of``): what a streaming kernel can reach at that size.
+  same bytes (``bench.copy_of``): what a streaming kernel can reach at that size.
 
-    PYTHONPATH=tutorials python tools/experiments/fused_dropout_sweep.py
+    python tools/experiments/fused_dropout_sweep.py
 """
 
-import kit
+from stepkernels import bench, dropout, dropout_bias_act
+from stepkernels._core import DEVICE, ON_GPU, dtype_name
+from stepkernels.activations import ACTIVATIONS, apply_activation
+from stepkernels.dropout import dropout_kernel, group_offsets, keep_mask, scale_for
 import torch
 import triton
 import triton.language as tl
 
-chapter = kit.load_chapter("06")
 P = 0.1
 SEED = 1234
 
@@ -32,22 +37,22 @@ def flat_bias_act_dropout_kernel(
     x_ptr, bias_ptr, out_ptr, n_elements, n_cols, p, scale, seed,
     ACTIVATION: tl.constexpr, BLOCK_SIZE: tl.constexpr,
 ):  # fmt: skip
-    groups, offsets = chapter.group_offsets(BLOCK_SIZE)
+    groups, offsets = group_offsets(BLOCK_SIZE)
     in_bounds = offsets < n_elements
     bias = tl.load(bias_ptr + offsets % n_cols, mask=in_bounds).to(tl.float32)
     x = tl.load(x_ptr + offsets, mask=in_bounds).to(tl.float32)
-    activated = kit.apply_activation(x + bias, ACTIVATION)
-    keep = chapter.keep_mask(seed, p, groups)
+    activated = apply_activation(x + bias, ACTIVATION)
+    keep = keep_mask(seed, p, groups)
     out = tl.where(keep, activated * scale, 0.0)
     tl.store(out_ptr + offsets, out.to(out_ptr.dtype.element_ty), mask=in_bounds)
 
 
 def flat_forward(x2d, bias, activation, block_size=4096, num_warps=8):
-    assert x2d.shape[1] % 4 == 0, "the flat numbering matches the chapter's when n_cols % 4 == 0"
+    assert x2d.shape[1] % 4 == 0, "the flat numbering matches the package's when n_cols % 4 == 0"
     out = torch.empty_like(x2d)
     grid = (triton.cdiv(x2d.numel(), block_size),)
     flat_bias_act_dropout_kernel[grid](
-        x2d, bias, out, x2d.numel(), x2d.shape[1], P, chapter.scale_for(P), SEED,
+        x2d, bias, out, x2d.numel(), x2d.shape[1], P, scale_for(P), SEED,
         ACTIVATION=activation, BLOCK_SIZE=block_size, num_warps=num_warps,
     )  # fmt: skip
     return out
@@ -55,20 +60,20 @@ def flat_forward(x2d, bias, activation, block_size=4096, num_warps=8):
 
 def check():
     generator = torch.Generator().manual_seed(0)
-    for n_rows, n_cols in [(3, 8), (5, 4096 // kit.choose(gpu=1, cpu=16)), (7, 100)]:
+    for n_rows, n_cols in [(3, 8), (5, 4096 // bench.choose(gpu=1, cpu=16)), (7, 100)]:
         for dtype in (torch.float32, torch.float16):
-            x = torch.randn(n_rows, n_cols, generator=generator).to(kit.DEVICE, dtype)
-            bias = torch.randn(n_cols, generator=generator).to(kit.DEVICE, dtype)
-            for activation in kit.ACTIVATIONS:
+            x = torch.randn(n_rows, n_cols, generator=generator).to(DEVICE, dtype)
+            bias = torch.randn(n_cols, generator=generator).to(DEVICE, dtype)
+            for activation in ACTIVATIONS:
                 ours = flat_forward(x, bias, activation, block_size=64, num_warps=2)
-                theirs = chapter.bias_act_dropout_forward(x, bias, P, activation, SEED)
+                theirs = dropout_bias_act(x, bias, P, activation, SEED)
                 assert torch.equal(ours, theirs), (n_rows, n_cols, dtype, activation)
-    print("flat fused forward equals the chapter's, bit for bit (fp32, fp16, every activation)")
+    print("flat fused forward equals the package's, bit for bit (fp32, fp16, every activation)")
 
 
 def rates_for(nbytes):
     """GB/s of a call moving ``nbytes``, from its GPU time as the chapters measure it."""
-    return lambda fn: kit.rate(nbytes, fn)
+    return lambda fn: bench.rate(nbytes, fn)
 
 
 def sweep(dtype):
@@ -76,11 +81,11 @@ def sweep(dtype):
     bias = torch.randn(4096, device="cuda", dtype=dtype)
     rate = rates_for(2 * x.numel() * x.element_size())
 
-    print(f"{kit.dtype_name(dtype)}, 2^27 elements, GB/s:")
-    print(f"  plain seeded dropout  {rate(lambda: chapter.dropout(x, P, SEED)):6.0f}")
-    for activation in kit.ACTIVATIONS:
-        ours = rate(lambda a=activation: chapter.bias_act_dropout_forward(x, bias, P, a, SEED))
-        line = f"  {str(activation):<13} chapter {ours:6.0f}"
+    print(f"{dtype_name(dtype)}, 2^27 elements, GB/s:")
+    print(f"  plain seeded dropout  {rate(lambda: dropout(x, P, SEED)):6.0f}")
+    for activation in ACTIVATIONS:
+        ours = rate(lambda a=activation: dropout_bias_act(x, bias, P, a, SEED))
+        line = f"  {str(activation):<13} package {ours:6.0f}"
         for block, warps in ((1024, 4), (2048, 4), (4096, 8), (8192, 8), (8192, 16)):
             flat = rate(lambda a=activation, b=block, w=warps: flat_forward(x, bias, a, b, w))
             line += f"  flat {block}/{warps}w {flat:6.0f}"
@@ -95,21 +100,20 @@ def plain_dropout_launches(dtype, n_elements=2**24):
 
     def launch(block, warps):
         grid = (triton.cdiv(n_elements, block),)
-        return lambda: chapter.dropout_kernel[grid](
-            x, out, n_elements, P, chapter.scale_for(P), SEED, block, num_warps=warps
-        )
+        return lambda: dropout_kernel[grid](x, out, n_elements, P, scale_for(P), SEED, block, num_warps=warps)
 
-    line = f"{kit.dtype_name(dtype)}, 2^24 elements, GB/s: copy {rate(kit.copy_of(nbytes)):6.0f}"
-    line += f"  chapter {rate(lambda: chapter.dropout(x, P, SEED)):6.0f} |"
+    line = f"{dtype_name(dtype)}, 2^24 elements, GB/s: copy {rate(bench.copy_of(nbytes)):6.0f}"
+    line += f"  package {rate(lambda: dropout(x, P, SEED)):6.0f} |"
     for block, warps in ((1024, 4), (2048, 4), (2048, 8), (4096, 4), (4096, 8), (8192, 8), (8192, 16)):
         line += f"  {block}/{warps}w {rate(launch(block, warps)):6.0f}"
     print(line, flush=True)
 
 
-check()
-if kit.ON_GPU:
-    with kit.side_stream():  # as kit.measure does
-        for dtype in (torch.float32, torch.float16):
-            plain_dropout_launches(dtype)
-        for dtype in (torch.float32, torch.float16):
-            sweep(dtype)
+if __name__ == "__main__":
+    check()
+    if ON_GPU:
+        with bench.side_stream():  # as bench.measure does
+            for dtype in (torch.float32, torch.float16):
+                plain_dropout_launches(dtype)
+            for dtype in (torch.float32, torch.float16):
+                sweep(dtype)

@@ -1,0 +1,296 @@
+"""dropout: the code of chapter 06, Low-memory dropout, and a fused bias + activation + dropout
+layer."""
+
+# Generated from tutorials/06-low-memory-dropout.py by tools/export.py: edit the chapter, then
+# `make export`.
+
+import math
+
+from stepkernels import _core, activations
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def keep_mask(seed, p, groups):
+    """For a block of group indices (int64, shape [G]), which of the [G, 4] elements to keep."""
+    # Counters as uint32: the same Philox variant on every Triton version (32-bit words).
+    r0, r1, r2, r3 = tl.rand4x(seed, groups.to(tl.uint32))
+    lane = tl.arange(0, 4)[None, :]
+    random = tl.where(
+        lane == 0,
+        r0[:, None],
+        tl.where(lane == 1, r1[:, None], tl.where(lane == 2, r2[:, None], r3[:, None])),
+    )
+    # Uniform in [0, 1): P(random >= p) = 1 - p; p = 0 keeps everything and p = 1 nothing.
+    return random >= p
+
+
+@triton.jit
+def group_offsets(BLOCK_SIZE: tl.constexpr):
+    """This program's group indices [G] and element offsets [G, 4], both int64."""
+    groups_per_block: tl.constexpr = BLOCK_SIZE // 4
+    groups = tl.program_id(0).to(tl.int64) * groups_per_block
+    groups += tl.arange(0, groups_per_block)
+    return groups, groups[:, None] * 4 + tl.arange(0, 4)[None, :]
+
+
+@triton.jit(do_not_specialize=["seed"])
+def dropout_kernel(x_ptr, out_ptr, n_elements, p, scale, seed,
+                   BLOCK_SIZE: tl.constexpr):  # fmt: skip
+    groups, offsets = group_offsets(BLOCK_SIZE)
+    in_bounds = offsets < n_elements
+    keep = keep_mask(seed, p, groups)
+    x = tl.load(x_ptr + offsets, mask=in_bounds).to(tl.float32)
+    out = tl.where(keep, x * scale, 0.0)
+    tl.store(out_ptr + offsets, out.to(out_ptr.dtype.element_ty), mask=in_bounds)
+
+
+BLOCK_SIZE = 4096
+NUM_WARPS = 8
+MAX_ELEMENTS = 2**34  # 2^32 Philox counters of four elements each
+
+
+def check_p(p) -> float:
+    if isinstance(p, bool) or not isinstance(p, (int, float)):
+        raise TypeError(f"p must be a Python float in [0, 1], got {type(p).__name__}")
+    if not 0.0 <= p <= 1.0:  # also refuses nan
+        raise ValueError(f"p is the probability of dropping: 0 <= p <= 1, got {p}")
+    return float(p)
+
+
+def check_seed(seed) -> int:
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise TypeError(
+            f"seed must be a Python int, got {type(seed).__name__}: pass int(seed), or "
+            "draw one with int(torch.randint(2**63 - 1, ()))"
+        )
+    if not 0 <= seed < 2**63:
+        raise ValueError(f"seed must lie in [0, 2**63), got {seed}")
+    return seed
+
+
+def check_input(x: torch.Tensor, name: str = "x") -> None:
+    _core.check_tensor(x, name, _core.FLOAT_DTYPES)
+    if x.numel() >= MAX_ELEMENTS:
+        raise ValueError(
+            f"{name} has {x.numel():,} elements; the 32-bit counter covers fewer than "
+            "2**34: split the tensor and give each part its own seed"
+        )
+
+
+def scale_for(p: float) -> float:
+    return 0.0 if p == 1.0 else 1.0 / (1.0 - p)
+
+
+def launch_dropout(x, p, seed, inplace=False, kernel=dropout_kernel) -> torch.Tensor:
+    """Dropout of ``x`` into a new tensor, or into ``x`` itself: in place when contiguous
+    (each element is read, then written, by the same program), else through a copy."""
+    source = x.contiguous()
+    out = source if inplace else torch.empty_like(source)
+    if x.numel():
+        grid = (triton.cdiv(x.numel(), BLOCK_SIZE),)
+        kernel[grid](source, out, x.numel(), p, scale_for(p), seed, BLOCK_SIZE,
+                     num_warps=NUM_WARPS)  # fmt: skip
+    return x.copy_(out) if inplace and out is not x else out
+
+
+class SeededDropout(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, p, seed, inplace):
+        ctx.p, ctx.seed = p, seed  # two numbers: all the backward needs
+        if inplace:
+            ctx.mark_dirty(x)
+        return launch_dropout(x, p, seed, inplace)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        _core.refuse_double_backward("dropout", "torch.nn.functional.dropout")
+        # The same kernel on the gradient, with the same seed: the same mask.
+        return launch_dropout(grad_out, ctx.p, ctx.seed), None, None, None
+
+
+def dropout(x, p: float, seed: int, training: bool = True, inplace: bool = False):
+    """Drop each element of ``x`` with probability ``p`` and scale the rest by 1 / (1 - p).
+
+    The mask is a function of ``seed`` (an int in [0, 2**63)) and the element's row-major
+    position alone, and is regenerated in the backward: nothing is stored. With
+    ``training=False`` or ``p=0``, returns ``x``; ``inplace=True`` writes into ``x``.
+    """
+    p, seed = check_p(p), check_seed(seed)
+    check_input(x)
+    if not training or p == 0.0:
+        return x
+    if inplace and not (torch.is_grad_enabled() and x.requires_grad):
+        return launch_dropout(x, p, seed, inplace=True)  # nothing for autograd
+    return SeededDropout.apply(x, p, seed, inplace)
+
+
+class Dropout(torch.nn.Module):
+    """Drop-in for ``torch.nn.Dropout`` that stores no mask."""
+
+    def __init__(self, p: float = 0.5, inplace: bool = False):
+        super().__init__()
+        self.p, self.inplace = check_p(p), bool(inplace)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.training or self.p == 0.0:
+            return x
+        return dropout(x, self.p, _core.fresh_seed(), inplace=self.inplace)
+
+    def extra_repr(self) -> str:
+        return f"p={self.p}, inplace={self.inplace}"
+
+
+@triton.jit
+def column_block(BLOCK_COLS: tl.constexpr):
+    """This program's groups of columns [G] and columns [G, 4] (axis 1 of the grid)."""
+    groups_per_block: tl.constexpr = BLOCK_COLS // 4
+    col_groups = tl.program_id(1) * groups_per_block + tl.arange(0, groups_per_block)
+    return col_groups, col_groups[:, None] * 4 + tl.arange(0, 4)[None, :]
+
+
+@triton.jit
+def row_tile(row, col_groups, cols, n_rows, n_cols):
+    """One row's tile: Philox counters [G], element offsets [G, 4], and its mask."""
+    in_bounds = cols < tl.where(row < n_rows, n_cols, 0)  # rows past the end: nothing
+    groups_per_row = (n_cols + 3) // 4
+    return row * groups_per_row + col_groups, row * n_cols + cols, in_bounds
+
+
+@triton.jit(do_not_specialize=["seed"])
+def bias_act_dropout_kernel(
+    x_ptr, bias_ptr, out_ptr, n_rows, n_cols, rows_per_program, p, scale, seed,
+    ACTIVATION: tl.constexpr, BLOCK_COLS: tl.constexpr, NUM_STAGES: tl.constexpr,
+):  # fmt: skip
+    col_groups, cols = column_block(BLOCK_COLS)
+    bias = tl.load(bias_ptr + cols, mask=cols < n_cols).to(tl.float32)
+    first_row = tl.program_id(0).to(tl.int64) * rows_per_program
+    for i in tl.range(0, rows_per_program, num_stages=NUM_STAGES):
+        tile = row_tile(first_row + i, col_groups, cols, n_rows, n_cols)
+        counters, offsets, in_bounds = tile
+        x = tl.load(x_ptr + offsets, mask=in_bounds).to(tl.float32)
+        activated = activations.apply_activation(x + bias, ACTIVATION)
+        keep = keep_mask(seed, p, counters)
+        out = tl.where(keep, activated * scale, 0.0)
+        tl.store(out_ptr + offsets, out.to(out_ptr.dtype.element_ty), mask=in_bounds)
+
+
+@triton.jit(do_not_specialize=["seed"])
+def bias_act_dropout_backward_kernel(
+    grad_out_ptr, x_ptr, bias_ptr, grad_in_ptr, bias_partial_ptr,
+    n_rows, n_cols, rows_per_program, p, scale, seed,
+    ACTIVATION: tl.constexpr, BLOCK_COLS: tl.constexpr, NUM_STAGES: tl.constexpr,
+):  # fmt: skip
+    col_groups, cols = column_block(BLOCK_COLS)
+    cols_in = cols < n_cols
+    if ACTIVATION is not None:
+        bias = tl.load(bias_ptr + cols, mask=cols_in).to(tl.float32)
+    bias_sum = tl.zeros((BLOCK_COLS // 4, 4), dtype=tl.float32)
+    first_row = tl.program_id(0).to(tl.int64) * rows_per_program
+    for i in tl.range(0, rows_per_program, num_stages=NUM_STAGES):
+        tile = row_tile(first_row + i, col_groups, cols, n_rows, n_cols)
+        counters, offsets, in_bounds = tile
+        grad = tl.load(grad_out_ptr + offsets, mask=in_bounds).to(tl.float32)
+        keep = keep_mask(seed, p, counters)
+        grad = tl.where(keep, grad * scale, 0.0)
+        if ACTIVATION is not None:  # recompute z = x + b: read x, store nothing
+            x = tl.load(x_ptr + offsets, mask=in_bounds).to(tl.float32)
+            grad *= activations.activation_derivative(x + bias, ACTIVATION)
+        grad = tl.where(in_bounds, grad, 0.0)
+        grad_in = grad.to(grad_in_ptr.dtype.element_ty)
+        tl.store(grad_in_ptr + offsets, grad_in, mask=in_bounds)
+        bias_sum += grad
+    partial_row = tl.program_id(0).to(tl.int64) * n_cols
+    tl.store(bias_partial_ptr + partial_row + cols, bias_sum, mask=cols_in)
+
+
+FUSED_BLOCK_COLS = 1024
+FUSED_PROGRAMS_PER_SM = 8
+FUSED_OPTIONS = {"NUM_STAGES": 2, "num_warps": 4}
+
+
+def fused_launch(n_rows: int, n_cols: int) -> tuple[int, int, tuple[int, int]]:
+    """(BLOCK_COLS, rows per program, grid) for a non-empty n_rows x n_cols input."""
+    block_cols = min(FUSED_BLOCK_COLS, max(4, triton.next_power_of_2(n_cols)))
+    col_blocks = triton.cdiv(n_cols, block_cols)
+    wanted = triton.cdiv(FUSED_PROGRAMS_PER_SM * _core.sm_count(), col_blocks)
+    rows_per_program = triton.cdiv(n_rows, min(n_rows, wanted))
+    row_blocks = triton.cdiv(n_rows, rows_per_program)
+    return block_cols, rows_per_program, (row_blocks, col_blocks)
+
+
+class BiasActDropout(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, bias, p, activation, seed):
+        # Rows by math.prod: with no features, view(-1, 0) would be ambiguous.
+        x2d = x.view(math.prod(x.shape[:-1]), x.shape[-1])
+        ctx.save_for_backward(x2d if activation is not None else None, bias)
+        ctx.p, ctx.activation, ctx.seed, ctx.shape2d = p, activation, seed, x2d.shape
+        out = torch.empty_like(x2d)
+        if x2d.numel():
+            block_cols, rows_per_program, grid = fused_launch(*x2d.shape)
+            bias_act_dropout_kernel[grid](
+                x2d, bias, out, *x2d.shape, rows_per_program, p, scale_for(p), seed,
+                ACTIVATION=activation, BLOCK_COLS=block_cols, **FUSED_OPTIONS,
+            )  # fmt: skip
+        return out.view(x.shape)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        _core.refuse_double_backward(
+            "dropout_bias_act", "dropout(act(x + bias)) in PyTorch"
+        )
+        x2d, bias = ctx.saved_tensors
+        grad_2d = grad_out.contiguous().view(ctx.shape2d)
+        grad_in, grad_bias = torch.empty_like(grad_2d), torch.zeros_like(bias)
+        if grad_2d.numel():
+            block_cols, rows_per_program, grid = fused_launch(*ctx.shape2d)
+            partial = torch.empty(grid[0], ctx.shape2d[1], device=grad_2d.device)
+            bias_act_dropout_backward_kernel[grid](
+                grad_2d, x2d, bias, grad_in, partial, *ctx.shape2d, rows_per_program,
+                ctx.p, scale_for(ctx.p), ctx.seed,
+                ACTIVATION=ctx.activation, BLOCK_COLS=block_cols, **FUSED_OPTIONS,
+            )  # fmt: skip
+            grad_bias = partial.sum(0).to(bias.dtype)
+        return grad_in.view(grad_out.shape), grad_bias, None, None, None
+
+
+def dropout_bias_act(x, bias, p: float, activation, seed: int, training: bool = True):
+    """``dropout(act(x + bias), p)`` in one kernel, forward and backward; bias over the last
+    dimension. The mask is a function of (seed, row, column) and is never stored."""
+    p, seed = check_p(p), check_seed(seed)
+    activations.check_activation(activation)
+    check_input(x)
+    _core.check_tensor(bias, "bias", _core.FLOAT_DTYPES)
+    if x.dim() == 0 or bias.shape != x.shape[-1:] or bias.dtype != x.dtype:
+        raise ValueError(
+            f"bias must be 1-D with one value per feature (x.shape[-1]) and x's dtype: "
+            f"got x {tuple(x.shape)} {x.dtype}, bias {tuple(bias.shape)} {bias.dtype}; "
+            "reshape or convert the bias with .to(x.dtype)"
+        )
+    p = p if training else 0.0
+    return BiasActDropout.apply(x.contiguous(), bias.contiguous(), p, activation, seed)
+
+
+class DropoutBiasAct(torch.nn.Module):
+    """``dropout(act(x + bias))`` with a learned bias of ``features`` values, fused; the bias
+    is created on ``device`` (default: where the kernels run) in ``dtype``."""
+
+    def __init__(self, features, p=0.1, activation="gelu", device=None, dtype=None):
+        super().__init__()
+        activations.check_activation(activation)
+        self.p, self.activation = check_p(p), activation
+        device = _core.DEVICE if device is None else device
+        zeros = torch.zeros(features, device=device, dtype=dtype)
+        self.bias = torch.nn.Parameter(zeros)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        seed = _core.fresh_seed() if self.training else 0
+        bias = self.bias.to(x.dtype)
+        return dropout_bias_act(x, bias, self.p, self.activation, seed, self.training)
+
+    def extra_repr(self) -> str:
+        features, activation = self.bias.numel(), self.activation
+        return f"features={features}, p={self.p}, activation={activation!r}"
