@@ -1,6 +1,7 @@
 """activations: the code of chapter 04, Matrix multiplication at cuBLAS speed."""
 
-# Generated from tutorials/04-matrix-multiplication.py by tools/export.py: edit the chapter, then `make export`.
+# Generated from tutorials/04-matrix-multiplication.py by tools/export.py: edit the chapter, then
+# `make export`.
 
 import torch
 import triton
@@ -41,7 +42,9 @@ def activation_derivative(z, ACTIVATION: tl.constexpr):
 
 def check_activation(activation) -> None:
     if activation not in ACTIVATIONS:
-        raise ValueError(f"activation {activation!r} unknown; choose one of {ACTIVATIONS}")
+        raise ValueError(
+            f"activation {activation!r} unknown; choose one of {ACTIVATIONS}"
+        )
 
 
 def activation_reference(z: torch.Tensor, activation: str | None) -> torch.Tensor:

@@ -1,0 +1,206 @@
+"""matmul_hopper: the code of chapter 07, Matrix multiplication on Hopper: tensor descriptors,
+persistent programs, fp8."""
+
+# Generated from tutorials/07-hopper-matmul.py by tools/export.py: edit the chapter, then `make
+# export`.
+
+from stepkernels._core import INTERPRET, autotune_configs, sm_count
+from stepkernels.activations import apply_activation
+from stepkernels.matmul import (
+    add_bias,
+    allocate_outputs,
+    check_inputs,
+    dot_precision,
+    keep_configs_for_dtype,
+    output_dtype,
+    tile_config,
+    tile_of_program,
+)
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def matmul_tma_kernel(
+    a_ptr, b_ptr, c_ptr, bias_ptr, pre_ptr,
+    M, N, K,
+    stride_a, stride_b, stride_bias,
+    A_COLUMN_MAJOR: tl.constexpr, B_COLUMN_MAJOR: tl.constexpr,
+    ACTIVATION: tl.constexpr, HAS_BIAS: tl.constexpr, STORE_PREACTIVATION: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, NUM_PROGRAMS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GROUP_SIZE_M: tl.constexpr,
+):  # fmt: skip
+    # One descriptor per tensor. A column-major operand is described as its transpose.
+    if A_COLUMN_MAJOR:
+        a_desc = tl.make_tensor_descriptor(
+            a_ptr, shape=[K, M], strides=[stride_a, 1], block_shape=[BLOCK_K, BLOCK_M]
+        )
+    else:
+        a_desc = tl.make_tensor_descriptor(
+            a_ptr, shape=[M, K], strides=[stride_a, 1], block_shape=[BLOCK_M, BLOCK_K]
+        )
+    if B_COLUMN_MAJOR:
+        b_desc = tl.make_tensor_descriptor(
+            b_ptr, shape=[N, K], strides=[stride_b, 1], block_shape=[BLOCK_N, BLOCK_K]
+        )
+    else:
+        b_desc = tl.make_tensor_descriptor(
+            b_ptr, shape=[K, N], strides=[stride_b, 1], block_shape=[BLOCK_K, BLOCK_N]
+        )
+    c_desc = tl.make_tensor_descriptor(
+        c_ptr, shape=[M, N], strides=[N, 1], block_shape=[BLOCK_M, BLOCK_N]
+    )
+    if STORE_PREACTIVATION:
+        pre_desc = tl.make_tensor_descriptor(
+            pre_ptr, shape=[M, N], strides=[N, 1], block_shape=[BLOCK_M, BLOCK_N]
+        )
+
+    tiles_m = tl.cdiv(M, BLOCK_M)
+    tiles_n = tl.cdiv(N, BLOCK_N)
+    # Persistent: this program takes every NUM_PROGRAMS-th tile, in the grouped order.
+    for tile_id in tl.range(tl.program_id(axis=0), tiles_m * tiles_n, NUM_PROGRAMS):
+        pid_m, pid_n = tile_of_program(tile_id, tiles_m, tiles_n, GROUP_SIZE_M)
+        off_m = pid_m * BLOCK_M
+        off_n = pid_n * BLOCK_N
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k in range(tl.cdiv(K, BLOCK_K)):
+            off_k = k * BLOCK_K
+            if A_COLUMN_MAJOR:
+                a = a_desc.load([off_k, off_m]).T
+            else:
+                a = a_desc.load([off_m, off_k])
+            if B_COLUMN_MAJOR:
+                b = b_desc.load([off_n, off_k]).T
+            else:
+                b = b_desc.load([off_k, off_n])
+            if UPCAST:
+                a = a.to(tl.float32)
+                b = b.to(tl.float32)
+            acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
+
+        offs_n = off_n + tl.arange(0, BLOCK_N)
+        acc = add_bias(acc, bias_ptr, offs_n, N, stride_bias, HAS_BIAS)
+        if STORE_PREACTIVATION:
+            pre_desc.store([off_m, off_n], acc.to(pre_ptr.dtype.element_ty))
+        out = apply_activation(acc, ACTIVATION)
+        c_desc.store([off_m, off_n], out.to(c_ptr.dtype.element_ty))
+
+
+TMA_CONFIGS = [
+    tile_config(128, 128, 64, 4, 8, itemsize=2),
+    tile_config(128, 256, 64, 3, 8, itemsize=2),
+    tile_config(256, 128, 64, 3, 8, itemsize=2),
+    tile_config(128, 128, 64, 4, 4, itemsize=2),
+    tile_config(64, 128, 64, 4, 4, itemsize=2),
+    tile_config(128, 256, 128, 3, 8, itemsize=1),
+    tile_config(256, 128, 128, 3, 8, itemsize=1),
+    tile_config(128, 128, 128, 4, 8, itemsize=1),
+    tile_config(64, 128, 128, 4, 4, itemsize=1),
+    tile_config(128, 128, 32, 3, 8, itemsize=4),
+    tile_config(128, 64, 32, 4, 4, itemsize=4),
+]
+matmul_tma_tuned = triton.autotune(
+    configs=autotune_configs(TMA_CONFIGS),
+    key=["M", "N", "K", "INPUT_PRECISION"],
+    prune_configs_by={"early_config_prune": keep_configs_for_dtype},
+)(matmul_tma_kernel)
+
+
+def tma_scratch(size: int, alignment: int, stream):
+    """Scratch memory for descriptors made inside kernels: Triton asks for it at launch."""
+    return torch.empty(size, device="cpu" if INTERPRET else "cuda", dtype=torch.int8)
+
+
+def tma_layout(tensor):
+    """'row' or 'column' when a TMA descriptor can describe ``tensor``, else None."""
+    itemsize = tensor.element_size()
+    if tensor.data_ptr() % 16:
+        return None
+    rows, columns = tensor.shape
+    if tensor.stride(1) == 1 and (tensor.stride(0) * itemsize) % 16 == 0:
+        return "row" if columns * itemsize >= 16 else None
+    if tensor.stride(0) == 1 and (tensor.stride(1) * itemsize) % 16 == 0:
+        return "column" if rows * itemsize >= 16 else None
+    return None
+
+
+def tma_applies(a, b):
+    """Can the descriptor kernel take these operands (and their M x N output)?"""
+    out_itemsize = output_dtype(a.dtype).itemsize
+    return (
+        a.shape[1] > 0
+        and tma_layout(a) is not None
+        and tma_layout(b) is not None
+        and (b.shape[1] * out_itemsize) % 16 == 0
+    )
+
+
+def k_major_for_tf32(a, b):
+    """``a`` and ``b`` with K contiguous, copying whichever is not."""
+    if a.stride(1) != 1:
+        a = a.contiguous()
+    if b.stride(0) != 1:
+        b = b.mT.contiguous().mT
+    return a, b
+
+
+def tma_operands(a, b):
+    """The operands as the descriptor kernel should get them (K-major for tf32), or None
+    when it cannot take them. ``matmul`` calls it on Hopper."""
+    if a.dtype == torch.float32 and dot_precision(a.dtype) == "tf32":
+        a, b = k_major_for_tf32(a, b)
+    return (a, b) if tma_applies(a, b) else None
+
+
+def matmul_tma(
+    a, b, activation=None, *, bias=None, return_preactivation=False, config=None
+):
+    """``activation(a @ b + bias)`` with the persistent descriptor kernel, autotuned unless
+    ``config`` (as for ``matmul_portable``) is given."""
+    check_inputs(a, b, activation, bias)
+    operands = tma_operands(a, b)
+    if operands is None:
+        raise ValueError(
+            "the descriptor kernel needs each operand contiguous along rows or columns, "
+            "other strides multiples of 16 bytes, and N * itemsize a multiple of 16 bytes: "
+            "call matmul(), which falls back to the portable kernel"
+        )
+    return launch_tma(*operands, activation, bias, return_preactivation, config)
+
+
+def launch_tma(a, b, activation, bias, return_preactivation, config=None):
+    """The descriptor kernel's launch, for operands that ``tma_operands`` returned."""
+    out, pre = allocate_outputs(a, b, return_preactivation)
+    (M, K), N = a.shape, b.shape[1]
+    if out.numel() == 0:
+        return (out, pre) if return_preactivation else out
+    # Set at every launch: Triton keeps the allocator in a context variable, which other
+    # threads, autograd's backward thread among them, do not inherit.
+    triton.set_allocator(tma_scratch)
+    a_column_major = tma_layout(a) == "column"
+    b_column_major = tma_layout(b) == "column"
+    programs = sm_count()
+    grid = lambda meta: (
+        min(
+            programs, triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"])
+        ),
+    )
+    kernel = matmul_tma_tuned if config is None else matmul_tma_kernel
+    kernel[grid](
+        a, b, out, bias, pre, M, N, K,
+        a.stride(1) if a_column_major else a.stride(0),
+        b.stride(1) if b_column_major else b.stride(0),
+        bias.stride(0) if bias is not None else 0,
+        A_COLUMN_MAJOR=a_column_major,
+        B_COLUMN_MAJOR=b_column_major,
+        ACTIVATION=activation,
+        HAS_BIAS=bias is not None,
+        STORE_PREACTIVATION=pre is not None,
+        INPUT_PRECISION=dot_precision(a.dtype),
+        UPCAST=INTERPRET and a.dtype == torch.bfloat16,
+        NUM_PROGRAMS=programs,
+        **(config or {}),
+    )  # fmt: skip
+    return (out, pre) if return_preactivation else out

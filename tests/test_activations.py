@@ -1,0 +1,52 @@
+"""stepkernels.activations: each activation and its derivative, evaluated in a tiny kernel,
+against torch and torch's autograd."""
+
+import pytest
+from stepkernels._core import DEVICE
+from stepkernels.activations import (
+    ACTIVATIONS,
+    activation_derivative,
+    activation_reference,
+    apply_activation,
+    check_activation,
+)
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def evaluate_kernel(z_ptr, y_ptr, dy_ptr, ACTIVATION: tl.constexpr, BLOCK: tl.constexpr):
+    offsets = tl.arange(0, BLOCK)
+    z = tl.load(z_ptr + offsets)
+    tl.store(y_ptr + offsets, apply_activation(z, ACTIVATION))
+    tl.store(dy_ptr + offsets, activation_derivative(z, ACTIVATION))
+
+
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+def test_activation_and_derivative_match_torch(activation):
+    # Both sides of 0, 0 itself, and the tails where GELU's erf saturates.
+    z = torch.linspace(-6, 6, 257, device=DEVICE)[:-1].requires_grad_()
+    y, dy = torch.empty_like(z), torch.empty_like(z)
+    evaluate_kernel[(1,)](z.detach(), y, dy, ACTIVATION=activation, BLOCK=256)
+    expected = activation_reference(z, activation)
+    expected.sum().backward()
+    torch.testing.assert_close(y, expected.detach(), atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(dy, z.grad, atol=1e-6, rtol=1e-5)
+
+
+def test_reference_matches_torch_functional():
+    z = torch.randn(64)
+    assert torch.equal(activation_reference(z, None), z)
+    assert torch.equal(activation_reference(z, "relu"), torch.relu(z))
+    assert torch.equal(activation_reference(z, "squared_relu"), torch.relu(z) ** 2)
+    assert torch.equal(activation_reference(z, "leaky_relu"), torch.nn.functional.leaky_relu(z, 0.01))
+    assert torch.equal(activation_reference(z, "gelu"), torch.nn.functional.gelu(z))
+
+
+@pytest.mark.parametrize("name", ["tanh", "swish", "ReLU", ""])
+def test_unknown_activations_are_refused(name):
+    with pytest.raises(ValueError, match="choose one of"):
+        check_activation(name)
+    with pytest.raises(ValueError, match="choose one of"):
+        activation_reference(torch.ones(2), name)

@@ -1,0 +1,293 @@
+"""stepkernels.matmul: shapes, layouts, dtypes, the fused epilogue, fp32 precision, refusals.
+
+Through ``matmul`` (the dispatcher) and ``matmul_portable`` (the portable kernel, with a small
+fixed ``config`` so that small shapes span several tiles, groups and K-steps without
+autotuning). The descriptor kernel (chapter 07) runs where it can: on Hopper and under the
+interpreter. bf16 only on a GPU: the interpreter's bf16 ``tl.dot`` returns garbage.
+"""
+
+from contextlib import contextmanager
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+import pytest
+from stepkernels import matmul
+from stepkernels._core import DEVICE, INTERPRET, ON_GPU, capability
+from stepkernels.activations import ACTIVATIONS
+from stepkernels.check_matmul import matmul_reference, tolerance
+from stepkernels.matmul import matmul_portable
+from stepkernels.matmul_hopper import matmul_tma
+import torch
+
+DTYPES = [torch.float16, torch.float32] + ([torch.bfloat16] if ON_GPU else [])
+HAS_FP8 = INTERPRET or capability() >= (8, 9)
+ON_HOPPER = ON_GPU and capability()[0] == 9
+SMALL = {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16, "GROUP_SIZE_M": 2, "num_warps": 4, "num_stages": 2}
+
+
+def portable_small_tiles(*args, **kwargs):
+    return matmul_portable(*args, config=SMALL, **kwargs)
+
+
+def tma_small_tiles(*args, **kwargs):
+    return matmul_tma(*args, config=SMALL, **kwargs)
+
+
+KERNELS = {"matmul": matmul, "portable (16x16x16 tiles)": portable_small_tiles}
+if ON_HOPPER or INTERPRET:
+    KERNELS["descriptor (16x16x16 tiles)"] = tma_small_tiles
+
+
+@contextmanager
+def fp32_precision(precision):
+    before = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision(precision)
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(before)
+
+
+def operands(M, N, K, dtype, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    a = torch.randn(M, K, generator=generator).to(DEVICE, dtype)
+    b = torch.randn(K, N, generator=generator).to(DEVICE, dtype)
+    bias = torch.randn(N, generator=generator).to(DEVICE)
+    return a, b, bias
+
+
+def assert_matches(kernel, a, b, activation=None, bias=None):
+    out, pre = kernel(a, b, activation, bias=bias, return_preactivation=True)
+    expected, expected_pre = matmul_reference(a, b, activation, bias)
+    tol = tolerance(out.dtype, a.shape[1])
+    assert out.shape == expected.shape and out.is_contiguous() and pre.shape == out.shape
+    torch.testing.assert_close(out.double(), expected, **tol)
+    torch.testing.assert_close(pre.double(), expected_pre, **tol)
+
+
+def descriptor_can_take(kernel_name, a, b):
+    from stepkernels.matmul_hopper import tma_operands
+
+    return "descriptor" not in kernel_name or tma_operands(a, b) is not None
+
+
+SHAPES = [
+    (1, 1, 1),
+    (1, 40, 24),  # M = 1
+    (40, 1, 24),  # N = 1
+    (24, 40, 1),  # K = 1
+    (19, 23, 7),  # odd, smaller than a tile
+    (37, 56, 33),  # no multiple of any block, odd K
+    (64, 48, 32),  # exact multiples of the small tiles
+    (130, 72, 100),  # past one 128-row tile
+]
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("kernel_name", KERNELS)
+def test_shapes_and_dtypes_with_bias_and_preactivation(kernel_name, dtype, shape):
+    a, b, bias = operands(*shape, dtype)
+    activation = ACTIVATIONS[sum(shape) % len(ACTIVATIONS)]
+    if descriptor_can_take(kernel_name, a, b):
+        assert_matches(KERNELS[kernel_name], a, b, activation, bias)
+
+
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+@pytest.mark.parametrize("kernel_name", KERNELS)
+def test_every_activation_with_and_without_bias(kernel_name, activation):
+    a, b, bias = operands(45, 48, 40, torch.float16)
+    assert_matches(KERNELS[kernel_name], a, b, activation, bias)
+    assert_matches(KERNELS[kernel_name], a, b, activation)
+
+
+LAYOUTS = {
+    "a.t()": lambda a, b: (a.t().contiguous().t(), b),
+    "b.t()": lambda a, b: (a, b.t().contiguous().t()),
+    "both .t()": lambda a, b: (a.t().contiguous().t(), b.t().contiguous().t()),
+    "row-strided slices": lambda a, b: (
+        torch.cat([a, a], dim=1)[:, : a.shape[1]],
+        torch.cat([b, b], dim=1)[:, : b.shape[1]],
+    ),
+    "every other row": lambda a, b: (
+        torch.repeat_interleave(a, 2, dim=0)[::2],
+        torch.repeat_interleave(b, 2, dim=0)[::2],
+    ),
+}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("kernel_name", KERNELS)
+def test_strided_inputs_are_read_in_place(kernel_name, dtype, layout):
+    a, b, bias = operands(40, 56, 24, dtype)
+    a_view, b_view = LAYOUTS[layout](a, b)
+    assert torch.equal(a_view, a) and torch.equal(b_view, b)
+    if descriptor_can_take(kernel_name, a_view, b_view):
+        assert_matches(KERNELS[kernel_name], a_view, b_view, "gelu", bias)
+
+
+@pytest.mark.parametrize("bias_dtype", [torch.float16, torch.float32])
+def test_bias_of_another_dtype_and_stride(bias_dtype):
+    a, b, _ = operands(20, 24, 16, torch.float32)
+    bias = torch.randn(48, device=DEVICE).to(bias_dtype)[::2]
+    assert_matches(matmul, a, b, "relu", bias)
+
+
+def test_linear_layer_with_a_transposed_weight():
+    x, _, bias = operands(33, 40, 24, torch.float32)
+    weight = torch.randn(40, 24, device=DEVICE)
+    out = matmul(x, weight.t(), "relu", bias=bias)
+    expected = torch.relu(torch.nn.functional.linear(x.double(), weight.double(), bias.double()))
+    torch.testing.assert_close(out.double(), expected, **tolerance(torch.float32, 24))
+
+
+def test_return_preactivation_returns_a_pair_only_when_asked():
+    a, b, bias = operands(9, 8, 7, torch.float32)
+    out = matmul(a, b, "relu", bias=bias)
+    assert isinstance(out, torch.Tensor)
+    pair = matmul(a, b, "relu", bias=bias, return_preactivation=True)
+    assert isinstance(pair, tuple) and torch.equal(pair[0], out)
+    torch.testing.assert_close(pair[1].double(), matmul_reference(a, b, None, bias)[0], **tolerance(a.dtype, 7))
+
+
+@pytest.mark.parametrize("shape", [(0, 5, 3), (4, 0, 3), (0, 0, 3)], ids=str)
+@pytest.mark.parametrize("function", [matmul, matmul_portable])
+def test_empty_outputs(function, shape):
+    M, N, K = shape
+    a, b = torch.randn(M, K, device=DEVICE), torch.randn(K, N, device=DEVICE)
+    out, pre = function(a, b, "gelu", bias=torch.randn(N, device=DEVICE), return_preactivation=True)
+    assert out.shape == pre.shape == (M, N)
+
+
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+@pytest.mark.parametrize("function", [matmul, matmul_portable])
+def test_k_zero_gives_the_activation_of_the_bias(function, activation):
+    a, b = torch.randn(6, 0, device=DEVICE), torch.randn(0, 5, device=DEVICE)
+    bias = torch.randn(5, device=DEVICE)
+    out, pre = function(a, b, activation, bias=bias, return_preactivation=True)
+    expected, expected_pre = matmul_reference(a, b, activation, bias)
+    torch.testing.assert_close(pre.double(), expected_pre)
+    torch.testing.assert_close(out.double(), expected, rtol=1e-6, atol=1e-6)
+    assert torch.equal(function(a, b), torch.zeros(6, 5, device=DEVICE))  # as torch: zeros
+
+
+def test_fp32_is_exact_under_highest_precision():
+    # Before fp32 followed torch's setting, a GPU always multiplied fp32 as tf32 (2^-11 per
+    # input): these products, with a tolerance of 1e-5, failed there.
+    a, b, bias = operands(96, 80, 512, torch.float32)
+    with fp32_precision("highest"):
+        for out in (matmul(a, b, bias=bias), portable_small_tiles(a, b, bias=bias)):
+            expected = matmul_reference(a, b, None, bias)[0]
+            torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5 * 512**0.5)
+
+
+@pytest.mark.parametrize("precision", ["high", "medium"])
+def test_fp32_within_tf32_tolerance_under_high_precision(precision):
+    a, b, bias = operands(96, 80, 512, torch.float32)
+    before = torch.get_float32_matmul_precision()
+    with fp32_precision(precision):
+        out = matmul(a.t().contiguous().t(), b.t().contiguous().t(), "gelu", bias=bias)
+    assert torch.get_float32_matmul_precision() == before
+    expected = matmul_reference(a, b, "gelu", bias)[0]
+    torch.testing.assert_close(out.double(), expected, rtol=2**-8, atol=2**-8 * 512**0.5)
+
+
+@pytest.mark.skipif(not ON_GPU, reason="bf16 dot is garbage under the interpreter")
+def test_bf16_on_the_gpu():
+    a, b, bias = operands(130, 136, 200, torch.bfloat16)
+    assert_matches(matmul, a, b, "squared_relu", bias)
+
+
+@pytest.mark.skipif(not ON_GPU, reason="the descriptor path runs on Hopper with a full GPU")
+@pytest.mark.parametrize("precision", ["highest", "high"])
+@pytest.mark.parametrize("K", [5, 512])
+def test_large_fp32_with_column_major_operands(precision, K):
+    # On Hopper these outputs fill the GPU: the descriptor kernel, with K-major copies as
+    # tf32. K = 5 makes a copied row 20 bytes, which a descriptor cannot describe: before
+    # the copy was checked, such a product went to the descriptor kernel anyway.
+    a, b, bias = operands(2048, 2048, K, torch.float32)
+    a_view, b_view = a.t().contiguous().t(), b
+    with fp32_precision(precision):
+        out = matmul(a_view, b_view, "relu", bias=bias)
+        tol = tolerance(torch.float32, K)
+    torch.testing.assert_close(out.double(), matmul_reference(a, b, "relu", bias)[0], **tol)
+
+
+@pytest.mark.skipif(not HAS_FP8, reason="no fp8 on this GPU")
+@pytest.mark.parametrize("shape", [(48, 64, 32), (77, 136, 48)], ids=str)
+def test_fp8_with_b_column_major(shape):
+    M, K, N = shape
+    generator = torch.Generator().manual_seed(0)
+    a = (torch.randn(M, K, generator=generator) * 4).to(torch.float8_e4m3fn).to(DEVICE)
+    b = (torch.randn(N, K, generator=generator) * 4).to(torch.float8_e4m3fn).to(DEVICE).t()
+    bias = torch.randn(N, device=DEVICE)
+    out, pre = matmul(a, b, "relu", bias=bias, return_preactivation=True)
+    assert out.dtype == torch.bfloat16
+    expected, expected_pre = matmul_reference(a, b, "relu", bias)
+    tol = tolerance(torch.bfloat16, K, scale=4.0)
+    torch.testing.assert_close(out.double(), expected, **tol)
+    torch.testing.assert_close(pre.double(), expected_pre, **tol)
+
+
+@settings(max_examples=12, deadline=None)
+@given(
+    M=st.integers(1, 70),
+    N=st.integers(1, 70),
+    K=st.integers(1, 70),
+    dtype=st.sampled_from([torch.float16, torch.float32]),
+    activation=st.sampled_from(ACTIVATIONS),
+    transpose_a=st.booleans(),
+    seed=st.integers(0, 2**31),
+)
+def test_any_small_shape(M, N, K, dtype, activation, transpose_a, seed):
+    a, b, bias = operands(M, N, K, dtype, seed)
+    if transpose_a:
+        a = a.t().contiguous().t()
+    assert_matches(portable_small_tiles, a, b, activation, bias)
+
+
+@pytest.mark.parametrize("group_size_m", [1, 3, 8])
+def test_every_program_order_covers_every_tile(group_size_m):
+    a, b, bias = operands(7 * 16 - 3, 5 * 16 - 5, 40, torch.float32)
+    out = matmul_portable(a, b, bias=bias, config=SMALL | {"GROUP_SIZE_M": group_size_m})
+    torch.testing.assert_close(out.double(), matmul_reference(a, b, None, bias)[0], **tolerance(a.dtype, 40))
+
+
+def test_inputs_are_left_untouched():
+    a, b, bias = operands(30, 20, 10, torch.float32)
+    copies = [t.clone() for t in (a, b, bias)]
+    matmul(a, b, "gelu", bias=bias, return_preactivation=True)
+    assert all(torch.equal(t, c) for t, c in zip((a, b, bias), copies, strict=True))
+
+
+a, b, _ = operands(8, 4, 16, torch.float32)
+BAD_INPUTS = {
+    "inner dims differ": ((a, b[:-1]), {}, ValueError, "inner dimensions"),
+    "dtypes differ": ((a, b.half()), {}, TypeError, "convert one"),
+    "integer dtype": ((a.int(), b.int()), {}, TypeError, "supported"),
+    "float64": ((a.double(), b.double()), {}, TypeError, "supported"),
+    "1-D": ((a[0], b), {}, ValueError, "2-D"),
+    "3-D": ((a[None], b), {}, ValueError, "2-D"),
+    "wrong device": ((a.to("meta"), b.to("meta")), {}, ValueError, "move it"),
+    "not a tensor": (([[1.0]], b), {}, TypeError, "torch.Tensor"),
+    "bias length": ((a, b), {"bias": torch.zeros(5)}, ValueError, "one value per"),
+    "bias 2-D": ((a, b), {"bias": torch.zeros(1, 4)}, ValueError, "shape"),
+    "bias int": ((a, b), {"bias": torch.zeros(4, dtype=torch.int64)}, TypeError, "bias"),
+    "activation": ((a, b), {"activation": "tanh"}, ValueError, "choose one of"),
+}
+
+
+@pytest.mark.parametrize("case", BAD_INPUTS)
+@pytest.mark.parametrize("function", [matmul, matmul_portable, matmul_tma])
+def test_bad_input_is_refused_with_advice(function, case):
+    args, kwargs, error, advice = BAD_INPUTS[case]
+    kwargs = {k: v.to(DEVICE) if k == "bias" else v for k, v in kwargs.items()}
+    with pytest.raises(error, match=advice):
+        function(*args, **kwargs)
+
+
+def test_descriptor_kernel_refuses_layouts_it_cannot_describe():
+    a, b, _ = operands(8, 4, 16, torch.float32)
+    with pytest.raises(ValueError, match="portable"):
+        matmul_tma(a[:, ::2], b[::2])

@@ -1,0 +1,423 @@
+r"""
+Matrix multiplication on Hopper: tensor descriptors, persistent programs, fp8
+=============================================================================
+
+We write the kernel that chapter 04's ``matmul`` hands large products to on an H100: the same
+tiles, program order and fused epilogue, with the copies done by Hopper's TMA engine through
+*tensor descriptors*, one persistent program per SM, and fp8 inputs.
+
+What you will learn:
+
+* tensor descriptors: describing a matrix once and letting the hardware copy its tiles,
+  edges included;
+* persistent programs: one program per SM looping over tiles, and when that beats one
+  program per tile;
+* why fp32 as tf32 wants its operands *K-major* on Hopper, and what a copy buys;
+* fp8 (e4m3): half the bytes of fp16 and twice the tensor-core rate, and how to compare it
+  honestly.
+
+Prerequisites: chapter 04 (the portable kernel, its program order and epilogue). The kernel
+needs compute capability 9.x (Hopper) to be fast, but it also runs under Triton's
+interpreter, so without a GPU every cell runs at a small size.
+"""
+
+# %%
+# Setup
+# -----
+
+from stepkernels import bench, check_matmul, tutorial
+from stepkernels.matmul import ON_HOPPER, matmul
+import torch
+import triton
+import triton.language as tl
+
+tutorial.announce()
+DEVICE = tutorial.DEVICE
+
+# %%
+# What the portable kernel leaves on the table
+# --------------------------------------------
+# On an H100 chapter 04's kernel spends effort in three places where Hopper has hardware:
+#
+# * **Address arithmetic.** Every K-step computes a block of 2-D pointers and issues the
+#   loads from the program's threads. Hopper's *TMA* (Tensor Memory Accelerator) is a copy
+#   engine that takes a *tensor descriptor* (base address, shape, strides, tile shape) and a
+#   tile coordinate, and copies the tile from global to shared memory by itself, filling
+#   zeros past the edges. ``tl.make_tensor_descriptor`` builds the descriptor inside the
+#   kernel and ``desc.load([row, column])`` issues the copy; the threads are free for the
+#   tensor cores, and no masks are needed.
+# * **Launch tails.** One program per tile means that the last wave of programs may use only
+#   part of the GPU, and every program pays its prologue (filling the pipeline) and epilogue
+#   without overlap. A *persistent* kernel launches one program per SM, and each program
+#   loops over tiles ``pid, pid + NUM_PROGRAMS, pid + 2 * NUM_PROGRAMS, ...`` in chapter 04's
+#   grouped order.
+# * **The epilogue.** A TMA store writes the finished tile of C, again clipped at the edges
+#   by the hardware.
+#
+# The descriptor needs the last dimension of each tensor to be contiguous and every other
+# stride to be a multiple of 16 bytes. A transposed operand (``x.t()``, contiguous along its
+# rows) is described as the matrix it really is; its tiles are loaded in that layout and
+# transposed in registers (``.T``), which costs nothing, since the tensor cores read either
+# order from shared memory. The bias, one value per column, is loaded with pointers as in
+# chapter 04.
+#
+# The kernel
+# ----------
+# The cells marked ``#@save matmul_hopper`` make the package's ``matmul_hopper`` module. It
+# reuses chapter 04's tile order, bias and configs from ``stepkernels.matmul``.
+
+# @save matmul_hopper
+from stepkernels._core import INTERPRET, autotune_configs, sm_count
+from stepkernels.activations import apply_activation
+from stepkernels.matmul import (
+    add_bias,
+    allocate_outputs,
+    check_inputs,
+    dot_precision,
+    keep_configs_for_dtype,
+    output_dtype,
+    tile_config,
+    tile_of_program,
+)
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def matmul_tma_kernel(
+    a_ptr, b_ptr, c_ptr, bias_ptr, pre_ptr,
+    M, N, K,
+    stride_a, stride_b, stride_bias,
+    A_COLUMN_MAJOR: tl.constexpr, B_COLUMN_MAJOR: tl.constexpr,
+    ACTIVATION: tl.constexpr, HAS_BIAS: tl.constexpr, STORE_PREACTIVATION: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, NUM_PROGRAMS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GROUP_SIZE_M: tl.constexpr,
+):  # fmt: skip
+    # One descriptor per tensor. A column-major operand is described as its transpose.
+    if A_COLUMN_MAJOR:
+        a_desc = tl.make_tensor_descriptor(
+            a_ptr, shape=[K, M], strides=[stride_a, 1], block_shape=[BLOCK_K, BLOCK_M]
+        )
+    else:
+        a_desc = tl.make_tensor_descriptor(
+            a_ptr, shape=[M, K], strides=[stride_a, 1], block_shape=[BLOCK_M, BLOCK_K]
+        )
+    if B_COLUMN_MAJOR:
+        b_desc = tl.make_tensor_descriptor(
+            b_ptr, shape=[N, K], strides=[stride_b, 1], block_shape=[BLOCK_N, BLOCK_K]
+        )
+    else:
+        b_desc = tl.make_tensor_descriptor(
+            b_ptr, shape=[K, N], strides=[stride_b, 1], block_shape=[BLOCK_K, BLOCK_N]
+        )
+    c_desc = tl.make_tensor_descriptor(
+        c_ptr, shape=[M, N], strides=[N, 1], block_shape=[BLOCK_M, BLOCK_N]
+    )
+    if STORE_PREACTIVATION:
+        pre_desc = tl.make_tensor_descriptor(
+            pre_ptr, shape=[M, N], strides=[N, 1], block_shape=[BLOCK_M, BLOCK_N]
+        )
+
+    tiles_m = tl.cdiv(M, BLOCK_M)
+    tiles_n = tl.cdiv(N, BLOCK_N)
+    # Persistent: this program takes every NUM_PROGRAMS-th tile, in the grouped order.
+    for tile_id in tl.range(tl.program_id(axis=0), tiles_m * tiles_n, NUM_PROGRAMS):
+        pid_m, pid_n = tile_of_program(tile_id, tiles_m, tiles_n, GROUP_SIZE_M)
+        off_m = pid_m * BLOCK_M
+        off_n = pid_n * BLOCK_N
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k in range(tl.cdiv(K, BLOCK_K)):
+            off_k = k * BLOCK_K
+            if A_COLUMN_MAJOR:
+                a = a_desc.load([off_k, off_m]).T
+            else:
+                a = a_desc.load([off_m, off_k])
+            if B_COLUMN_MAJOR:
+                b = b_desc.load([off_n, off_k]).T
+            else:
+                b = b_desc.load([off_k, off_n])
+            if UPCAST:
+                a = a.to(tl.float32)
+                b = b.to(tl.float32)
+            acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
+
+        offs_n = off_n + tl.arange(0, BLOCK_N)
+        acc = add_bias(acc, bias_ptr, offs_n, N, stride_bias, HAS_BIAS)
+        if STORE_PREACTIVATION:
+            pre_desc.store([off_m, off_n], acc.to(pre_ptr.dtype.element_ty))
+        out = apply_activation(acc, ACTIVATION)
+        c_desc.store([off_m, off_n], out.to(c_ptr.dtype.element_ty))
+
+
+# %%
+# The configs are chapter 04's minus its smallest tiles: this kernel only runs when the
+# output has a 128 × 128 tile for every SM (fp8 excepted), where small tiles do not win.
+
+# @save matmul_hopper
+TMA_CONFIGS = [
+    tile_config(128, 128, 64, 4, 8, itemsize=2),
+    tile_config(128, 256, 64, 3, 8, itemsize=2),
+    tile_config(256, 128, 64, 3, 8, itemsize=2),
+    tile_config(128, 128, 64, 4, 4, itemsize=2),
+    tile_config(64, 128, 64, 4, 4, itemsize=2),
+    tile_config(128, 256, 128, 3, 8, itemsize=1),
+    tile_config(256, 128, 128, 3, 8, itemsize=1),
+    tile_config(128, 128, 128, 4, 8, itemsize=1),
+    tile_config(64, 128, 128, 4, 4, itemsize=1),
+    tile_config(128, 128, 32, 3, 8, itemsize=4),
+    tile_config(128, 64, 32, 4, 4, itemsize=4),
+]
+matmul_tma_tuned = triton.autotune(
+    configs=autotune_configs(TMA_CONFIGS),
+    key=["M", "N", "K", "INPUT_PRECISION"],
+    prune_configs_by={"early_config_prune": keep_configs_for_dtype},
+)(matmul_tma_kernel)
+
+
+# %%
+# The launcher
+# ------------
+# ``tma_layout`` says whether a descriptor can describe an operand, and how (row- or
+# column-major); ``tma_applies`` asks it of both operands and of the output. The grid is
+# one program per SM, or one per tile when there are fewer tiles (under the interpreter,
+# ``sm_count()`` is 4, so that the loop over tiles still takes several turns). Descriptors
+# built inside a kernel need a little global scratch memory for the descriptor itself, which
+# Triton asks for through the allocator set with ``triton.set_allocator``.
+#
+# One exception to reading transposes through strides: fp32 as tf32. Hopper's tensor-core
+# instruction (``wgmma``) reads 16-bit operands from shared memory in either order, but tf32
+# operands only *K-major*: A with its K index contiguous (row-major), B with its K index
+# contiguous (column-major). Triton handles the other orders, but slowly, so
+# ``tma_operands`` copies an fp32 operand that is not K-major into one that is, a pass over
+# the operand, when the dot runs as tf32. Exact fp32 (``"highest"``) does not use the tensor
+# cores and needs no copy. The copy is measured in the next section.
+
+
+# @save matmul_hopper
+def tma_scratch(size: int, alignment: int, stream):
+    """Scratch memory for descriptors made inside kernels: Triton asks for it at launch."""
+    return torch.empty(size, device="cpu" if INTERPRET else "cuda", dtype=torch.int8)
+
+
+def tma_layout(tensor):
+    """'row' or 'column' when a TMA descriptor can describe ``tensor``, else None."""
+    itemsize = tensor.element_size()
+    if tensor.data_ptr() % 16:
+        return None
+    rows, columns = tensor.shape
+    if tensor.stride(1) == 1 and (tensor.stride(0) * itemsize) % 16 == 0:
+        return "row" if columns * itemsize >= 16 else None
+    if tensor.stride(0) == 1 and (tensor.stride(1) * itemsize) % 16 == 0:
+        return "column" if rows * itemsize >= 16 else None
+    return None
+
+
+def tma_applies(a, b):
+    """Can the descriptor kernel take these operands (and their M x N output)?"""
+    out_itemsize = output_dtype(a.dtype).itemsize
+    return (
+        a.shape[1] > 0
+        and tma_layout(a) is not None
+        and tma_layout(b) is not None
+        and (b.shape[1] * out_itemsize) % 16 == 0
+    )
+
+
+def k_major_for_tf32(a, b):
+    """``a`` and ``b`` with K contiguous, copying whichever is not."""
+    if a.stride(1) != 1:
+        a = a.contiguous()
+    if b.stride(0) != 1:
+        b = b.mT.contiguous().mT
+    return a, b
+
+
+def tma_operands(a, b):
+    """The operands as the descriptor kernel should get them (K-major for tf32), or None
+    when it cannot take them. ``matmul`` calls it on Hopper."""
+    if a.dtype == torch.float32 and dot_precision(a.dtype) == "tf32":
+        a, b = k_major_for_tf32(a, b)
+    return (a, b) if tma_applies(a, b) else None
+
+
+def matmul_tma(
+    a, b, activation=None, *, bias=None, return_preactivation=False, config=None
+):
+    """``activation(a @ b + bias)`` with the persistent descriptor kernel, autotuned unless
+    ``config`` (as for ``matmul_portable``) is given."""
+    check_inputs(a, b, activation, bias)
+    operands = tma_operands(a, b)
+    if operands is None:
+        raise ValueError(
+            "the descriptor kernel needs each operand contiguous along rows or columns, "
+            "other strides multiples of 16 bytes, and N * itemsize a multiple of 16 bytes: "
+            "call matmul(), which falls back to the portable kernel"
+        )
+    return launch_tma(*operands, activation, bias, return_preactivation, config)
+
+
+def launch_tma(a, b, activation, bias, return_preactivation, config=None):
+    """The descriptor kernel's launch, for operands that ``tma_operands`` returned."""
+    out, pre = allocate_outputs(a, b, return_preactivation)
+    (M, K), N = a.shape, b.shape[1]
+    if out.numel() == 0:
+        return (out, pre) if return_preactivation else out
+    # Set at every launch: Triton keeps the allocator in a context variable, which other
+    # threads, autograd's backward thread among them, do not inherit.
+    triton.set_allocator(tma_scratch)
+    a_column_major = tma_layout(a) == "column"
+    b_column_major = tma_layout(b) == "column"
+    programs = sm_count()
+    grid = lambda meta: (
+        min(
+            programs, triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"])
+        ),
+    )
+    kernel = matmul_tma_tuned if config is None else matmul_tma_kernel
+    kernel[grid](
+        a, b, out, bias, pre, M, N, K,
+        a.stride(1) if a_column_major else a.stride(0),
+        b.stride(1) if b_column_major else b.stride(0),
+        bias.stride(0) if bias is not None else 0,
+        A_COLUMN_MAJOR=a_column_major,
+        B_COLUMN_MAJOR=b_column_major,
+        ACTIVATION=activation,
+        HAS_BIAS=bias is not None,
+        STORE_PREACTIVATION=pre is not None,
+        INPUT_PRECISION=dot_precision(a.dtype),
+        UPCAST=INTERPRET and a.dtype == torch.bfloat16,
+        NUM_PROGRAMS=programs,
+        **(config or {}),
+    )  # fmt: skip
+    return (out, pre) if return_preactivation else out
+
+
+# %%
+# When ``matmul`` uses it
+# -----------------------
+# Chapter 04's ``matmul`` calls this kernel on Hopper when ``tma_operands`` accepts the
+# operands and ``fills_the_gpu(M, N)``: the output has at least one 128 × 128 tile per SM.
+# Below that, a persistent program has no loop over tiles to spread its descriptor setup
+# over, and the recordings had the portable kernel faster at every such size (chapter 04's
+# square and skinny benchmarks show both). fp8 always takes this kernel, the only one we
+# measured for it.
+#
+# What the K-major copy is worth was measured at 4,096³ for each order of A and B, in fp32
+# as tf32 and in fp16, by ``tools/experiments/matmul_operand_order.py``: the descriptor
+# kernel with the operands as given, ``matmul`` (which copies), the portable kernel, and
+# torch. The log of the H100 run:
+
+experiments = bench.PACKAGE_RESULTS / "nvidia-h100-80gb-hbm3" / "experiments"
+print((experiments / "matmul_operand_order.log").read_text())
+
+# %%
+# In fp16 the order hardly matters. In fp32 the kernel is several times slower for every
+# order but the K-major one, and the copy recovers most of that; cuBLAS stays ahead in fp32.
+#
+# fp8
+# ---
+# fp8 (e4m3: 4 bits of exponent, 3 of mantissa, largest finite value 448) halves the bytes of
+# fp16 and doubles the tensor-core rate. ``matmul`` takes e4m3 inputs on GPUs of compute
+# capability 8.9 or newer (and under the interpreter, which emulates them), accumulates in
+# fp32 and writes bf16, since a product of fp8 values soon leaves fp8's range. The tensor
+# cores want an fp8 B column-major (K-major), the layout ``torch._scaled_mm`` requires too.
+#
+# Correctness
+# -----------
+# One call of chapter 04's harness, ``check_matmul.check``, checks this kernel as it checked
+# the portable one: against the fp64 product of the same inputs, with a bias, each activation
+# in turn and the pre-activation, for A and B as given, transposed in memory and A
+# row-strided, in fp16 and fp32 (bf16 on a GPU), skipping the layouts a descriptor cannot
+# describe; then fp8 with B column-major, values scaled by 4 to use e4m3's range. On Hopper
+# Triton's fp8 ``tl.dot`` accumulates in the tensor cores' fast mode, with fewer bits than
+# fp32, so fp8's absolute tolerance is doubled and its output is checked against the
+# activation of the (checked) pre-activation. The kernel also runs under the interpreter.
+
+if ON_HOPPER or tutorial.INTERPRET:
+    check_matmul.check(
+        matmul_tma,
+        skip=lambda a, b: tma_operands(a, b) is None,
+        dtypes=[torch.float16, torch.float32, torch.float8_e4m3fn]
+        + bench.choose(gpu=[torch.bfloat16], cpu=[]),
+        shapes=[(16, 16, 16), (64, 96, 128), (77, 136, 48), (200, 264, 72)]
+        + bench.choose(gpu=[(1000, 1536, 704), (2048, 3072, 4096)], cpu=[]),
+    )
+else:
+    print("Not a Hopper GPU: matmul runs the portable kernel here, and so do we.")
+
+# %%
+# Benchmark: fp8
+# --------------
+# We compare ``matmul`` on fp8 inputs (B column-major, bf16 output) with
+# ``torch._scaled_mm``, PyTorch's fp8 matmul, which takes the same layout plus one fp32
+# scale per operand (we pass 1.0: our inputs are already in range). The dashed line is
+# cuBLAS in *fp16* at 4,096³, drawn for scale only: fp8's tensor cores are twice as fast, so
+# it is no limit here. The fair comparison is ``torch._scaled_mm``, measured in the same run,
+# and we print our share of it below the plot.
+
+
+def make_fp8(provider: str, size: int, dtype: torch.dtype):
+    x = (torch.randn(size, size, device=DEVICE) * 4).to(dtype)
+    y = (torch.randn(size, size, device=DEVICE) * 4).to(dtype).t()  # column-major
+    one = torch.ones((), device=DEVICE)
+    return {
+        "triton": lambda: matmul(x, y),
+        "torch": lambda: torch._scaled_mm(x, y, one, one, out_dtype=torch.bfloat16),
+    }[provider]
+
+
+fp8 = bench.Benchmark(
+    name="matmul-fp8",
+    x_name="M = N = K",
+    x_values=[1024, 2048, 4096, 8192],
+    providers=["triton", "torch"],
+    make=make_fp8,
+    work=lambda size, dtype: 2 * size**3,
+    unit="TFLOP/s",
+    dtypes=(torch.float8_e4m3fn,),
+    smoke_x=64,
+    headline_x=None,  # the summary below compares with torch._scaled_mm, not the fp16 line
+)
+has_fp8 = tutorial.INTERPRET or torch.cuda.get_device_capability() >= (8, 9)
+fp8_results = bench.run(fp8) if has_fp8 else None
+if fp8_results is not None:
+    print(f"matmul-fp8, {fp8_results.how}:")
+    for size in fp8.x_values:
+        ours = fp8_results.value("triton", size, torch.float8_e4m3fn)
+        theirs = fp8_results.value("torch", size, torch.float8_e4m3fn)
+        print(
+            f"  {size}³: triton {ours:,.0f} TFLOP/s, torch._scaled_mm {theirs:,.0f}: "
+            f"{ours / theirs:.0%} of torch._scaled_mm"
+        )
+elif not has_fp8:
+    print("This GPU has no fp8 tensor cores (compute capability below 8.9): skipped.")
+
+# %%
+# At the large sizes our fp8 kernel and ``torch._scaled_mm`` run level, close to twice our
+# fp16 rate of chapter 04; at the small ones ``torch._scaled_mm`` is ahead. One difference
+# favours us: ``_scaled_mm`` by default accumulates precisely (``use_fast_accum=False``),
+# while Triton's fp8 dot on Hopper uses the fast mode (``max_num_imprecise_acc``).
+#
+# What we learned
+# ---------------
+# * A tensor descriptor hands tile copies, edges included, to the TMA engine: no pointer
+#   blocks, no masks, threads free for the tensor cores.
+# * A persistent kernel launches one program per SM that loops over tiles; it pays off once
+#   the output has a tile for every SM, and below that the portable kernel is faster.
+# * Operand layout can matter more than the kernel: tf32 on Hopper wants K-major operands,
+#   and a copy is cheaper than the slow path.
+# * fp8 doubles the tensor-core rate again; compare it with an fp8 library call, not an fp16
+#   one.
+#
+# Exercises
+# ---------
+# 1. Add per-row and per-column fp32 scales for fp8 inputs (as ``torch._scaled_mm`` takes)
+#    to the epilogue, and check against ``_scaled_mm`` with non-unit scales. Time both with
+#    the same accumulation: ``use_fast_accum=True``, or ``max_num_imprecise_acc=0`` here.
+# 2. Pipeline across tiles: ``tl.range(..., flatten=True)`` over the tile loop lets a
+#    program's loads for its next tile overlap this tile's epilogue. Measure it with and
+#    without an activation at 4,096³ and 8,192³; is it worth turning on?
+# 3. Lower the ``fills_the_gpu`` threshold to half a tile per SM and rerun chapter 04's
+#    skinny benchmark. Where does the descriptor kernel start to lose, and why?
