@@ -3,6 +3,10 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 CHAPTERS ?= $(sort $(wildcard tutorials/[0-9][0-9]-*.py))
+# Benchmarks recorded in results/ that left the chapters for tools/experiments: make bench
+# records them too (CHAPTERS=... alone records just those chapters).
+RECORDED_EXPERIMENTS ?= $(if $(filter command line,$(origin CHAPTERS)),,$(addprefix tools/experiments/,\
+	softmax_steps.py softmax_long_rows.py softmax_cpu_per_call.py layer_norm_group_size.py))
 SPHINXOPTS ?=
 SPHINX := $(PY) -m sphinx -c . -W --keep-going $(SPHINXOPTS)
 RESULTS := $(CURDIR)/src/stepkernels/results
@@ -18,7 +22,8 @@ help:
 	@echo "make notebooks      write every chapter as a notebook into build/notebooks"
 	@echo "make wheel          build the package as a wheel into dist/"
 	@echo "make bench          on a GPU: run every chapter at full size and record the results"
-	@echo "                    (CHAPTERS=tutorials/02-*.py ONLY=softmax-long-rows: just those)"
+	@echo "                    and the recorded experiments (tools/experiments; CHAPTERS=... ONLY=...:"
+	@echo "                    just those chapters and, of them, just the benchmarks named)"
 	@echo "make results-table  rewrite the README's results table from the recorded results"
 	@echo "make clean          remove what the builds wrote; distclean also removes $(VENV)"
 
@@ -62,7 +67,7 @@ wheel: $(VENV)/.runtime
 
 bench: $(VENV)/.package
 	@$(PY) -c "import torch; assert torch.cuda.is_available(), 'make bench needs a GPU'"
-	set -e; for chapter in $(CHAPTERS); do \
+	set -e; for chapter in $(CHAPTERS) $(RECORDED_EXPERIMENTS); do \
 		echo "== $$chapter"; STEPKERNELS_RECORD=1 STEPKERNELS_ONLY="$(ONLY)" \
 		STEPKERNELS_COMMAND="make bench" STEPKERNELS_RESULTS="$(RESULTS)" $(PY) $$chapter; done
 	$(MAKE) results-table
