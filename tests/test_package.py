@@ -88,3 +88,16 @@ def test_the_gallery_reruns_its_chapters_when_the_package_changes(tmp_path):
     assert stamp.package_changed(stamp_file, package)
     (package / "ops.py").write_text("X = 2\n")
     assert stamp.package_changed(stamp_file, package)
+
+
+def test_the_public_names_are_the_functions_and_modules_of_the_redesign():
+    import types
+
+    import stepkernels
+
+    expected = {"softmax", "log_softmax", "layer_norm", "LayerNorm", "matmul", "linear", "FusedLinear"}
+    expected |= {"dropout", "dropout_bias_act", "Dropout", "DropoutBiasAct", "add"}
+    assert set(stepkernels.__all__) == expected
+    for name in expected:
+        public = getattr(stepkernels, name)
+        assert callable(public) and not isinstance(public, types.ModuleType), name

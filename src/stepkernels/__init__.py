@@ -27,21 +27,13 @@ if not torch.cuda.is_available() and "TRITON_INTERPRET" not in os.environ:
         )
     os.environ["TRITON_INTERPRET"] = "1"
 
-# TRANSITION (removed before commit): import only the modules already exported.
-import importlib.util as _util  # noqa: E402
-
-_PUBLIC = {
-    "dropout": ["Dropout", "DropoutBiasAct", "dropout", "dropout_bias_act"],
-    "layer_norm": ["LayerNorm", "layer_norm"],
-    "linear": ["FusedLinear", "linear"],
-    "matmul": ["matmul"],
-    "softmax": ["log_softmax", "softmax"],
-    "vector_add": ["add"],
-}
-for _module, _names in _PUBLIC.items():
-    if _util.find_spec(f"stepkernels.{_module}") is not None:
-        _loaded = __import__(f"stepkernels.{_module}", fromlist=_names)
-        globals().update({_name: getattr(_loaded, _name) for _name in _names})
+# The public functions (their modules are written from the chapters by tools/export.py).
+from stepkernels.dropout import Dropout, DropoutBiasAct, dropout, dropout_bias_act  # noqa: E402
+from stepkernels.layer_norm import LayerNorm, layer_norm  # noqa: E402
+from stepkernels.linear import FusedLinear, linear  # noqa: E402
+from stepkernels.matmul import matmul  # noqa: E402
+from stepkernels.softmax import log_softmax, softmax  # noqa: E402
+from stepkernels.vector_add import add  # noqa: E402
 
 __version__ = "0.1.0"
 __all__ = [
