@@ -101,3 +101,16 @@ def test_the_public_names_are_the_functions_and_modules_of_the_redesign():
     for name in expected:
         public = getattr(stepkernels, name)
         assert callable(public) and not isinstance(public, types.ModuleType), name
+
+
+def test_export_leaves_hand_written_modules_alone(tmp_path, monkeypatch):
+    chapters, package = tmp_path / "tutorials", tmp_path / "src"
+    chapters.mkdir()
+    package.mkdir()
+    (package / "__init__.py").write_text('"""Hand-written; its modules are written by tools/export.py."""\n')
+    monkeypatch.setattr(export, "ROOT", tmp_path)
+    monkeypatch.setattr(export, "CHAPTERS", chapters)
+    monkeypatch.setattr(export, "PACKAGE", package)
+    export.main()
+    export.main("--check")
+    assert (package / "__init__.py").exists()

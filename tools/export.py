@@ -71,9 +71,14 @@ def modules() -> dict[Path, str]:
     return texts
 
 
+def is_generated(path: Path) -> bool:
+    """Was ``path`` written by this tool? Its header says so, on the line after the docstring."""
+    return any(line.startswith("# Generated from ") for line in path.read_text().splitlines()[:8])
+
+
 def main(*flags: str) -> None:
     texts = modules()
-    written = {path for path in PACKAGE.glob("*.py") if "by tools/export.py" in path.read_text()}
+    written = {path for path in PACKAGE.glob("*.py") if is_generated(path)}
     if "--check" in flags:
         stale = [p for p, text in texts.items() if not p.exists() or p.read_text() != text]
         stale += sorted(written - set(texts))  # generated once, no chapter saves into it now

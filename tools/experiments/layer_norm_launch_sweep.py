@@ -3,7 +3,7 @@
 At M = 4,096 rows, fp16 first then fp32, N = 1,024, 4,096 and 16,384 (then 2,048 and 8,192),
 it times (GPU time of CUDA-graph replays, L2 flushed, as the chapters measure):
 
-* the ceiling at this size: a plain Triton copy of the same bytes (``kit.copy_of``), best of
+* the ceiling at this size: a plain Triton copy of the same bytes (``bench.copy_of``), best of
   a few blocks and warps;
 * the forward over rows per program, warps, and a capped grid (``programs`` per SM) whose
   programs loop over blocks of rows with ``NUM_STAGES`` loads in flight;
@@ -13,7 +13,7 @@ it times (GPU time of CUDA-graph replays, L2 flushed, as the chapters measure):
 
 It prints the four fastest launches next to the chapter's default:
 
-    PYTHONPATH=tutorials python tools/experiments/layer_norm_launch_sweep.py [seconds] [--long]
+    python tools/experiments/layer_norm_launch_sweep.py [seconds] [--long]
 
 ``--long`` instead tries holding rows of 16,384 whole in the backward.
 """
@@ -22,22 +22,23 @@ import itertools
 import sys
 import time
 
-import kit
+from stepkernels import bench
+from stepkernels._core import ON_GPU, dtype_name, sm_count
+from stepkernels.layer_norm import backward_config, layer_norm_backward, layer_norm_forward
 import torch
 import triton
 
-chapter = kit.load_chapter("03")
 seconds = [float(arg) for arg in sys.argv[1:] if not arg.startswith("--")]
 deadline = time.time() + (seconds[0] if seconds else 600)
 ROWS = 4096
-SMS = kit.SM_COUNT
+SMS = sm_count()
 failures = set()
 
 
 def gb_per_s(fn, nbytes):
-    """GPU time of fn's CUDA graph, shorter runs than kit.measure_ms (a sweep times hundreds)."""
+    """GPU time of fn's CUDA graph, shorter runs than bench.measure_ms (a sweep times hundreds)."""
     try:
-        ms = triton.testing.do_bench(kit.capture(fn).replay, warmup=10, rep=40)
+        ms = triton.testing.do_bench(bench.capture(fn).replay, warmup=10, rep=40)
     except Exception as error:  # a launch that does not compile or fit: note it once
         message = f"{type(error).__name__}: {str(error).splitlines()[0][:160]}"
         if message not in failures:
@@ -53,15 +54,15 @@ def best(rated, count=4):
 
 def copy_ceiling(nbytes):
     rated = [
-        (gb_per_s(kit.copy_of(nbytes, block, warps), nbytes), f"copy {block}/{warps}w")
+        (gb_per_s(bench.copy_of(nbytes, block, warps), nbytes), f"copy {block}/{warps}w")
         for block, warps in itertools.product((1024, 2048, 4096, 8192, 16384), (4, 8, 16))
     ]
-    default = gb_per_s(kit.copy_of(nbytes), nbytes)
-    return f"copy: kit default {default:5.0f} | {best(rated, 3)}"
+    default = gb_per_s(bench.copy_of(nbytes), nbytes)
+    return f"copy: default {default:5.0f} | {best(rated, 3)}"
 
 
 def grid_choices():
-    yield None, 1  # one block of rows per program, as the chapter launches today
+    yield None, 1  # one block of rows per program (the launch before the capped grid)
     for per_sm, stages in itertools.product((1, 2, 4, 8), (1, 2, 3)):
         yield per_sm * SMS, stages
 
@@ -79,12 +80,12 @@ def sweep_forward(x, weight, bias):
                 BLOCK_N=block, ROWS_PER_PROGRAM=rows, SINGLE_BLOCK=True,
                 NUM_STAGES=stages, num_warps=warps, programs=programs,
             )  # fmt: skip
-            run = lambda c=config: chapter.layer_norm_forward(x, weight, bias, 1e-5, config=c)  # noqa: E731
+            run = lambda c=config: layer_norm_forward(x, weight, bias, 1e-5, config=c)  # noqa: E731
             per_sm = "all" if programs is None else f"{programs // SMS}/SM"
             rated.append((gb_per_s(run, nbytes), f"rows={rows} w={warps} grid={per_sm} st={stages}"))
-    default = gb_per_s(lambda: chapter.layer_norm_forward(x, weight, bias, 1e-5), nbytes)
+    default = gb_per_s(lambda: layer_norm_forward(x, weight, bias, 1e-5), nbytes)
     torch_rate = gb_per_s(lambda: torch.nn.functional.layer_norm(x, (n_cols,), weight, bias), nbytes)
-    line = f"fwd {kit.dtype_name(x.dtype):8} N={n_cols:6} torch {torch_rate:5.0f}"
+    line = f"fwd {dtype_name(x.dtype):8} N={n_cols:6} torch {torch_rate:5.0f}"
     if liger is not None:
         liger_rate = gb_per_s(lambda: liger.apply(x, weight, bias, 1e-5), nbytes)
         line += f" liger {liger_rate:5.0f}"
@@ -93,12 +94,12 @@ def sweep_forward(x, weight, bias):
 
 def sweep_backward(x, dy, weight, mean, rstd):
     n_cols, nbytes = x.shape[1], 3 * x.numel() * x.element_size()
-    default_config = chapter.backward_config(n_cols, ROWS)
+    default_config = backward_config(n_cols, ROWS)
     for reduction in ("two-stage", "lock", "dx only"):
 
         def call(config=None, reduction=reduction):
             wanted = reduction != "dx only"
-            return lambda: chapter.layer_norm_backward(
+            return lambda: layer_norm_backward(
                 dy, x, weight, mean, rstd, want_dw=wanted, want_db=wanted,
                 reduction="two-stage" if reduction == "dx only" else reduction, config=config,
             )  # fmt: skip
@@ -115,13 +116,13 @@ def sweep_backward(x, dy, weight, mean, rstd):
             rated.append((gb_per_s(call(config), nbytes), f"{per_sm}/SM rows={rows} w={warps} st={stages}"))
         default = gb_per_s(call(), nbytes)
         print(
-            f"bwd {reduction:9} {kit.dtype_name(x.dtype):8} N={n_cols:6} default {default:5.0f} | {best(rated)}",
+            f"bwd {reduction:9} {dtype_name(x.dtype):8} N={n_cols:6} default {default:5.0f} | {best(rated)}",
             flush=True,
         )
     xg, wg = x.detach().requires_grad_(), weight.detach().requires_grad_()
     y = torch.nn.functional.layer_norm(xg, (n_cols,), wg, None)
     torch_rate = gb_per_s(lambda: torch.autograd.grad(y, (xg, wg), dy, retain_graph=True), nbytes)
-    line = f"bwd torch    {kit.dtype_name(x.dtype):8} N={n_cols:6} {torch_rate:5.0f}"
+    line = f"bwd torch    {dtype_name(x.dtype):8} N={n_cols:6} {torch_rate:5.0f}"
     if liger is not None:
         xl, wl, bl = (t.detach().requires_grad_() for t in (x, weight, torch.zeros_like(weight)))
         yl = liger.apply(xl, wl, bl, 1e-5)
@@ -140,11 +141,11 @@ def single_block_backward(dtype, n_cols=16384):
     """Rows of 16,384 held whole in the backward (the chapter walks them): does it fit?"""
     x = torch.randn(ROWS, n_cols, device="cuda", dtype=dtype)
     dy, weight = torch.randn_like(x), torch.rand(n_cols, device="cuda", dtype=dtype) + 0.5
-    _, mean, rstd = chapter.layer_norm_forward(x, weight, None, 1e-5)
+    _, mean, rstd = layer_norm_forward(x, weight, None, 1e-5)
     nbytes = 3 * x.numel() * x.element_size()
 
     def call(reduction, config=None):
-        return lambda: chapter.layer_norm_backward(dy, x, weight, mean, rstd, reduction=reduction, config=config)
+        return lambda: layer_norm_backward(dy, x, weight, mean, rstd, reduction=reduction, config=config)
 
     rated = []
     for reduction, per_sm, warps, stages in itertools.product(("two-stage", "lock"), (1, 2), (16, 32), (1, 2)):
@@ -152,13 +153,13 @@ def single_block_backward(dtype, n_cols=16384):
         config = dict(BLOCK_N=n_cols, ROWS_PER_PROGRAM=rows, SINGLE_BLOCK=True, NUM_STAGES=stages, num_warps=warps)
         rated.append((gb_per_s(call(reduction, config), nbytes), f"{reduction} {per_sm}/SM w={warps} st={stages}"))
     default = gb_per_s(call("two-stage"), nbytes)
-    print(f"bwd one block {kit.dtype_name(dtype):8} N={n_cols}: default (walks) {default:5.0f} | {best(rated, 6)}")
+    print(f"bwd one block {dtype_name(dtype):8} N={n_cols}: default (walks) {default:5.0f} | {best(rated, 6)}")
 
 
-if not kit.ON_GPU:
+if not ON_GPU:
     sys.exit("GPU only: this script times launches")
 print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}")
-with kit.side_stream():
+with bench.side_stream():
     if "--long" in sys.argv:
         for dtype in (torch.float16, torch.float32):
             single_block_backward(dtype)
@@ -171,8 +172,8 @@ with kit.side_stream():
         dy = torch.randn_like(x)
         weight = torch.rand(n_cols, device="cuda", dtype=dtype) + 0.5
         bias = torch.randn(n_cols, device="cuda", dtype=dtype)
-        print(f"-- {kit.dtype_name(dtype)} N={n_cols}: fwd {copy_ceiling(2 * x.numel() * x.element_size())}")
+        print(f"-- {dtype_name(dtype)} N={n_cols}: fwd {copy_ceiling(2 * x.numel() * x.element_size())}")
         print(f"   bwd {copy_ceiling(3 * x.numel() * x.element_size())}", flush=True)
         sweep_forward(x, weight, bias)
-        _, mean, rstd = chapter.layer_norm_forward(x, weight, bias, 1e-5)
+        _, mean, rstd = layer_norm_forward(x, weight, bias, 1e-5)
         sweep_backward(x, dy, weight, mean, rstd)

@@ -1,0 +1,391 @@
+"""layer_norm: the code of chapter 03, Layer normalization: forward, backward, and a lock done
+right."""
+
+# Generated from tutorials/03-layer-norm.py by tools/export.py: edit the chapter, then `make
+# export`.
+
+import math
+
+from stepkernels._core import check_tensor, refuse_double_backward, sm_count
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def layer_norm_forward_kernel(x_ptr, y_ptr, weight_ptr, bias_ptr, mean_ptr, rstd_ptr,
+        x_row_stride, y_row_stride, M, N, eps, BLOCK_N: tl.constexpr,
+        ROWS_PER_PROGRAM: tl.constexpr, SINGLE_BLOCK: tl.constexpr,
+        HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, NUM_STAGES: tl.constexpr):  # fmt: skip
+    program_id = tl.program_id(axis=0)
+    if SINGLE_BLOCK:
+        # Row blocks p, p + grid size, ...: NUM_STAGES > 1 loads the next during this one's math
+        n_blocks, grid_size = tl.cdiv(M, ROWS_PER_PROGRAM), tl.num_programs(axis=0)
+        for block in tl.range(program_id, n_blocks, grid_size, num_stages=NUM_STAGES):
+            rows = block * ROWS_PER_PROGRAM + tl.arange(0, ROWS_PER_PROGRAM)
+            cols = tl.arange(0, BLOCK_N)
+            row_mask, col_mask = rows < M, cols < N
+            mask = row_mask[:, None] & col_mask[None, :]
+            rows64 = rows.to(tl.int64)  # row * stride can pass 2**31
+            x_ptrs = x_ptr + rows64[:, None] * x_row_stride + cols[None, :]
+            x = tl.load(x_ptrs, mask=mask, other=0.0).to(tl.float32)
+            mean = tl.sum(x, axis=1) / N
+            centered = tl.where(mask, x - mean[:, None], 0.0)  # 0 on masked-off lanes
+            rstd = 1.0 / tl.sqrt(tl.sum(centered * centered, axis=1) / N + eps)
+            y = centered * rstd[:, None]
+            if HAS_WEIGHT:
+                y *= tl.load(weight_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
+            if HAS_BIAS:
+                y += tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
+            y_ptrs = y_ptr + rows64[:, None] * y_row_stride + cols[None, :]
+            tl.store(y_ptrs, y.to(y_ptr.dtype.element_ty), mask=mask)
+            tl.store(mean_ptr + rows, mean, mask=row_mask)
+            tl.store(rstd_ptr + rows, rstd, mask=row_mask)
+    else:  # one row per program, walked in blocks; Chan's merge of each block's statistics
+        row = program_id.to(tl.int64)
+        x_row, y_row = x_ptr + row * x_row_stride, y_ptr + row * y_row_stride
+        count, mean, m2 = 0.0, 0.0, 0.0
+        for start in range(0, N, BLOCK_N):
+            cols = start + tl.arange(0, BLOCK_N)
+            mask = cols < N
+            x = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
+            block_count = tl.minimum(N - start, BLOCK_N).to(tl.float32)
+            block_mean = tl.sum(x, axis=0) / block_count
+            deviation = tl.where(mask, x - block_mean, 0.0)
+            block_m2 = tl.sum(deviation * deviation, axis=0)
+            total, delta = count + block_count, block_mean - mean
+            mean = mean + delta * (block_count / total)
+            m2 = m2 + block_m2 + delta * delta * (count * block_count / total)
+            count = total
+        rstd = 1.0 / tl.sqrt(m2 / N + eps)
+        for start in range(0, N, BLOCK_N):
+            cols = start + tl.arange(0, BLOCK_N)
+            mask = cols < N
+            x = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
+            y = (x - mean) * rstd
+            if HAS_WEIGHT:
+                y *= tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+            if HAS_BIAS:
+                y += tl.load(bias_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+            tl.store(y_row + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
+        tl.store(mean_ptr + row, mean)
+        tl.store(rstd_ptr + row, rstd)
+
+
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+FORWARD_MAX_BLOCK, FORWARD_LOOP_BLOCK = 32768, 4096  # longer rows are walked
+FORWARD_TILE, FORWARD_SHORT_TILE, FORWARD_SHORT_ROW = 8192, 4096, 2048
+FORWARD_PROGRAMS_PER_SM = 8
+FORWARD_STAGES, FORWARD_STAGE_BYTES = 2, 128 * 1024  # loads in flight, in shared memory
+
+
+def forward_config(n_cols, n_rows, block_size=None, itemsize=4) -> dict:
+    max_block = block_size or FORWARD_MAX_BLOCK  # block_size: a cap, for tests
+    block = triton.next_power_of_2(n_cols)
+    if block > max_block:
+        return dict(BLOCK_N=min(max_block, FORWARD_LOOP_BLOCK), ROWS_PER_PROGRAM=1,
+                    SINGLE_BLOCK=False, NUM_STAGES=1, num_warps=8)  # fmt: skip
+    tile = FORWARD_SHORT_TILE if block <= FORWARD_SHORT_ROW else FORWARD_TILE
+    rows = max(1, min(tile // block, triton.next_power_of_2(n_rows)))
+    per_stage = rows * block * itemsize
+    stages = max(1, min(FORWARD_STAGES, FORWARD_STAGE_BYTES // per_stage))
+    return dict(BLOCK_N=block, ROWS_PER_PROGRAM=rows, SINGLE_BLOCK=True, NUM_STAGES=stages,
+                num_warps=max(1, min(16, rows * block // 1024)),
+                programs=FORWARD_PROGRAMS_PER_SM * sm_count())  # fmt: skip
+
+
+def layer_norm_forward(x2d, weight, bias, eps, block_size=None, config=None):
+    """y, mean, rstd of a 2-D ``x2d`` with contiguous rows; ``config`` replaces the rule's."""
+    (n_rows, n_cols), device = x2d.shape, x2d.device
+    y = torch.empty((n_rows, n_cols), device=device, dtype=x2d.dtype)
+    mean, rstd = (torch.empty(n_rows, device=device, dtype=torch.float32) for _ in "mr")
+    if n_rows == 0:
+        return y, mean, rstd
+    size = x2d.element_size()
+    config = dict(config or forward_config(n_cols, n_rows, block_size, size))
+    if not config["SINGLE_BLOCK"] and config["ROWS_PER_PROGRAM"] != 1:
+        raise ValueError("the walking forward takes one row per program")
+    grid = triton.cdiv(n_rows, config["ROWS_PER_PROGRAM"])
+    programs = config.pop("programs", 0)  # a cap on the grid
+    grid = min(grid, programs) if config["SINGLE_BLOCK"] and programs else grid
+    layer_norm_forward_kernel[(grid,)](x2d, y, x2d if weight is None else weight,
+        x2d if bias is None else bias, mean, rstd, x2d.stride(0), y.stride(0), n_rows, n_cols,
+        eps, HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None, **config)  # fmt: skip
+    return y, mean, rstd
+
+
+@triton.jit
+def flush_partials(partial_ptr, lock_ptr, dw, db, cols, col_mask, N, slot, lock_index,
+        num_locks, REDUCTION: tl.constexpr):  # fmt: skip
+    row_ptr = partial_ptr + slot.to(tl.int64) * 2 * N  # N dW sums, then N dB sums, fp32
+    if REDUCTION == "two-stage":
+        tl.store(row_ptr + cols, dw, mask=col_mask)
+        tl.store(row_ptr + N + cols, db, mask=col_mask)
+    elif REDUCTION == "lock":
+        lock, visits_ptr = lock_ptr + lock_index, lock_ptr + num_locks + lock_index
+        while tl.atomic_cas(lock, 0, 1, sem="acquire") == 1:
+            pass
+        # Held. Count the visit; the first visitor finds garbage and must not read it.
+        visits = tl.atomic_add(visits_ptr, 1, sem="relaxed")
+        earlier = cols < tl.where(visits > 0, N, 0)
+        dw += tl.load(row_ptr + cols, mask=earlier, other=0.0, cache_modifier=".cg")
+        db += tl.load(row_ptr + N + cols, mask=earlier, other=0.0, cache_modifier=".cg")
+        tl.store(row_ptr + cols, dw, mask=col_mask)
+        tl.store(row_ptr + N + cols, db, mask=col_mask)
+        tl.debug_barrier()  # every thread's stores issued before the release
+        tl.atomic_xchg(lock, 0, sem="release")
+
+
+@triton.jit
+def layer_norm_backward_kernel(x_ptr, dy_ptr, dx_ptr, weight_ptr, mean_ptr, rstd_ptr,
+        partial_ptr, lock_ptr, x_row_stride, dy_row_stride, dx_row_stride, M, N, num_locks,
+        BLOCK_N: tl.constexpr, ROWS_PER_PROGRAM: tl.constexpr, SINGLE_BLOCK: tl.constexpr,
+        HAS_WEIGHT: tl.constexpr, REDUCTION: tl.constexpr, GROUP_SIZE_M: tl.constexpr,
+        NUM_STAGES: tl.constexpr):  # fmt: skip
+    program_id = tl.program_id(axis=0)
+    first_row = program_id * ROWS_PER_PROGRAM
+    slot = program_id % GROUP_SIZE_M if REDUCTION == "lock" else program_id
+    if SINGLE_BLOCK:
+        cols = tl.arange(0, BLOCK_N)
+        col_mask = cols < N
+        if HAS_WEIGHT:
+            w = tl.load(weight_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
+        dw, db = tl.zeros([BLOCK_N], tl.float32), tl.zeros([BLOCK_N], tl.float32)
+        # NUM_STAGES > 1: the next rows' loads are issued before this row's arithmetic
+        for i in tl.range(ROWS_PER_PROGRAM, num_stages=NUM_STAGES):
+            row = first_row + i
+            mask, row64 = cols < tl.where(row < M, N, 0), row.to(tl.int64)
+            x = tl.load(x_ptr + row64 * x_row_stride + cols, mask=mask, other=0.0)
+            dy = tl.load(dy_ptr + row64 * dy_row_stride + cols, mask=mask, other=0.0)
+            x, dy = x.to(tl.float32), dy.to(tl.float32)
+            safe_row = tl.minimum(row, M - 1)  # rows past M read row M - 1, add nothing
+            mean, rstd = tl.load(mean_ptr + safe_row), tl.load(rstd_ptr + safe_row)
+            x_hat, wdy = (x - mean) * rstd, w * dy if HAS_WEIGHT else dy
+            c1, c2 = tl.sum(x_hat * wdy, axis=0) / N, tl.sum(wdy, axis=0) / N
+            dx = (wdy - (x_hat * c1 + c2)) * rstd
+            dx_ptrs = dx_ptr + row64 * dx_row_stride + cols
+            tl.store(dx_ptrs, dx.to(dx_ptr.dtype.element_ty), mask=mask)
+            dw, db = dw + dy * x_hat, db + dy  # masked lanes: dy = 0
+        if REDUCTION != "none":
+            flush_partials(partial_ptr, lock_ptr, dw, db, cols, col_mask, N, slot, slot,
+                           num_locks, REDUCTION)  # fmt: skip
+    else:
+        # First walk: c1 and c2 of each of this program's rows.
+        row_ids = tl.arange(0, ROWS_PER_PROGRAM)
+        c1s = tl.zeros([ROWS_PER_PROGRAM], tl.float32)
+        c2s = tl.zeros([ROWS_PER_PROGRAM], tl.float32)
+        for i in range(ROWS_PER_PROGRAM):
+            row = first_row + i
+            row64, safe_row = row.to(tl.int64), tl.minimum(row, M - 1)
+            mean, rstd = tl.load(mean_ptr + safe_row), tl.load(rstd_ptr + safe_row)
+            sum_1 = tl.zeros([BLOCK_N], tl.float32)
+            sum_2 = tl.zeros([BLOCK_N], tl.float32)
+            for start in range(0, N, BLOCK_N):
+                cols = start + tl.arange(0, BLOCK_N)
+                mask = cols < tl.where(row < M, N, 0)
+                x = tl.load(x_ptr + row64 * x_row_stride + cols, mask=mask, other=0.0)
+                dy_ptrs = dy_ptr + row64 * dy_row_stride + cols
+                dy = tl.load(dy_ptrs, mask=mask, other=0.0)
+                x_hat, wdy = (x.to(tl.float32) - mean) * rstd, dy.to(tl.float32)
+                if HAS_WEIGHT:
+                    w = tl.load(weight_ptr + cols, mask=mask, other=0.0)
+                    wdy *= w.to(tl.float32)
+                sum_1, sum_2 = sum_1 + x_hat * wdy, sum_2 + wdy
+            c1s = tl.where(row_ids == i, tl.sum(sum_1, axis=0) / N, c1s)
+            c2s = tl.where(row_ids == i, tl.sum(sum_2, axis=0) / N, c2s)
+        # Second walk, block by block: dx, and this block's share of dW and dB.
+        for start in range(0, N, BLOCK_N):
+            cols = start + tl.arange(0, BLOCK_N)
+            col_mask = cols < N
+            if HAS_WEIGHT:
+                w = tl.load(weight_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
+            dw, db = tl.zeros([BLOCK_N], tl.float32), tl.zeros([BLOCK_N], tl.float32)
+            for i in range(ROWS_PER_PROGRAM):
+                row = first_row + i
+                mask = cols < tl.where(row < M, N, 0)
+                row64, safe_row = row.to(tl.int64), tl.minimum(row, M - 1)
+                mean, rstd = tl.load(mean_ptr + safe_row), tl.load(rstd_ptr + safe_row)
+                c1 = tl.sum(tl.where(row_ids == i, c1s, 0.0), axis=0)
+                c2 = tl.sum(tl.where(row_ids == i, c2s, 0.0), axis=0)
+                x = tl.load(x_ptr + row64 * x_row_stride + cols, mask=mask, other=0.0)
+                dy_ptrs = dy_ptr + row64 * dy_row_stride + cols
+                dy = tl.load(dy_ptrs, mask=mask, other=0.0)
+                x_hat, dy = (x.to(tl.float32) - mean) * rstd, dy.to(tl.float32)
+                wdy = w * dy if HAS_WEIGHT else dy
+                dx = (wdy - (x_hat * c1 + c2)) * rstd
+                dx_ptrs = dx_ptr + row64 * dx_row_stride + cols
+                tl.store(dx_ptrs, dx.to(dx_ptr.dtype.element_ty), mask=mask)
+                dw, db = dw + dy * x_hat, db + dy
+            if REDUCTION != "none":
+                lock_index = (start // BLOCK_N) * GROUP_SIZE_M + slot
+                flush_partials(partial_ptr, lock_ptr, dw, db, cols, col_mask, N, slot,
+                               lock_index, num_locks, REDUCTION)  # fmt: skip
+
+
+@triton.jit
+def sum_partials_kernel(partial_ptr, visits_ptr, dw_ptr, db_ptr, num_partials, N,
+        HAS_COUNTS: tl.constexpr, HAS_DW: tl.constexpr, HAS_DB: tl.constexpr,
+        BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
+    cols = tl.program_id(axis=0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_mask = cols < N
+    dw = tl.zeros([BLOCK_P, BLOCK_N], dtype=tl.float32)
+    db = tl.zeros([BLOCK_P, BLOCK_N], dtype=tl.float32)
+    for first in tl.range(0, num_partials, BLOCK_P, num_stages=2):
+        slots = first + tl.arange(0, BLOCK_P)
+        keep = slots < num_partials
+        if HAS_COUNTS:  # lock buffers no program visited hold garbage
+            keep = keep & (tl.load(visits_ptr + slots, mask=keep, other=0) > 0)
+        mask = keep[:, None] & col_mask[None, :]
+        ptrs = partial_ptr + slots.to(tl.int64)[:, None] * 2 * N + cols[None, :]
+        if HAS_DW:
+            dw += tl.load(ptrs, mask=mask, other=0.0)
+        if HAS_DB:
+            db += tl.load(ptrs + N, mask=mask, other=0.0)
+    if HAS_DW:  # one rounding, into the weight's dtype
+        dw_sum = tl.sum(dw, axis=0).to(dw_ptr.dtype.element_ty)
+        tl.store(dw_ptr + cols, dw_sum, mask=col_mask)
+    if HAS_DB:
+        db_sum = tl.sum(db, axis=0).to(db_ptr.dtype.element_ty)
+        tl.store(db_ptr + cols, db_sum, mask=col_mask)
+
+
+REDUCTIONS = ("two-stage", "lock")
+BACKWARD_MAX_BLOCK, BACKWARD_LOOP_BLOCK = 16384, 2048
+BACKWARD_STAGES, BACKWARD_STAGE_BYTES = 3, 96 * 1024  # pipelined loads of x and dy
+GROUP_SIZE_M = 64
+
+
+def backward_config(n_cols, n_rows, block_size=None, rows_per_program=None, itemsize=4):
+    max_block = block_size or BACKWARD_MAX_BLOCK
+    block = triton.next_power_of_2(n_cols)
+    single = block <= max_block
+    block = block if single else min(max_block, BACKWARD_LOOP_BLOCK)
+    if rows_per_program is None:
+        wanted = triton.cdiv(n_rows, max(1, 4096 // block) * sm_count())
+        rows_per_program = min(64, triton.next_power_of_2(wanted))
+    per_stage = 2 * block * itemsize  # a row of x and one of dy
+    stages = max(1, min(BACKWARD_STAGES, BACKWARD_STAGE_BYTES // per_stage))
+    return dict(BLOCK_N=block, ROWS_PER_PROGRAM=rows_per_program, SINGLE_BLOCK=single,
+                NUM_STAGES=stages if single else 1,  # only the one-block loop is pipelined
+                num_warps=max(4, min(16, block // 1024)))  # fmt: skip
+
+
+def layer_norm_backward(dy2d, x2d, weight, mean, rstd, want_dw=True, want_db=True,
+        reduction="two-stage", group_size_m=None, rows_per_program=None, block_size=None,
+        config=None):  # fmt: skip
+    """dx, dW, dB (None unless wanted); ``config`` replaces the launch rule's choice."""
+    (n_rows, n_cols), device = x2d.shape, x2d.device
+    grad_dtype = x2d.dtype if weight is None else weight.dtype
+    dx = torch.empty((n_rows, n_cols), device=device, dtype=x2d.dtype)
+    dw, db = (torch.empty(n_cols, device=device, dtype=grad_dtype) if wanted else None
+              for wanted in (want_dw, want_db))  # fmt: skip
+    if n_rows == 0:  # sums over no rows
+        return dx, *(None if grad is None else grad.zero_() for grad in (dw, db))
+    size, per_program = x2d.element_size(), rows_per_program
+    config = config or backward_config(n_cols, n_rows, block_size, per_program, size)
+    n_programs = triton.cdiv(n_rows, config["ROWS_PER_PROGRAM"])
+    mode = reduction if (want_dw or want_db) else "none"
+    group = group_size_m or GROUP_SIZE_M
+    num_locks, locks, partials = 0, dx, dx  # "none": never touched
+    if mode == "lock":
+        partials = torch.empty((group, 2, n_cols), device=device, dtype=torch.float32)
+        num_locks = group * triton.cdiv(n_cols, config["BLOCK_N"])
+        # locks, then visit counters: the only memory that needs zeroing
+        locks = torch.zeros(2 * num_locks, device=device, dtype=torch.int32)
+    elif mode == "two-stage":
+        shape = (n_programs, 2, n_cols)
+        partials = locks = torch.empty(shape, device=device, dtype=torch.float32)
+    layer_norm_backward_kernel[(n_programs,)](x2d, dy2d, dx, x2d if weight is None else weight,
+        mean, rstd, partials, locks, x2d.stride(0), dy2d.stride(0), dx.stride(0), n_rows,
+        n_cols, num_locks, HAS_WEIGHT=weight is not None, REDUCTION=mode, GROUP_SIZE_M=group,
+        **config)  # fmt: skip
+    if mode != "none":  # narrow column blocks: two programs per SM whenever N allows
+        block_n = triton.next_power_of_2(triton.cdiv(n_cols, 2 * sm_count()))
+        block_n = min(128, max(16, block_n))
+        sum_partials_kernel[(triton.cdiv(n_cols, block_n),)](partials, locks[num_locks:],
+            dx if dw is None else dw, dx if db is None else db, partials.shape[0], n_cols,
+            HAS_COUNTS=mode == "lock", HAS_DW=want_dw, HAS_DB=want_db, BLOCK_P=32,
+            BLOCK_N=block_n, num_warps=4)  # fmt: skip
+    return dx, dw, db
+
+
+def rows_of(tensor, n_cols):
+    """A 2-D view of ``tensor`` with contiguous rows; copies only when there is none."""
+    rows = tensor.reshape(-1, n_cols)
+    return rows.contiguous() if rows.stride(1) != 1 and n_cols > 1 else rows
+
+
+def check_arguments(x, normalized_shape, weight, bias, eps, reduction, block_size):
+    for name, tensor in (("x", x), ("weight", weight), ("bias", bias)):
+        if tensor is not None:
+            check_tensor(tensor, name, SUPPORTED_DTYPES)
+    shape = normalized_shape
+    shape = tuple(shape) if isinstance(shape, (tuple, list, torch.Size)) else (shape,)
+    if not all(isinstance(size, int) for size in shape):
+        raise TypeError(f"normalized_shape must be ints, got {normalized_shape!r}")
+    if not shape or len(shape) > x.dim() or x.shape[x.dim() - len(shape) :] != shape:
+        raise ValueError(f"normalized_shape {shape} must be the trailing dimensions of "
+                         f"x {tuple(x.shape)}: pass x.shape[-k:] for k dimensions")  # fmt: skip
+    if math.prod(shape) == 0:
+        raise ValueError("normalized_shape has a zero dimension: nothing to normalize")
+    for name, param in (("weight", weight), ("bias", bias)):
+        if param is not None and param.shape != shape:
+            raise ValueError(f"{name} must have normalized_shape {shape}")
+        if param is not None and param.dtype != x.dtype:
+            raise TypeError(f"{name} is {param.dtype} but x is {x.dtype}: convert it")
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps >= 0:
+        raise ValueError(f"eps must be a non-negative number, got {eps!r}")
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"reduction {reduction!r} unknown: choose one of {REDUCTIONS}")
+    if block_size is not None and (block_size < 1 or block_size & (block_size - 1)):
+        raise ValueError(f"block_size must be a power of two, got {block_size}")
+    return shape
+
+
+class LayerNormFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, normalized_shape, eps, reduction, block_size):
+        x2d = rows_of(x, math.prod(normalized_shape))
+        flat = lambda p: None if p is None else p.reshape(-1).contiguous()
+        weight, bias = flat(weight), flat(bias)
+        y, mean, rstd = layer_norm_forward(x2d, weight, bias, eps, block_size)
+        ctx.save_for_backward(x2d, weight, mean, rstd)
+        ctx.normalized_shape, ctx.has_bias = normalized_shape, bias is not None
+        ctx.options = dict(reduction=reduction, block_size=block_size)
+        return y.view(x.shape)
+
+    @staticmethod
+    def backward(ctx, dy):
+        refuse_double_backward("layer_norm", "torch.nn.functional.layer_norm")
+        x2d, weight, mean, rstd = ctx.saved_tensors
+        want_dw = weight is not None and ctx.needs_input_grad[1]
+        want_db = ctx.has_bias and ctx.needs_input_grad[2]
+        dx, dw, db = layer_norm_backward(rows_of(dy, x2d.shape[1]), x2d, weight, mean, rstd,
+                                         want_dw, want_db, **ctx.options)  # fmt: skip
+        dw, db = (None if g is None else g.view(ctx.normalized_shape) for g in (dw, db))
+        return dx.view(dy.shape), dw, db, None, None, None, None
+
+
+def layer_norm(x, normalized_shape, weight=None, bias=None, eps=1e-5, *,
+        reduction="two-stage", block_size=None):  # fmt: skip
+    """``torch.nn.functional.layer_norm`` in Triton. ``reduction``: "two-stage" (the same bits
+    every run) or "lock"; ``block_size``: a power of two, the most of a row loaded at once."""
+    shape = check_arguments(x, normalized_shape, weight, bias, eps, reduction,
+                            block_size)  # fmt: skip
+    return LayerNormFunction.apply(x, weight, bias, shape, float(eps), reduction,
+                                   block_size)  # fmt: skip
+
+
+class LayerNorm(torch.nn.LayerNorm):
+    """``torch.nn.LayerNorm`` on these kernels: same arguments, parameters and state dict."""
+
+    def __init__(self, *args, reduction="two-stage", **kwargs):
+        super().__init__(*args, **kwargs)
+        self.reduction = reduction
+
+    def forward(self, x):
+        return layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps,
+                          reduction=self.reduction)  # fmt: skip
+
+    def extra_repr(self):
+        return f"{super().extra_repr()}, reduction={self.reduction!r}"
