@@ -116,7 +116,8 @@ def test_non_contiguous_inputs_and_their_gradients(name):
     loss.backward()
     base64 = base.detach().double().requires_grad_()
     (expected(base64.t(), name) * torch.arange(12.0, device=DEVICE)).sum().backward()
-    torch.testing.assert_close(base.grad, base64.grad.float(), rtol=1e-5, atol=1e-6)
+    # fp32 rounding of a sum over 40 terms weighted up to 11: scale atol with the largest.
+    torch.testing.assert_close(base.grad, base64.grad.float(), rtol=1e-5, atol=1e-5 * base64.grad.abs().max().item())
 
 
 def test_inputs_are_left_untouched():

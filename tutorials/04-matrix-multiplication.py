@@ -12,9 +12,8 @@ What you will learn:
 * the order in which programs take their tiles, and why a *grouped* order helps the L2;
 * the epilogue (bias, activation, a second output), and autotuning with its cost.
 
-Chapter 07 adds the Hopper kernel (tensor descriptors, persistent programs, fp8) that
-``matmul`` uses on an H100. Prerequisites: chapter 01. Without a GPU, every kernel runs
-under Triton's interpreter at a small size.
+Chapter 07 adds the Hopper kernel that ``matmul`` uses on an H100. Prerequisites: chapter
+01. Without a GPU, every kernel runs under Triton's interpreter at a small size.
 """
 
 # %%
@@ -60,8 +59,7 @@ for size in (256, 1024, 4096):
 # ``offs_n``, and at each K-step ``offs_k``. Element (i, k) of A is at ``a_ptr + i * stride_am
 # + k * stride_ak``, so a tile of addresses is one broadcast, ``a_ptr + offs_m[:, None] *
 # stride_am + offs_k[None, :] * stride_ak``, and a K-step adds ``BLOCK_K * stride_ak``. A view
-# like ``w.t()`` swaps the strides: it is read where it lies, the contiguous direction in wide
-# loads.
+# like ``w.t()`` swaps the strides: it is read where it lies, in wide loads.
 #
 # Program order: row-major against grouped
 # ----------------------------------------
@@ -211,16 +209,14 @@ def matmul_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_SIZE_M: tl.constexpr,
 ):  # fmt: skip
-    tiles_m = tl.cdiv(M, BLOCK_M)
-    tiles_n = tl.cdiv(N, BLOCK_N)
+    tiles_m, tiles_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
     pid_m, pid_n = tile_of_program(tl.program_id(0), tiles_m, tiles_n, GROUP_SIZE_M)
 
     offs_m = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     # Wrap, do not mask: rows past M (columns past N) re-read valid data that we never store.
-    rows = offs_m % M
-    columns = offs_n % N
+    rows, columns = offs_m % M, offs_n % N
     a_ptrs = a_ptr + rows[:, None] * stride_am + offs_k[None, :] * stride_ak
     b_ptrs = b_ptr + offs_k[:, None] * stride_bk + columns[None, :] * stride_bn
 
@@ -234,8 +230,7 @@ def matmul_kernel(
             a = tl.load(a_ptrs, mask=offs_k[None, :] < k_left, other=0.0)
             b = tl.load(b_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
         if UPCAST:
-            a = a.to(tl.float32)
-            b = b.to(tl.float32)
+            a, b = a.to(tl.float32), b.to(tl.float32)
         acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
         a_ptrs += BLOCK_K * stride_ak
         b_ptrs += BLOCK_K * stride_bk
@@ -258,7 +253,9 @@ def matmul_kernel(
 # fp16 take 144 KB of the H100's 228). ``BLOCK_K`` makes a K-slice row 128 bytes, the swizzle
 # width the tensor cores read best; a prune drops configs of other element sizes. The first
 # call for each ``key`` times every config left and keeps the fastest, so the lists are
-# short. Under the interpreter ``autotune_configs`` keeps the first config only.
+# short; a product under ``TUNED_FROM`` multiply-adds (microseconds with any tile) takes the
+# smallest tile untimed: tuning would cost seconds of compiles that never pay back. Under the
+# interpreter ``autotune_configs`` keeps the first config only.
 
 
 # @save matmul
@@ -287,9 +284,15 @@ PORTABLE_CONFIGS = [
 ]
 
 
+TUNED_FROM = 2**23  # M * N * K; the benchmarks start at 256³ = 2**24
+
+
 def keep_configs_for_dtype(configs, named_args, **kwargs):
     itemsize = named_args["a_ptr"].element_size()
-    return [c for c in configs if getattr(c, "itemsize", itemsize) == itemsize]
+    kept = [c for c in configs if getattr(c, "itemsize", itemsize) == itemsize]
+    if named_args["M"] * named_args["N"] * named_args["K"] >= TUNED_FROM:
+        return kept
+    return [min(kept, key=lambda c: c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"])]
 
 
 matmul_portable_tuned = triton.autotune(
@@ -301,11 +304,10 @@ matmul_portable_tuned = triton.autotune(
 # %%
 # The wrapper
 # -----------
-# ``matmul_portable`` checks its inputs (saying what to do about a tensor that is not 2-D, a
-# wrong device or dtype, mismatched shapes or bias, an unknown activation), allocates C (in
-# the input dtype; bf16 for fp8) and launches one program per tile with the strides as they
-# are: a ``.t()`` view is never copied. An empty C launches nothing; K = 0 gives
-# activation(bias), as in PyTorch. ``config`` fixes the tile shape instead of autotuning.
+# ``matmul_portable`` checks its inputs (an error says what to fix), allocates C (in the
+# input dtype; bf16 for fp8) and launches one program per tile with the strides as they are:
+# a ``.t()`` view is never copied. An empty C launches nothing; K = 0 gives activation(bias),
+# as in PyTorch. ``config`` fixes the tile shape instead of autotuning.
 #
 # ``matmul``, which the rest of the collection calls, is the portable kernel except on
 # Hopper, where chapter 07's descriptor kernel takes the product when the layout allows and
@@ -380,12 +382,9 @@ def launch_portable(a, b, activation, bias, return_preactivation, config=None):
             a, b, out, bias, pre, M, N, K,
             a.stride(0), a.stride(1), b.stride(0), b.stride(1),
             out.stride(0), out.stride(1), bias.stride(0) if bias is not None else 0,
-            ACTIVATION=activation,
-            HAS_BIAS=bias is not None,
-            STORE_PREACTIVATION=pre is not None,
-            INPUT_PRECISION=dot_precision(a.dtype),
-            UPCAST=INTERPRET and a.dtype == torch.bfloat16,
-            **(config or {}),
+            ACTIVATION=activation, HAS_BIAS=bias is not None,
+            STORE_PREACTIVATION=pre is not None, INPUT_PRECISION=dot_precision(a.dtype),
+            UPCAST=INTERPRET and a.dtype == torch.bfloat16, **(config or {}),
         )  # fmt: skip
     return (out, pre) if return_preactivation else out
 

@@ -49,16 +49,14 @@ def matmul_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_SIZE_M: tl.constexpr,
 ):  # fmt: skip
-    tiles_m = tl.cdiv(M, BLOCK_M)
-    tiles_n = tl.cdiv(N, BLOCK_N)
+    tiles_m, tiles_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
     pid_m, pid_n = tile_of_program(tl.program_id(0), tiles_m, tiles_n, GROUP_SIZE_M)
 
     offs_m = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     # Wrap, do not mask: rows past M (columns past N) re-read valid data that we never store.
-    rows = offs_m % M
-    columns = offs_n % N
+    rows, columns = offs_m % M, offs_n % N
     a_ptrs = a_ptr + rows[:, None] * stride_am + offs_k[None, :] * stride_ak
     b_ptrs = b_ptr + offs_k[:, None] * stride_bk + columns[None, :] * stride_bn
 
@@ -72,8 +70,7 @@ def matmul_kernel(
             a = tl.load(a_ptrs, mask=offs_k[None, :] < k_left, other=0.0)
             b = tl.load(b_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
         if UPCAST:
-            a = a.to(tl.float32)
-            b = b.to(tl.float32)
+            a, b = a.to(tl.float32), b.to(tl.float32)
         acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
         a_ptrs += BLOCK_K * stride_ak
         b_ptrs += BLOCK_K * stride_bk
@@ -112,9 +109,15 @@ PORTABLE_CONFIGS = [
 ]
 
 
+TUNED_FROM = 2**23  # M * N * K; the benchmarks start at 256³ = 2**24
+
+
 def keep_configs_for_dtype(configs, named_args, **kwargs):
     itemsize = named_args["a_ptr"].element_size()
-    return [c for c in configs if getattr(c, "itemsize", itemsize) == itemsize]
+    kept = [c for c in configs if getattr(c, "itemsize", itemsize) == itemsize]
+    if named_args["M"] * named_args["N"] * named_args["K"] >= TUNED_FROM:
+        return kept
+    return [min(kept, key=lambda c: c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"])]
 
 
 matmul_portable_tuned = triton.autotune(
@@ -191,12 +194,9 @@ def launch_portable(a, b, activation, bias, return_preactivation, config=None):
             a, b, out, bias, pre, M, N, K,
             a.stride(0), a.stride(1), b.stride(0), b.stride(1),
             out.stride(0), out.stride(1), bias.stride(0) if bias is not None else 0,
-            ACTIVATION=activation,
-            HAS_BIAS=bias is not None,
-            STORE_PREACTIVATION=pre is not None,
-            INPUT_PRECISION=dot_precision(a.dtype),
-            UPCAST=INTERPRET and a.dtype == torch.bfloat16,
-            **(config or {}),
+            ACTIVATION=activation, HAS_BIAS=bias is not None,
+            STORE_PREACTIVATION=pre is not None, INPUT_PRECISION=dot_precision(a.dtype),
+            UPCAST=INTERPRET and a.dtype == torch.bfloat16, **(config or {}),
         )  # fmt: skip
     return (out, pre) if return_preactivation else out
 
