@@ -64,7 +64,7 @@ DEVICE = tutorial.DEVICE
 # fp16 element. So our counter is the group index ``offset // 4``, and one call serves the
 # group's four elements: a block is ``BLOCK_SIZE // 4`` groups x 4 lanes, consecutive in
 # memory (group g, lane l at 4g + l). The counter depends only on the position, never on the
-# block size, and its 32 bits cover 2^34 elements. Cells marked ``#@save dropout`` are the
+# block size, and its 32 bits cover 2^34 elements. Cells marked ``# @save dropout`` are the
 # package's ``stepkernels.dropout`` (``make export``); the first holds the imports.
 
 # @save dropout

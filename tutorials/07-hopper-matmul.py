@@ -63,7 +63,7 @@ DEVICE = tutorial.DEVICE
 #
 # The kernel
 # ----------
-# The cells marked ``#@save matmul_hopper`` make the package's ``matmul_hopper`` module. It
+# The cells marked ``# @save matmul_hopper`` make the package's ``matmul_hopper`` module. It
 # reuses chapter 04's tile order, bias and configs from ``stepkernels.matmul``.
 
 # @save matmul_hopper
