@@ -48,6 +48,7 @@ sphinx_gallery_conf = {
     "within_subsection_order": "FileNameSortKey",
     "first_notebook_cell": NOTEBOOK_SETUP_CELL,
     "notebook_images": True,
+    "image_srcset": ["2x"],  # plots sharp on high-DPI screens
     "remove_config_comments": True,
     "abort_on_example_error": True,
     "download_all_examples": True,

@@ -88,7 +88,7 @@ def test_cpu_time_benchmarks_plot_and_summarize_without_a_limit(capsys):
     fig = bench.plot(cpu_bench, points, FAKE_ENV, live=True)
     (ax,) = fig.axes
     assert all(len(line.get_xdata()) != 2 or line.get_ydata()[0] != line.get_ydata()[1] for line in ax.get_lines())
-    assert ax.get_ylabel() == bench.CPU_UNIT
+    assert ax.get_ylabel() == f"float32\n{bench.CPU_UNIT}"
     bench.summarize(cpu_bench, points, FAKE_ENV)
     out = capsys.readouterr().out
     assert "360.0 µs of CPU per call" in out and "% of" not in out
@@ -230,3 +230,22 @@ def test_importing_triton_first_without_a_gpu_is_refused_with_advice():
     env["CUDA_VISIBLE_DEVICES"] = ""
     ran = subprocess.run([sys.executable, "-c", "import triton, stepkernels"], env=env, capture_output=True, text=True)
     assert ran.returncode != 0 and "import stepkernels before triton" in ran.stderr
+
+
+def test_categories_are_bars_with_their_names_and_fp8_has_no_fp16_limit():
+    labels = {0: "none", 1: "gelu"}
+    points = [
+        bench.Point(p, "float16", x, v) for p, x, v in [("triton", 0, 600.0), ("torch", 0, 620.0), ("triton", 1, 590.0)]
+    ]
+    fig = bench.plot(copy_benchmark(x_labels=labels, unit="TFLOP/s"), points, FAKE_ENV, live=False)
+    (ax,) = fig.axes
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["none", "gelu"]
+    assert len(ax.patches) == 3 and not any(len(line.get_xdata()) > 2 for line in ax.get_lines())
+    assert bench.limit_for("TFLOP/s", "float8_e4m3fn", FAKE_ENV) is None
+    assert bench.limit_for("TFLOP/s", "float16", FAKE_ENV) == 700.0
+
+
+def test_summary_says_what_it_shows_and_reads_its_size_plainly(capsys):
+    bench.summarize(copy_benchmark(), POINTS, FAKE_ENV, live=False)
+    first = capsys.readouterr().out.splitlines()[0]
+    assert first == "copy, float32, at 4,096 (elements), recorded 2026-11-22 on Some GPU 80GB:"

@@ -546,19 +546,18 @@ def linear_benchmark(name, backward, per_activation):
         dtypes=(torch.float16,) if per_activation else (torch.float16, torch.float32),
         smoke_x=3 if per_activation else 32,
         headline_x=None if per_activation else 4096,
-        x_log2=not per_activation,
+        x_log2=not per_activation,  # categories: bars, one per activation
+        x_labels=dict(enumerate(map(str, ACTIVATIONS))) if per_activation else None,
         float32_matmul_precision="high",
     )
 
 
 def print_ratios(results, provider="triton", other="torch"):
     """``provider``'s rate over ``other``'s at every x, as ``bench.run`` measured or loaded it."""
-    label = (
-        (lambda x: ACTIVATIONS[int(x)]) if "activation" in results.bench.x_name else str
-    )
+    label = (results.bench.x_labels or {}).get
     ratio, xs = results.ratio, results.bench.x_values
     for dtype in results.bench.dtypes:
-        ratios = [f"{label(x)} {ratio(provider, other, x, dtype):.2f}x" for x in xs]
+        ratios = [f"{label(x, x)} {ratio(provider, other, x, dtype):.2f}x" for x in xs]
         print(f"{provider} / {other}, {str(dtype)[6:]}: {', '.join(ratios)}")
 
 

@@ -71,6 +71,8 @@ class Benchmark:
     colors: dict | None = None
     # torch.get_float32_matmul_precision while measuring ("high": tf32 for every provider).
     float32_matmul_precision: str | None = None
+    # For categories (activations, say): x value -> label, drawn as bars, not a line.
+    x_labels: dict | None = None
 
 
 @dataclass
@@ -424,76 +426,90 @@ def describe(env: dict) -> str:
     )
 
 
+def limit_for(unit: str, dtype: str, env: dict) -> float | None:
+    """The measured ceiling a point of ``dtype`` is drawn against, or None: CPU time has none,
+    and fp8's tensor cores are twice as fast as the fp16 cuBLAS product we measure."""
+    if unit == "TFLOP/s" and dtype.startswith("float8"):
+        return None
+    return env["limits"].get(unit)
+
+
 def plot(bench: Benchmark, points: list[Point], env: dict, live: bool):
+    """One panel per dtype, stacked so that each is legible at page width, with the measured
+    ceiling dashed and one legend beside them, off the data."""
     import matplotlib.pyplot as plt
 
     dtypes = list(dict.fromkeys(p.dtype for p in points))
     fig, axes = plt.subplots(
-        1, len(dtypes), figsize=(6.2 * len(dtypes), 4.2), squeeze=False, sharey=True
-    )
-    limit = env["limits"].get(bench.unit)  # None: no hardware line (CPU time)
+        len(dtypes), 1, figsize=(8.0, 1.2 + 3.0 * len(dtypes)), squeeze=False,
+        sharex=True, layout="constrained",
+    )  # fmt: skip
     # A recording may hold providers this machine cannot run (a library not installed here).
     providers = list(dict.fromkeys([*bench.providers, *(p.provider for p in points)]))
     colors = provider_colors(providers, bench.colors)
-    for ax, dtype in zip(axes[0], dtypes, strict=True):
-        for provider in providers:
+    categories = bench.x_labels
+    for ax, dtype in zip(axes[:, 0], dtypes, strict=True):
+        limit = limit_for(bench.unit, dtype, env)
+        drawn = [p for p in providers if any(q.provider == p for q in points)]
+        for index, provider in enumerate(drawn):
             mine = sorted(
                 (p for p in points if p.provider == provider and p.dtype == dtype),
                 key=lambda p: p.x,
             )
             if not mine:
                 continue
+            values = [p.value for p in mine]
+            if categories:  # one bar per provider in each category, no lines between
+                width = 0.8 / len(drawn)
+                xs = [
+                    list(categories).index(p.x) + (index - (len(drawn) - 1) / 2) * width
+                    for p in mine
+                ]
+                ax.bar(xs, values, width, label=provider, color=colors[provider])
+                continue
             xs = [p.x for p in mine]
             ax.plot(
-                xs,
-                [p.value for p in mine],
-                marker="o",
-                ms=3,
-                label=provider,
-                color=colors[provider],
+                xs, values, marker="o", ms=3, label=provider, color=colors[provider]
             )
             if live and mine[0].low is not None:
-                ax.fill_between(
-                    xs,
-                    [p.low for p in mine],
-                    [p.high for p in mine],
-                    alpha=0.2,
-                    color=colors[provider],
-                )
+                lows, highs = [p.low for p in mine], [p.high for p in mine]
+                ax.fill_between(xs, lows, highs, alpha=0.2, color=colors[provider])
         if limit is not None:
             ax.axhline(limit, ls="--", lw=1, color="0.35")
             ax.annotate(
                 f"{LIMIT_NAME[bench.unit]} {limit:,.0f} {bench.unit} (measured)",
-                (0.01, limit),
-                xycoords=("axes fraction", "data"),
-                va="bottom",
-                fontsize=8,
-                color="0.35",
-            )
-        if bench.x_log2:
+                (0.01, limit), xycoords=("axes fraction", "data"), va="bottom",
+                fontsize=8, color="0.35",
+            )  # fmt: skip
+        if categories:
+            ax.set_xticks(range(len(categories)), [str(v) for v in categories.values()])
+        elif bench.x_log2:
             ax.set_xscale("log", base=2)
-        ax.set(
-            title=dtype,
-            xlabel=bench.x_name,
-            ylim=(0, 1.12 * max(limit or 0, *(p.value for p in points))),
-        )
-        ax.grid(alpha=0.3)
-        ax.legend(loc="best", fontsize=8)
-    axes[0][0].set_ylabel(bench.unit)
+        top = max([limit or 0, *(p.value for p in points if p.dtype == dtype)])
+        ax.set(ylim=(0, 1.15 * top), ylabel=f"{dtype}\n{bench.unit}")
+        ax.grid(alpha=0.3, axis="y" if categories else "both")
+    axes[-1, 0].set_xlabel(bench.x_name)
+    handles, labels = axes[0, 0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="outside right upper", fontsize=8)
     how = "measured now" if live else "recorded"
     title = f"{bench.name}: {how} on {describe(env)}"
-    fig.suptitle(textwrap.fill(title, 80 * len(dtypes)), fontsize=9)
-    fig.tight_layout()
+    fig.suptitle(textwrap.fill(title, 72), fontsize=9)
     return fig
 
 
-def summarize(bench: Benchmark, points: list[Point], env: dict) -> None:
-    """Print each provider's rate at the headline size and its share of the hardware limit."""
+def summarize(
+    bench: Benchmark, points: list[Point], env: dict, live: bool = True
+) -> None:
+    """Print each provider's rate at the headline size and its share of the hardware limit,
+    saying whether the figures were measured now or recorded."""
     if bench.headline_x is None:
         return
-    limit = env["limits"].get(bench.unit)
+    how = "measured now" if live else f"recorded {env['date']} on {env['gpu']}"
     for dtype in dict.fromkeys(p.dtype for p in points):
-        print(f"{bench.name}, {dtype}, {bench.x_name} = {bench.headline_x:,}:")
+        limit = limit_for(bench.unit, dtype, env)
+        print(
+            f"{bench.name}, {dtype}, at {bench.headline_x:,} ({bench.x_name}), {how}:"
+        )
         for p in points:
             if p.dtype == dtype and p.x == bench.headline_x:
                 share = (
@@ -555,5 +571,5 @@ def run(bench: Benchmark) -> Results | None:
             return None
         points, env = found
     plot(bench, points, env, live=ON_GPU)
-    summarize(bench, points, env)
+    summarize(bench, points, env, live=ON_GPU)
     return Results(bench, points, env, live=ON_GPU)

@@ -21,7 +21,11 @@ def draw_row_masks(masks: dict, p: float) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(
-        1, len(masks), figsize=(4.5 * len(masks), 2.8), squeeze=False
+        1,
+        len(masks),
+        figsize=(4.5 * len(masks), 3.2),
+        squeeze=False,
+        layout="constrained",
     )
     for ax, (name, keep) in zip(axes[0], masks.items(), strict=True):
         ax.imshow(keep.cpu().numpy(), cmap="gray", interpolation="nearest")
@@ -31,7 +35,6 @@ def draw_row_masks(masks: dict, p: float) -> None:
         )
         ax.set(xlabel="column", ylabel="row")
     fig.suptitle(f"Dropout masks, p = {p} (white: kept)", fontsize=10)
-    fig.tight_layout()
 
 
 def draw_restarting_counters(

@@ -38,7 +38,7 @@ def draw_program_order(
         "row-major (GROUP_SIZE_M = 1)": 1,
         f"grouped (GROUP_SIZE_M = {group})": group,
     }
-    fig, axes = plt.subplots(1, 2, figsize=(11, 5.6))
+    fig, axes = plt.subplots(1, 2, figsize=(11, 6.0), layout="constrained")
     colors = plt.get_cmap("viridis")
     for ax, (title, group_size) in zip(axes, orders.items(), strict=True):
         rows_read, columns_read = set(), set()
@@ -88,4 +88,3 @@ def draw_program_order(
         "Which tiles of C the first programs compute (numbers: program id), and the panels of A and B (red) they read",
         fontsize=9,
     )
-    fig.tight_layout()
