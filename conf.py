@@ -19,7 +19,14 @@ project = "Triton Kernels, Step by Step"
 author = "the project's authors"
 copyright = "2026, the project's authors"
 
-extensions = ["sphinx.ext.mathjax", "sphinx_copybutton", "sphinx_gallery.gen_gallery"]
+# sphinx_mathjax_offline ships MathJax and serves it from the pages' own _static folder: the
+# maths renders with no network.
+extensions = [
+    "sphinx.ext.mathjax",
+    "sphinx-mathjax-offline",  # the module is named so
+    "sphinx_copybutton",
+    "sphinx_gallery.gen_gallery",
+]
 exclude_patterns = ["_build"]
 html_theme = "pydata_sphinx_theme"
 html_title = project
