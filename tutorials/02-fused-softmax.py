@@ -59,6 +59,7 @@ def naive_softmax(x: torch.Tensor) -> torch.Tensor:
 # ``stepkernels.softmax`` (chapter 01 explains how).
 
 # @save softmax
+import contextlib
 from dataclasses import dataclass
 import functools
 
@@ -70,11 +71,13 @@ from stepkernels._core import (
     refuse_double_backward,
     sm_count,
 )
+from stepkernels.launch import lean  # cheap repeated launches: chapter 08
 import torch
 import triton
 import triton.language as tl
 
 
+@lean
 @triton.jit
 def softmax_kernel(
     x_ptr, y_ptr, n_rows, n_cols, x_row_stride, y_row_stride,
@@ -173,6 +176,7 @@ def publish_and_wait(counter_ptr, row, n_chunks, MAX_POLLS: tl.constexpr):
     return published >= n_chunks
 
 
+@lean
 @triton.jit
 def softmax_split_kernel(
     x_ptr, y_ptr, stats_ptr, counter_ptr, n_cols, n_chunks, x_row_stride, y_row_stride,
@@ -229,6 +233,7 @@ def softmax_split_kernel(
 # @save softmax
 
 
+@lean
 @triton.jit
 def softmax_backward_kernel(
     y_ptr, dy_ptr, dx_ptr, n_rows, n_cols, y_row_stride, dy_row_stride, dx_row_stride,
@@ -249,6 +254,7 @@ def softmax_backward_kernel(
     tl.store(dx_ptrs, dx.to(dx_ptr.dtype.element_ty), mask=in_bounds)
 
 
+@lean
 @triton.jit
 def softmax_backward_looped_kernel(
     y_ptr, dy_ptr, dx_ptr, n_rows, n_cols, y_row_stride, dy_row_stride, dx_row_stride,
@@ -345,10 +351,13 @@ def default_launch(n_cols: int, element_size: int, backward: bool = False) -> La
 
 # The interpreter computes with NumPy, which warns where a GPU silently makes NaN (padding
 # rows of a tile, rows of only -inf): the same NaN, so we silence it.
-QUIET = {"invalid": "ignore", "divide": "ignore"} if INTERPRET else {}
+quiet = functools.partial(np.errstate, invalid="ignore", divide="ignore")
+quiet = quiet if INTERPRET else contextlib.nullcontext
 
 
 def as_rows(t: torch.Tensor) -> torch.Tensor:
+    if t.dim() == 2 and t.stride(1) == 1:  # the common case, without reshape's cost
+        return t
     rows = t.reshape(-1, t.shape[-1])
     return rows if rows.stride(-1) == 1 else rows.contiguous()
 
@@ -382,33 +391,36 @@ def launch_rows(tensors: tuple, log: bool, launch: Launch, backward: bool) -> No
 
 def softmax_forward(x, log: bool = False, launch: Launch | None = None):
     """Softmax (or log-softmax) over the last dimension, without autograd."""
-    y = torch.empty(x.shape, device=x.device, dtype=x.dtype)
+    y = torch.empty_like(x, memory_format=torch.contiguous_format)
     if x.numel() > 0:
         x_rows = as_rows(x)
         launch = launch or default_launch(x.shape[-1], x.element_size())
-        with np.errstate(**QUIET):
+        with quiet():
             launch_rows((x_rows, y.view(x_rows.shape)), log, launch, backward=False)
     return y
 
 
 def softmax_backward(y, dy, log: bool = False, launch: Launch | None = None):
     """The gradient with respect to x, given the forward's output y and dy."""
-    dx = torch.empty(y.shape, device=y.device, dtype=y.dtype)
+    dx = torch.empty_like(y, memory_format=torch.contiguous_format)
     if y.numel() > 0:
-        rows = (as_rows(y), as_rows(dy.to(y.dtype)), dx.view(-1, y.shape[-1]))
+        rows = (as_rows(y), as_rows(dy.to(y.dtype)), as_rows(dx))
         launch = launch or default_launch(y.shape[-1], y.element_size(), backward=True)
-        with np.errstate(**QUIET):
+        with quiet():
             launch_rows(rows, log, launch, backward=True)
     return dx
+
+
+def check_input(x):
+    check_tensor(x, "x", SUPPORTED_DTYPES)
+    if x.dim() == 0:
+        raise ValueError("x is 0-dim, but softmax runs over the last dimension: "
+                         "pass x.reshape(1) (whose softmax is [1.0])")  # fmt: skip
 
 
 class SoftmaxFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, log):
-        check_tensor(x, "x", SUPPORTED_DTYPES)
-        if x.dim() == 0:
-            raise ValueError("x is 0-dim, but softmax runs over the last dimension: "
-                             "pass x.reshape(1) (whose softmax is [1.0])")  # fmt: skip
         y = softmax_forward(x, log)
         ctx.save_for_backward(y)
         ctx.log = log
@@ -424,12 +436,18 @@ class SoftmaxFunction(torch.autograd.Function):
 
 def softmax(x: torch.Tensor) -> torch.Tensor:
     """``torch.softmax(x, dim=-1)`` for fp32, fp16 and bf16, with autograd."""
-    return SoftmaxFunction.apply(x, False)
+    check_input(x)
+    if x.requires_grad and torch.is_grad_enabled():
+        return SoftmaxFunction.apply(x, False)
+    return softmax_forward(x)  # autograd's machinery costs the CPU ~15 µs: skip it
 
 
 def log_softmax(x: torch.Tensor) -> torch.Tensor:
     """``torch.log_softmax(x, dim=-1)`` for fp32, fp16 and bf16, with autograd."""
-    return SoftmaxFunction.apply(x, True)
+    check_input(x)
+    if x.requires_grad and torch.is_grad_enabled():
+        return SoftmaxFunction.apply(x, True)
+    return softmax_forward(x, log=True)
 
 
 # %%
@@ -549,6 +567,7 @@ forward = bench.run(
 )
 if forward:
     compare(forward, 4096)
+    print(forward.as_called("triton", "torch", 4096, "float16"))
 
 # %%
 # The naive version sits near a quarter of the others, as the bytes predict; the gap to
@@ -574,13 +593,15 @@ if forward_backward:
     compare(forward_backward, 4096)
     compare(forward_backward, 32768, others=("torch.compile",))
     compare(forward_backward, 131_072, others=("torch", "torch.compile"))
+    print(forward_backward.as_called("triton", "torch", 4096, "float16"))
 
 # %%
 # From N = 32,768 the backward takes its looped kernel, which reads y and dy twice: our rate
 # drops there, and ``torch.compile`` can pull ahead; a split-row backward is the fix
 # (exercise 3). The forward's split kernel, reading x once, is timed against a looped one
-# in ``tools/experiments/softmax_long_rows.py``. The CPU time of a call through autograd
-# can exceed its GPU time (``softmax_cpu_per_call.py`` there): measure the layer too.
+# in ``tools/experiments/softmax_long_rows.py``. The dotted lines time the call as your
+# code makes it, from Python: where its CPU path (wrapper, launcher, autograd) outlasts the
+# GPU work, at small N and through autograd, the CPU sets the pace. Chapter 08 measures it.
 #
 # What we learned
 # ---------------

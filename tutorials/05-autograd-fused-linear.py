@@ -127,6 +127,7 @@ print(
 # @save linear
 from stepkernels._core import FLOAT_DTYPES, check_tensor, refuse_double_backward
 from stepkernels.activations import activation_derivative, check_activation
+from stepkernels.launch import lean
 from stepkernels.matmul import matmul
 import torch
 from torch import Tensor, nn
@@ -134,6 +135,7 @@ import triton
 import triton.language as tl
 
 
+@lean  # cheap repeated launches: chapter 08
 @triton.jit
 def activation_backward_kernel(
     grad_y_ptr, z_ptr, grad_z_ptr, bias_partial_ptr,
@@ -259,22 +261,40 @@ def autograd_setup(ctx, inputs, output):
     ctx.set_materialize_grads(False)  # Z's gradient is never used: do not fill one in
 
 
-def autograd_backward(ctx, grad_y, _grad_z):
+def autograd_backward(ctx, grad_y, _grad_z, backward=fused_linear_backward_op):
     refuse_double_backward("linear", "torch.nn.functional.linear and the activation")
     needs_grad = list(ctx.needs_input_grad[:3])  # of x, weight, bias
     args = (grad_y, *ctx.saved_tensors, ctx.activation, needs_grad)
-    grads = fused_linear_backward_op(*args)
+    grads = backward(*args)
     grads = [g if n else None for g, n in zip(grads, needs_grad, strict=True)]
     return *grads, None, None  # none for activation and keep_z
 
 
 fused_linear_op.register_autograd(autograd_backward, setup_context=autograd_setup)
 
+
+class FusedLinearFunction(torch.autograd.Function):
+    """The same forward and backward without the operator, for eager calls."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, activation, keep_z):
+        output = fused_linear_forward(x, weight, bias, activation, keep_z)
+        autograd_setup(ctx, (x, weight, bias, activation, keep_z), output)
+        return output
+
+    @staticmethod
+    def backward(ctx, grad_y, grad_z):
+        return autograd_backward(ctx, grad_y, grad_z, backward=fused_linear_backward)
+
+
 # %%
 # The layer
 # ---------
 # ``linear`` checks its inputs, flattens x into rows and calls the operator, keeping Z only when a
-# gradient will be asked for. The rows are counted, not ``-1``: without input features x has no
+# gradient will be asked for. That is under ``torch.compile``: in eager mode an operator's
+# dispatch costs the CPU far more than our kernels take (chapter 08 measures it), so eager calls
+# take an ``autograd.Function`` with the same forward and backward, or, when nothing needs a
+# gradient, the forward alone. The rows are counted, not ``-1``: without input features x has no
 # elements, and ``reshape(-1, 0)`` fails (each row is act(bias) then, as in ``nn.Linear``).
 # ``FusedLinear`` subclasses ``nn.Linear``: same parameters, initialisation and ``state_dict``.
 
@@ -309,7 +329,13 @@ def linear(x, weight, bias=None, activation=None, *, recompute=False):
     tensors = (x, weight) if bias is None else (x, weight, bias)
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
     rows = x.reshape(x.shape[:-1].numel(), x.shape[-1])
-    y, _ = fused_linear_op(rows, weight, bias, activation, needs_grad and not recompute)
+    keep_z = needs_grad and not recompute
+    if torch.compiler.is_compiling():
+        y, _ = fused_linear_op(rows, weight, bias, activation, keep_z)
+    elif needs_grad:
+        y, _ = FusedLinearFunction.apply(rows, weight, bias, activation, keep_z)
+    else:
+        y = fused_linear_forward(rows, weight, bias, activation, False)[0]
     return y.view(*x.shape[:-1], weight.shape[0])
 
 
@@ -573,6 +599,8 @@ for name, backward, per_activation in [
         print_ratios(results)
         if "triton (recompute)" in results.bench.providers:
             print_ratios(results, "triton (recompute)", "triton")
+        if results.bench.headline_x:  # what a call from Python sees
+            print(results.as_called("triton", "torch", 1024, "float16"))
 
 # %%
 # In fp16 the fused layer runs close to eager PyTorch but not past it with GELU: its ``erf`` costs
@@ -581,6 +609,8 @@ for name, backward, per_activation in [
 # extra kernels: there fusion wins, most for squared ReLU. Recomputing Z costs a fourth product
 # (toward 0.75 of our rate). fp32 trails from the product itself (chapter 04: our tf32 kernel and
 # the copies to K-major operands on Hopper). Gaps of a few percent are noise between recordings.
+# Dotted lines are the calls made from Python, what a training loop sees: forward and backward
+# through autograd cost the CPU more than small products take on the GPU.
 #
 # What we learned
 # ---------------

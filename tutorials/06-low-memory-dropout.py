@@ -71,6 +71,7 @@ DEVICE = tutorial.DEVICE
 import math
 
 from stepkernels import _core, activations
+from stepkernels.launch import lean  # cheap repeated launches: chapter 08
 import torch
 import triton
 import triton.language as tl
@@ -108,6 +109,7 @@ def group_offsets(BLOCK_SIZE: tl.constexpr):
 
 
 # @save dropout
+@lean
 @triton.jit(do_not_specialize=["seed"])
 def dropout_kernel(x_ptr, out_ptr, n_elements, p, scale, seed,
                    BLOCK_SIZE: tl.constexpr):  # fmt: skip
@@ -204,8 +206,8 @@ def dropout(x, p: float, seed: int, training: bool = True, inplace: bool = False
     check_input(x)
     if not training or p == 0.0:
         return x
-    if inplace and not (torch.is_grad_enabled() and x.requires_grad):
-        return launch_dropout(x, p, seed, inplace=True)  # nothing for autograd
+    if not (torch.is_grad_enabled() and x.requires_grad):  # nothing for autograd
+        return launch_dropout(x, p, seed, inplace)
     return SeededDropout.apply(x, p, seed, inplace)
 
 
@@ -312,6 +314,7 @@ def row_tile(row, col_groups, cols, n_rows, n_cols):
     return row * groups_per_row + col_groups, row * n_cols + cols, in_bounds
 
 
+@lean
 @triton.jit(do_not_specialize=["seed"])
 def bias_act_dropout_kernel(
     x_ptr, bias_ptr, out_ptr, n_rows, n_cols, rows_per_program, p, scale, seed,
@@ -330,6 +333,7 @@ def bias_act_dropout_kernel(
         tl.store(out_ptr + offsets, out.to(out_ptr.dtype.element_ty), mask=in_bounds)
 
 
+@lean
 @triton.jit(do_not_specialize=["seed"])
 def bias_act_dropout_backward_kernel(
     grad_out_ptr, x_ptr, bias_ptr, grad_in_ptr, bias_partial_ptr,
@@ -379,6 +383,17 @@ def fused_launch(n_rows: int, n_cols: int) -> tuple[int, int, tuple[int, int]]:
     return block_cols, rows_per_program, (row_blocks, col_blocks)
 
 
+def bias_act_dropout(x2d, bias, p, activation, seed):
+    out = torch.empty_like(x2d)
+    if x2d.numel():
+        block_cols, rows_per_program, grid = fused_launch(*x2d.shape)
+        bias_act_dropout_kernel[grid](
+            x2d, bias, out, *x2d.shape, rows_per_program, p, scale_for(p), seed,
+            ACTIVATION=activation, BLOCK_COLS=block_cols, **FUSED_OPTIONS,
+        )  # fmt: skip
+    return out
+
+
 class BiasActDropout(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, bias, p, activation, seed):
@@ -386,14 +401,7 @@ class BiasActDropout(torch.autograd.Function):
         x2d = x.view(math.prod(x.shape[:-1]), x.shape[-1])
         ctx.save_for_backward(x2d if activation is not None else None, bias)
         ctx.p, ctx.activation, ctx.seed, ctx.shape2d = p, activation, seed, x2d.shape
-        out = torch.empty_like(x2d)
-        if x2d.numel():
-            block_cols, rows_per_program, grid = fused_launch(*x2d.shape)
-            bias_act_dropout_kernel[grid](
-                x2d, bias, out, *x2d.shape, rows_per_program, p, scale_for(p), seed,
-                ACTIVATION=activation, BLOCK_COLS=block_cols, **FUSED_OPTIONS,
-            )  # fmt: skip
-        return out.view(x.shape)
+        return bias_act_dropout(x2d, bias, p, activation, seed).view(x.shape)
 
     @staticmethod
     def backward(ctx, grad_out):
@@ -429,7 +437,11 @@ def dropout_bias_act(x, bias, p: float, activation, seed: int, training: bool = 
             "reshape or convert the bias with .to(x.dtype)"
         )
     p = p if training else 0.0
-    return BiasActDropout.apply(x.contiguous(), bias.contiguous(), p, activation, seed)
+    x, bias = x.contiguous(), bias.contiguous()
+    if torch.is_grad_enabled() and (x.requires_grad or bias.requires_grad):
+        return BiasActDropout.apply(x, bias, p, activation, seed)
+    x2d = x.view(math.prod(x.shape[:-1]), x.shape[-1])  # nothing for autograd
+    return bias_act_dropout(x2d, bias, p, activation, seed).view(x.shape)
 
 
 class DropoutBiasAct(torch.nn.Module):
@@ -562,6 +574,7 @@ for name, fused, backward, passes in (
     )
     if results:
         compare(results, PAIRS)
+        print(results.as_called("triton", "torch", 2**20, "float16"))
     if results and fused and not backward:
         for dtype in (torch.float32, torch.float16):
             per_ns = results.value("triton", 2**28, dtype) / (2 * dtype.itemsize)
@@ -571,7 +584,9 @@ for name, fused, backward, passes in (
 # At large sizes our dropout moves its bytes about as fast as a plain copy, ahead of
 # ``torch``, which also writes its mask. The variants show where time would go: a Philox
 # call per element makes the generator set the pace (most of all in fp16, with the fewest
-# bytes per element to hide it behind), and a stored mask costs the byte it writes.
+# bytes per element to hide it behind), and a stored mask costs the byte it writes. Dotted
+# lines are the calls made from Python: below about a million elements the CPU's part of
+# a call takes longer than the kernel, for every provider.
 #
 # The fused layer leaves eager PyTorch's three kernels far behind, and ``torch.compile``
 # too. In fp32 its forward comes near the copy of the same bytes; in fp16 it stays well

@@ -69,6 +69,7 @@ DEVICE = tutorial.DEVICE
 # @save matmul_hopper
 from stepkernels._core import INTERPRET, autotune_configs, sm_count
 from stepkernels.activations import apply_activation
+from stepkernels.launch import lean
 from stepkernels.matmul import (
     add_bias,
     allocate_outputs,
@@ -169,11 +170,13 @@ TMA_CONFIGS = [
     tile_config(128, 128, 32, 3, 8, itemsize=4),
     tile_config(128, 64, 32, 4, 4, itemsize=4),
 ]
-matmul_tma_tuned = triton.autotune(
-    configs=autotune_configs(TMA_CONFIGS),
-    key=["M", "N", "K", "INPUT_PRECISION"],
-    prune_configs_by={"early_config_prune": keep_configs_for_dtype},
-)(matmul_tma_kernel)
+matmul_tma_tuned = lean(  # cheap repeated launches: chapter 08
+    triton.autotune(
+        configs=autotune_configs(TMA_CONFIGS),
+        key=["M", "N", "K", "INPUT_PRECISION"],
+        prune_configs_by={"early_config_prune": keep_configs_for_dtype},
+    )(matmul_tma_kernel)
+)
 
 
 # %%

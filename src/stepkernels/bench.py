@@ -19,6 +19,7 @@ import csv
 from dataclasses import dataclass
 import datetime
 import json
+import math
 import os
 from pathlib import Path
 import re
@@ -73,6 +74,8 @@ class Benchmark:
     float32_matmul_precision: str | None = None
     # For categories (activations, say): x value -> label, drawn as bars, not a line.
     x_labels: dict | None = None
+    # Also time each call as a user makes it: do_bench of the Python call, and its CPU cost.
+    user_timing: bool = True
 
 
 @dataclass
@@ -83,6 +86,8 @@ class Point:
     value: float
     low: float | None = None
     high: float | None = None
+    call: float | None = None  # the rate of the call from Python (do_bench, L2 flushed)
+    cpu_us: float | None = None  # CPU time of one call, issued back to back
 
 
 UNIT_SCALE = {"GB/s": 1e9, "TFLOP/s": 1e12}
@@ -205,6 +210,12 @@ def rate(work: float, fn: Callable, unit: str = "GB/s") -> float:
     return per_time(work, measure_ms(fn)[0], unit)
 
 
+def call_ms(fn: Callable) -> float:
+    """Median time of ``fn`` called from Python, as a user calls it (do_bench, L2 flushed):
+    the GPU's time, or the CPU's where launching the work takes longer than doing it."""
+    return triton.testing.do_bench(fn)
+
+
 def cpu_us(fn: Callable, calls: int = 200) -> float:
     """CPU time of one call of ``fn`` in µs: Python, launchers, autograd; GPU drained first."""
     fn()
@@ -320,7 +331,12 @@ def measure_on_stream(bench: Benchmark) -> list[Point]:
                     points.append(Point(provider, dtype_name(dtype), x, us))
                     continue
                 try:
-                    ms, q20, q80 = measure_ms(make_call(bench, provider, x, dtype))
+                    fn = make_call(bench, provider, x, dtype)
+                    ms, q20, q80 = measure_ms(fn)
+                    timed_call = bench.user_timing and provider != COPY_PROVIDER
+                    call, cpu = (
+                        (call_ms(fn), cpu_us(fn, 100)) if timed_call else (None, None)
+                    )
                 except torch.OutOfMemoryError:
                     print(
                         f"  {provider} at {bench.x_name}={x}: out of GPU memory, skipped"
@@ -335,7 +351,10 @@ def measure_on_stream(bench: Benchmark) -> list[Point]:
                 value, low, high = (
                     per_time(work, t, bench.unit) for t in (ms, q80, q20)
                 )
-                points.append(Point(provider, dtype_name(dtype), x, value, low, high))
+                call = None if call is None else per_time(work, call, bench.unit)
+                points.append(
+                    Point(provider, dtype_name(dtype), x, value, low, high, call, cpu)
+                )
     return points
 
 
@@ -348,21 +367,12 @@ def record(
     path = folder / f"{bench.name}.csv"
     with path.open("w", newline="") as f:
         writer = csv.writer(f, lineterminator="\n")
-        writer.writerow(
-            ["benchmark", "provider", "dtype", "x_name", "x", "value", "unit"]
-        )
+        writer.writerow(["benchmark", "provider", "dtype", "x_name", "x", "value",
+                         "unit", "call_value", "cpu_us"])  # fmt: skip
         for p in points:
-            writer.writerow(
-                [
-                    bench.name,
-                    p.provider,
-                    p.dtype,
-                    bench.x_name,
-                    p.x,
-                    f"{p.value:.6g}",
-                    bench.unit,
-                ]
-            )
+            optional = ["" if v is None else f"{v:.6g}" for v in (p.call, p.cpu_us)]
+            writer.writerow([bench.name, p.provider, p.dtype, bench.x_name, p.x,
+                             f"{p.value:.6g}", bench.unit, *optional])  # fmt: skip
     env_path = folder / "environment.json"
     recorded = json.loads(env_path.read_text()) if env_path.exists() else {}
     benchmarks = {**recorded.get("benchmarks", {}), bench.name: env}
@@ -403,11 +413,15 @@ def load_recorded(
 
 
 def read_points(path: Path) -> list[Point]:
+    """The points of a recording; call and CPU time only where it has them (recordings
+    before 2026-11-23's second run timed the GPU alone)."""
+    optional = lambda text: float(text) if text else None
     with path.open() as f:
         return [
-            Point(r["provider"], r["dtype"], float(r["x"]), float(r["value"]))
+            Point(r["provider"], r["dtype"], float(r["x"]), float(r["value"]),
+                  call=optional(r.get("call_value")), cpu_us=optional(r.get("cpu_us")))
             for r in csv.DictReader(f)
-        ]
+        ]  # fmt: skip
 
 
 def smoke(bench: Benchmark) -> None:
@@ -466,11 +480,29 @@ def plot(bench: Benchmark, points: list[Point], env: dict, live: bool):
                     for p in mine
                 ]
                 ax.bar(xs, values, width, label=provider, color=colors[provider])
+                called = [
+                    (x, p.call)
+                    for x, p in zip(xs, mine, strict=True)
+                    if p.call is not None
+                ]
+                if called:  # the call's rate: a black tick on each bar
+                    ax.scatter(
+                        *zip(*called, strict=True),
+                        marker="_",
+                        s=120,
+                        color="black",
+                        zorder=3,
+                    )
                 continue
             xs = [p.x for p in mine]
             ax.plot(
                 xs, values, marker="o", ms=3, label=provider, color=colors[provider]
             )
+            called = [(p.x, p.call) for p in mine if p.call is not None]
+            if called:  # the same call made from Python: dotted, in the same color
+                ax.plot(
+                    *zip(*called, strict=True), ls=":", lw=1.5, color=colors[provider]
+                )
             if live and mine[0].low is not None:
                 lows, highs = [p.low for p in mine], [p.high for p in mine]
                 ax.fill_between(xs, lows, highs, alpha=0.2, color=colors[provider])
@@ -490,6 +522,16 @@ def plot(bench: Benchmark, points: list[Point], env: dict, live: bool):
         ax.grid(alpha=0.3, axis="y" if categories else "both")
     axes[-1, 0].set_xlabel(bench.x_name)
     handles, labels = axes[0, 0].get_legend_handles_labels()
+    if any(p.call is not None for p in points):
+        from matplotlib.lines import Line2D
+
+        bars = bool(categories)
+        handles += [
+            Line2D([], [], color="0.3", ls="-", lw=6 if bars else 1.5),
+            Line2D([], [], color="black", ls="" if bars else ":", marker="_" if bars else "",
+                   ms=12),
+        ]  # fmt: skip
+        labels += ["GPU time (CUDA graph)", "called from Python"]
     fig.legend(handles, labels, loc="outside right upper", fontsize=8)
     how = "measured now" if live else "recorded"
     title = f"{bench.name}: {how} on {describe(env)}"
@@ -510,12 +552,18 @@ def summarize(
         print(
             f"{bench.name}, {dtype}, at {bench.headline_x:,} ({bench.x_name}), {how}:"
         )
+        timed_calls = any(p.call is not None for p in points)
+        if timed_calls:
+            print(f"  {'':<14} {'GPU time':>9}  {'':<16} {'the call':>9}  CPU per call")
         for p in points:
             if p.dtype == dtype and p.x == bench.headline_x:
                 share = (
                     "" if limit is None else f"{p.value / limit:6.1%} of {limit:,.0f}"
                 )
-                print(f"  {p.provider:<14} {p.value:>9,.1f} {bench.unit}  {share}")
+                line = f"  {p.provider:<14} {p.value:>9,.1f} {bench.unit}  {share:<16}"
+                if p.call is not None:
+                    line += f" {p.call:>9,.1f} {bench.unit} {p.cpu_us:7.1f} µs"
+                print(line.rstrip())
 
 
 @dataclass
@@ -541,6 +589,41 @@ class Results:
     ) -> float:
         """``provider``'s value over ``other``'s at ``x``."""
         return self.value(provider, x, dtype) / self.value(other, x, dtype)
+
+    def point(self, provider: str, x, dtype: str | torch.dtype = "float32"):
+        dtype = dtype if isinstance(dtype, str) else dtype_name(dtype)
+        found = [
+            p for p in self.points if (p.provider, p.dtype, p.x) == (provider, dtype, x)
+        ]
+        return found[0] if found else None
+
+    def call(self, provider: str, x, dtype: str | torch.dtype = "float32") -> float:
+        """The rate of the call made from Python; NaN where it was not timed."""
+        point = self.point(provider, x, dtype)
+        return float("nan") if point is None or point.call is None else point.call
+
+    def cpu_us(self, provider: str, x, dtype: str | torch.dtype = "float32") -> float:
+        """CPU time of one call in µs; NaN where it was not timed."""
+        point = self.point(provider, x, dtype)
+        return float("nan") if point is None or point.cpu_us is None else point.cpu_us
+
+    def as_called(self, ours: str, theirs: str, x, dtype="float32") -> str:
+        """What a reader's code sees at ``x``: each provider called from Python (do_bench of
+        the call) and the CPU time of one call, against the GPU time the plot shows."""
+        if self.bench.unit == CPU_UNIT or math.isnan(self.call(ours, x, dtype)):
+            return f"{self.bench.name}: no call from Python timed in this recording"
+        unit, name = (
+            self.bench.unit,
+            dtype if isinstance(dtype, str) else dtype_name(dtype),
+        )
+        parts = [
+            f"{p}: {self.call(p, x, dtype):,.0f} {unit} called from Python "
+            f"(GPU time {self.value(p, x, dtype):,.0f}), {self.cpu_us(p, x, dtype):.0f} µs "
+            "of CPU per call"
+            for p in (ours, theirs)
+        ]
+        head = f"{self.bench.name}, {name}, at {x:,} ({self.bench.x_name}), {self.how}:"
+        return "\n  ".join([head, *parts])
 
     @property
     def how(self) -> str:

@@ -7,6 +7,7 @@ layer."""
 import math
 
 from stepkernels import _core, activations
+from stepkernels.launch import lean  # cheap repeated launches: chapter 08
 import torch
 import triton
 import triton.language as tl
@@ -36,6 +37,7 @@ def group_offsets(BLOCK_SIZE: tl.constexpr):
     return groups, groups[:, None] * 4 + tl.arange(0, 4)[None, :]
 
 
+@lean
 @triton.jit(do_not_specialize=["seed"])
 def dropout_kernel(x_ptr, out_ptr, n_elements, p, scale, seed,
                    BLOCK_SIZE: tl.constexpr):  # fmt: skip
@@ -122,8 +124,8 @@ def dropout(x, p: float, seed: int, training: bool = True, inplace: bool = False
     check_input(x)
     if not training or p == 0.0:
         return x
-    if inplace and not (torch.is_grad_enabled() and x.requires_grad):
-        return launch_dropout(x, p, seed, inplace=True)  # nothing for autograd
+    if not (torch.is_grad_enabled() and x.requires_grad):  # nothing for autograd
+        return launch_dropout(x, p, seed, inplace)
     return SeededDropout.apply(x, p, seed, inplace)
 
 
@@ -159,6 +161,7 @@ def row_tile(row, col_groups, cols, n_rows, n_cols):
     return row * groups_per_row + col_groups, row * n_cols + cols, in_bounds
 
 
+@lean
 @triton.jit(do_not_specialize=["seed"])
 def bias_act_dropout_kernel(
     x_ptr, bias_ptr, out_ptr, n_rows, n_cols, rows_per_program, p, scale, seed,
@@ -177,6 +180,7 @@ def bias_act_dropout_kernel(
         tl.store(out_ptr + offsets, out.to(out_ptr.dtype.element_ty), mask=in_bounds)
 
 
+@lean
 @triton.jit(do_not_specialize=["seed"])
 def bias_act_dropout_backward_kernel(
     grad_out_ptr, x_ptr, bias_ptr, grad_in_ptr, bias_partial_ptr,
@@ -221,6 +225,17 @@ def fused_launch(n_rows: int, n_cols: int) -> tuple[int, int, tuple[int, int]]:
     return block_cols, rows_per_program, (row_blocks, col_blocks)
 
 
+def bias_act_dropout(x2d, bias, p, activation, seed):
+    out = torch.empty_like(x2d)
+    if x2d.numel():
+        block_cols, rows_per_program, grid = fused_launch(*x2d.shape)
+        bias_act_dropout_kernel[grid](
+            x2d, bias, out, *x2d.shape, rows_per_program, p, scale_for(p), seed,
+            ACTIVATION=activation, BLOCK_COLS=block_cols, **FUSED_OPTIONS,
+        )  # fmt: skip
+    return out
+
+
 class BiasActDropout(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, bias, p, activation, seed):
@@ -228,14 +243,7 @@ class BiasActDropout(torch.autograd.Function):
         x2d = x.view(math.prod(x.shape[:-1]), x.shape[-1])
         ctx.save_for_backward(x2d if activation is not None else None, bias)
         ctx.p, ctx.activation, ctx.seed, ctx.shape2d = p, activation, seed, x2d.shape
-        out = torch.empty_like(x2d)
-        if x2d.numel():
-            block_cols, rows_per_program, grid = fused_launch(*x2d.shape)
-            bias_act_dropout_kernel[grid](
-                x2d, bias, out, *x2d.shape, rows_per_program, p, scale_for(p), seed,
-                ACTIVATION=activation, BLOCK_COLS=block_cols, **FUSED_OPTIONS,
-            )  # fmt: skip
-        return out.view(x.shape)
+        return bias_act_dropout(x2d, bias, p, activation, seed).view(x.shape)
 
     @staticmethod
     def backward(ctx, grad_out):
@@ -271,7 +279,11 @@ def dropout_bias_act(x, bias, p: float, activation, seed: int, training: bool = 
             "reshape or convert the bias with .to(x.dtype)"
         )
     p = p if training else 0.0
-    return BiasActDropout.apply(x.contiguous(), bias.contiguous(), p, activation, seed)
+    x, bias = x.contiguous(), bias.contiguous()
+    if torch.is_grad_enabled() and (x.requires_grad or bias.requires_grad):
+        return BiasActDropout.apply(x, bias, p, activation, seed)
+    x2d = x.view(math.prod(x.shape[:-1]), x.shape[-1])  # nothing for autograd
+    return bias_act_dropout(x2d, bias, p, activation, seed).view(x.shape)
 
 
 class DropoutBiasAct(torch.nn.Module):

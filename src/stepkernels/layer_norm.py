@@ -4,14 +4,17 @@ right."""
 # Generated from tutorials/03-layer-norm.py by tools/export.py: edit the chapter, then `make
 # export`.
 
+import functools
 import math
 
 from stepkernels._core import check_tensor, refuse_double_backward, sm_count
+from stepkernels.launch import lean  # cheap repeated launches: chapter 08
 import torch
 import triton
 import triton.language as tl
 
 
+@lean
 @triton.jit
 def layer_norm_forward_kernel(x_ptr, y_ptr, weight_ptr, bias_ptr, mean_ptr, rstd_ptr,
         x_row_stride, y_row_stride, M, N, eps, BLOCK_N: tl.constexpr,
@@ -79,6 +82,7 @@ FORWARD_PROGRAMS_PER_SM = 8
 FORWARD_STAGES, FORWARD_STAGE_BYTES = 2, 128 * 1024  # loads in flight, in shared memory
 
 
+@functools.cache  # once per shape: off the call's path
 def forward_config(n_cols, n_rows, block_size=None, itemsize=4) -> dict:
     max_block = block_size or FORWARD_MAX_BLOCK  # block_size: a cap, for tests
     block = triton.next_power_of_2(n_cols)
@@ -136,6 +140,7 @@ def flush_partials(partial_ptr, lock_ptr, dw, db, cols, col_mask, N, slot, lock_
         tl.atomic_xchg(lock, 0, sem="release")
 
 
+@lean
 @triton.jit
 def layer_norm_backward_kernel(x_ptr, dy_ptr, dx_ptr, weight_ptr, mean_ptr, rstd_ptr,
         partial_ptr, lock_ptr, x_row_stride, dy_row_stride, dx_row_stride, M, N, num_locks,
@@ -222,6 +227,7 @@ def layer_norm_backward_kernel(x_ptr, dy_ptr, dx_ptr, weight_ptr, mean_ptr, rstd
                                lock_index, num_locks, REDUCTION)  # fmt: skip
 
 
+@lean
 @triton.jit
 def sum_partials_kernel(partial_ptr, visits_ptr, dw_ptr, db_ptr, num_partials, N,
         HAS_COUNTS: tl.constexpr, HAS_DW: tl.constexpr, HAS_DB: tl.constexpr,
@@ -255,6 +261,7 @@ BACKWARD_STAGES, BACKWARD_STAGE_BYTES = 3, 96 * 1024  # pipelined loads of x and
 GROUP_SIZE_M = 64
 
 
+@functools.cache
 def backward_config(n_cols, n_rows, block_size=None, rows_per_program=None, itemsize=4):
     max_block = block_size or BACKWARD_MAX_BLOCK
     block = triton.next_power_of_2(n_cols)
@@ -342,17 +349,23 @@ def check_arguments(x, normalized_shape, weight, bias, eps, reduction, block_siz
     return shape
 
 
+def normalize(x, weight, bias, normalized_shape, eps, block_size):
+    """y, and what the backward needs: x2d, the flat weight, mean and rstd."""
+    x2d = rows_of(x, math.prod(normalized_shape))
+    flat = lambda p: None if p is None else p.reshape(-1).contiguous()
+    weight, bias = flat(weight), flat(bias)
+    y, mean, rstd = layer_norm_forward(x2d, weight, bias, eps, block_size)
+    return y.view(x.shape), (x2d, weight, mean, rstd)
+
+
 class LayerNormFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, normalized_shape, eps, reduction, block_size):
-        x2d = rows_of(x, math.prod(normalized_shape))
-        flat = lambda p: None if p is None else p.reshape(-1).contiguous()
-        weight, bias = flat(weight), flat(bias)
-        y, mean, rstd = layer_norm_forward(x2d, weight, bias, eps, block_size)
-        ctx.save_for_backward(x2d, weight, mean, rstd)
+        y, saved = normalize(x, weight, bias, normalized_shape, eps, block_size)
+        ctx.save_for_backward(*saved)
         ctx.normalized_shape, ctx.has_bias = normalized_shape, bias is not None
         ctx.options = dict(reduction=reduction, block_size=block_size)
-        return y.view(x.shape)
+        return y
 
     @staticmethod
     def backward(ctx, dy):
@@ -372,8 +385,14 @@ def layer_norm(x, normalized_shape, weight=None, bias=None, eps=1e-5, *,
     every run) or "lock"; ``block_size``: a power of two, the most of a row loaded at once."""
     shape = check_arguments(x, normalized_shape, weight, bias, eps, reduction,
                             block_size)  # fmt: skip
-    return LayerNormFunction.apply(x, weight, bias, shape, float(eps), reduction,
-                                   block_size)  # fmt: skip
+    tensors = (x, weight, bias)
+    if torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in tensors
+    ):
+        return LayerNormFunction.apply(x, weight, bias, shape, float(eps), reduction,
+                                       block_size)  # fmt: skip
+    # Nothing to differentiate: skip autograd.Function, which costs the CPU ~15 µs a call.
+    return normalize(x, weight, bias, shape, float(eps), block_size)[0]
 
 
 class LayerNorm(torch.nn.LayerNorm):

@@ -5,6 +5,7 @@
 
 from stepkernels._core import FLOAT_DTYPES, check_tensor, refuse_double_backward
 from stepkernels.activations import activation_derivative, check_activation
+from stepkernels.launch import lean
 from stepkernels.matmul import matmul
 import torch
 from torch import Tensor, nn
@@ -12,6 +13,7 @@ import triton
 import triton.language as tl
 
 
+@lean  # cheap repeated launches: chapter 08
 @triton.jit
 def activation_backward_kernel(
     grad_y_ptr, z_ptr, grad_z_ptr, bias_partial_ptr,
@@ -123,16 +125,30 @@ def autograd_setup(ctx, inputs, output):
     ctx.set_materialize_grads(False)  # Z's gradient is never used: do not fill one in
 
 
-def autograd_backward(ctx, grad_y, _grad_z):
+def autograd_backward(ctx, grad_y, _grad_z, backward=fused_linear_backward_op):
     refuse_double_backward("linear", "torch.nn.functional.linear and the activation")
     needs_grad = list(ctx.needs_input_grad[:3])  # of x, weight, bias
     args = (grad_y, *ctx.saved_tensors, ctx.activation, needs_grad)
-    grads = fused_linear_backward_op(*args)
+    grads = backward(*args)
     grads = [g if n else None for g, n in zip(grads, needs_grad, strict=True)]
     return *grads, None, None  # none for activation and keep_z
 
 
 fused_linear_op.register_autograd(autograd_backward, setup_context=autograd_setup)
+
+
+class FusedLinearFunction(torch.autograd.Function):
+    """The same forward and backward without the operator, for eager calls."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, activation, keep_z):
+        output = fused_linear_forward(x, weight, bias, activation, keep_z)
+        autograd_setup(ctx, (x, weight, bias, activation, keep_z), output)
+        return output
+
+    @staticmethod
+    def backward(ctx, grad_y, grad_z):
+        return autograd_backward(ctx, grad_y, grad_z, backward=fused_linear_backward)
 
 
 def check_linear_inputs(x, weight, bias, activation):
@@ -163,7 +179,13 @@ def linear(x, weight, bias=None, activation=None, *, recompute=False):
     tensors = (x, weight) if bias is None else (x, weight, bias)
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
     rows = x.reshape(x.shape[:-1].numel(), x.shape[-1])
-    y, _ = fused_linear_op(rows, weight, bias, activation, needs_grad and not recompute)
+    keep_z = needs_grad and not recompute
+    if torch.compiler.is_compiling():
+        y, _ = fused_linear_op(rows, weight, bias, activation, keep_z)
+    elif needs_grad:
+        y, _ = FusedLinearFunction.apply(rows, weight, bias, activation, keep_z)
+    else:
+        y = fused_linear_forward(rows, weight, bias, activation, False)[0]
     return y.view(*x.shape[:-1], weight.shape[0])
 
 

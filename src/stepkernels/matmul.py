@@ -13,6 +13,7 @@ from stepkernels._core import (
     sm_count,
 )
 from stepkernels.activations import apply_activation, check_activation
+from stepkernels.launch import lean
 import torch
 import triton
 import triton.language as tl
@@ -120,11 +121,13 @@ def keep_configs_for_dtype(configs, named_args, **kwargs):
     return [min(kept, key=lambda c: c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"])]
 
 
-matmul_portable_tuned = triton.autotune(
-    configs=autotune_configs(PORTABLE_CONFIGS),
-    key=["M", "N", "K", "INPUT_PRECISION"],
-    prune_configs_by={"early_config_prune": keep_configs_for_dtype},
-)(matmul_kernel)
+matmul_portable_tuned = lean(  # cheap repeated launches: chapter 08
+    triton.autotune(
+        configs=autotune_configs(PORTABLE_CONFIGS),
+        key=["M", "N", "K", "INPUT_PRECISION"],
+        prune_configs_by={"early_config_prune": keep_configs_for_dtype},
+    )(matmul_kernel)
+)
 
 
 FP8_DTYPES = (torch.float8_e4m3fn,) if INTERPRET or capability() >= (8, 9) else ()
