@@ -53,8 +53,9 @@ def test_record_writes_exactly_the_agreed_columns(tmp_path):
     assert path == tmp_path / "some-gpu-80gb" / "copy.csv"
     with path.open() as f:
         rows = list(csv.reader(f))
-    assert rows[0] == ["benchmark", "provider", "dtype", "x_name", "x", "value", "unit"]
-    assert rows[1] == ["copy", "triton", "float32", "elements", "1024", "1500", "GB/s"]
+    header = ["benchmark", "provider", "dtype", "x_name", "x", "value", "unit", "call_value", "cpu_us"]
+    assert rows[0] == header
+    assert rows[1] == ["copy", "triton", "float32", "elements", "1024", "1500", "GB/s", "", ""]
     env = json.loads((path.parent / "environment.json").read_text())
     assert env["gpu"] == "Some GPU 80GB" and env["benchmarks"]["copy"]["triton"] == "3.6.0"
 
@@ -249,3 +250,22 @@ def test_summary_says_what_it_shows_and_reads_its_size_plainly(capsys):
     bench.summarize(copy_benchmark(), POINTS, FAKE_ENV, live=False)
     first = capsys.readouterr().out.splitlines()[0]
     assert first == "copy, float32, at 4,096 (elements), recorded 2026-11-22 on Some GPU 80GB:"
+
+
+def test_call_and_cpu_times_round_trip_and_older_recordings_have_none(tmp_path):
+    timed = [bench.Point("triton", "float32", 2**10, 1500.0, call=400.0, cpu_us=21.5),
+             bench.Point("torch", "float32", 2**10, 1400.0, call=900.0, cpu_us=9.0)]  # fmt: skip
+    path = bench.record(copy_benchmark(), timed, FAKE_ENV, results_dir=tmp_path)
+    points, env = bench.load_recorded("copy", results_dir=tmp_path)
+    assert [(p.call, p.cpu_us) for p in points] == [(400.0, 21.5), (900.0, 9.0)]
+    results = bench.Results(copy_benchmark(), points, env, live=False)
+    assert results.call("triton", 2**10) == 400.0 and results.cpu_us("torch", 2**10) == 9.0
+    said = results.as_called("triton", "torch", 2**10)
+    assert "400 GB/s called from Python (GPU time 1,500), 22 µs" in said and "torch: 900" in said
+    older = path.read_text().replace(",call_value,cpu_us", "").replace(",400,21.5", "")
+    path.write_text(older.replace(",900,9", ""))
+    points, _ = bench.load_recorded("copy", results_dir=tmp_path)
+    assert all(p.call is None and p.cpu_us is None for p in points)
+    assert "no call from Python timed" in bench.Results(copy_benchmark(), points, env, False).as_called(
+        "triton", "torch", 2**10
+    )

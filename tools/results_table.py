@@ -25,8 +25,13 @@ def x_label(x: float) -> str:
     return f"{x:,}"
 
 
-def cell(value: float, limit: float | None) -> str:
-    return f"{value:,.0f}" if limit is None else f"{value:,.0f} ({value / limit:.0%})"
+def cell(point: bench.Point, limit: float | None) -> str:
+    """The rate (its share of the limit) · the call's rate · CPU µs per call, where timed."""
+    value = point.value
+    text = f"{value:,.0f}" if limit is None else f"{value:,.0f} ({value / limit:.0%})"
+    if point.call is not None:
+        text += f" · {point.call:,.0f} · {point.cpu_us:,.0f} µs"
+    return text
 
 
 def benchmark_table(csv_path: Path, env: dict) -> list[str]:
@@ -50,8 +55,8 @@ def benchmark_table(csv_path: Path, env: dict) -> list[str]:
     ]
     rows = dict.fromkeys((p.dtype, p.provider) for p in points)
     for dtype, provider in rows:
-        value = {p.x: p.value for p in points if p.dtype == dtype and p.provider == provider}
-        cells = [cell(value[x], limit) if x in value else "" for x in shown]
+        mine = {p.x: p for p in points if p.dtype == dtype and p.provider == provider}
+        cells = [cell(mine[x], limit) if x in mine else "" for x in shown]
         lines.append(f"| {dtype} | {provider} | " + " | ".join(cells) + " |")
     return [*lines, ""]
 

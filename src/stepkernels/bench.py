@@ -23,6 +23,7 @@ import math
 import os
 from pathlib import Path
 import re
+import statistics
 import subprocess
 import sys
 import textwrap
@@ -76,6 +77,9 @@ class Benchmark:
     x_labels: dict | None = None
     # Also time each call as a user makes it: do_bench of the Python call, and its CPU cost.
     user_timing: bool = True
+    # False: the value itself is the call from Python (do_bench of the call), for calls a
+    # CUDA graph cannot capture or that replay one themselves (chapter 08's training steps).
+    gpu_time: bool = True
 
 
 @dataclass
@@ -216,16 +220,20 @@ def call_ms(fn: Callable) -> float:
     return triton.testing.do_bench(fn)
 
 
-def cpu_us(fn: Callable, calls: int = 200) -> float:
-    """CPU time of one call of ``fn`` in µs: Python, launchers, autograd; GPU drained first."""
+def cpu_us(fn: Callable, calls: int = 200, batches: int = 5) -> float:
+    """CPU time of one call of ``fn`` in µs: Python, launchers, autograd. The calls are
+    issued back to back in ``batches``, the GPU drained before each; the median batch
+    counts, so that a pause of the host (another process, a collection) does not."""
     fn()
+    per_batch, times = max(1, calls // batches), []
+    for _ in range(batches):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(per_batch):
+            fn()
+        times.append((time.perf_counter() - start) / per_batch)
     torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    elapsed = time.perf_counter() - start
-    torch.cuda.synchronize()
-    return elapsed / calls * 1e6
+    return statistics.median(times) * 1e6
 
 
 def hardware_limits() -> dict:
@@ -273,7 +281,10 @@ def copy_of(nbytes: int, block: int = COPY_BLOCK, warps: int = COPY_WARPS) -> Ca
     return lambda: copy_kernel[grid](src, dst, n_elements, block, num_warps=warps)
 
 
-TIMING = "GPU time of CUDA-graph replays (do_bench, L2 flushed)"
+TIMING = (
+    "GPU time of CUDA-graph replays (do_bench, L2 flushed); call_value: do_bench of the "
+    "call from Python; cpu_us: CPU time of one call issued back to back"
+)
 
 
 def environment() -> dict:
@@ -332,8 +343,18 @@ def measure_on_stream(bench: Benchmark) -> list[Point]:
                     continue
                 try:
                     fn = make_call(bench, provider, x, dtype)
-                    ms, q20, q80 = measure_ms(fn)
-                    timed_call = bench.user_timing and provider != COPY_PROVIDER
+                    if bench.gpu_time:
+                        ms, q20, q80 = measure_ms(fn)
+                    else:
+                        fn()  # compile and capture before timing
+                        ms, q20, q80 = triton.testing.do_bench(
+                            fn, quantiles=[0.5, 0.2, 0.8]
+                        )
+                    timed_call = (
+                        bench.user_timing
+                        and bench.gpu_time
+                        and provider != COPY_PROVIDER
+                    )
                     call, cpu = (
                         (call_ms(fn), cpu_us(fn, 100)) if timed_call else (None, None)
                     )
@@ -428,8 +449,9 @@ def smoke(bench: Benchmark) -> None:
     """Under the interpreter: call every provider once at a small size, so the code runs."""
     for dtype in bench.dtypes:
         for provider in bench.providers:
-            # torch.compile would compile C++ on a CPU: slow, and says nothing here.
-            if provider != "torch.compile":
+            # torch.compile would compile C++ on a CPU: slow, and says nothing here; CUDA
+            # graphs need a GPU.
+            if "torch.compile" not in provider and "CUDA graph" not in provider:
                 make_call(bench, provider, bench.smoke_x, dtype)()
 
 
@@ -552,17 +574,21 @@ def summarize(
         print(
             f"{bench.name}, {dtype}, at {bench.headline_x:,} ({bench.x_name}), {how}:"
         )
-        timed_calls = any(p.call is not None for p in points)
-        if timed_calls:
-            print(f"  {'':<14} {'GPU time':>9}  {'':<16} {'the call':>9}  CPU per call")
+        width = max(14, *(len(p.provider) for p in points))
+        rate = 10 + len(bench.unit)  # "12,345.6 GB/s"
+        if any(p.call is not None for p in points):
+            print(f"  {'':<{width}} {'GPU time':>{rate}}  {'':<16} "
+                  f"{'called from Python':>{max(rate, 18)}}  CPU per call")  # fmt: skip
         for p in points:
             if p.dtype == dtype and p.x == bench.headline_x:
                 share = (
                     "" if limit is None else f"{p.value / limit:6.1%} of {limit:,.0f}"
                 )
-                line = f"  {p.provider:<14} {p.value:>9,.1f} {bench.unit}  {share:<16}"
+                value = f"{p.value:,.1f} {bench.unit}"
+                line = f"  {p.provider:<{width}} {value:>{rate}}  {share:<16}"
                 if p.call is not None:
-                    line += f" {p.call:>9,.1f} {bench.unit} {p.cpu_us:7.1f} µs"
+                    called = f"{p.call:,.1f} {bench.unit}"
+                    line += f" {called:>{max(rate, 18)}}  {p.cpu_us:7.1f} µs"
                 print(line.rstrip())
 
 

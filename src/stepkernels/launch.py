@@ -24,6 +24,8 @@ argument by keyword. Chapter 08 measures what this saves.
 
 from __future__ import annotations
 
+import contextlib
+
 from stepkernels._core import INTERPRET
 import torch
 
@@ -55,6 +57,7 @@ class LeanKernel:
         self.entries: dict = {}
         self.runtime = None  # Triton's driver and knobs, bound at the first launch
         self.always_slow = INTERPRET  # the interpreter's kernels are Python functions
+        self.unspecialized: set = set()
         if INTERPRET:
             return
         jit = kernel
@@ -84,8 +87,10 @@ class LeanKernel:
         return getattr(self.kernel, name)
 
     def __getitem__(self, grid):
-        if self.always_slow or torch.compiler.is_compiling():
+        if self.always_slow or not ENABLED[0]:
             return self.kernel[grid]
+        if torch.compiler.is_compiling():  # the compiler traces the kernel itself
+            return torch.library.wrap_triton(self.kernel)[grid]
         return lambda *args, **meta: self.launch(grid, args, meta)
 
     def key(self, args: tuple, meta: dict, device: int) -> tuple:
@@ -102,17 +107,20 @@ class LeanKernel:
 
     def launch(self, grid, args: tuple, meta: dict):
         runtime = self.runtime or self.bind_runtime()
-        driver, knobs = runtime
+        current_device, current_stream, knobs = runtime
         if hooked(knobs.launch_enter_hook) or hooked(knobs.launch_exit_hook):
             return self.kernel[grid](*args, **meta)
-        device = driver.get_current_device()
-        key = self.key(args, meta, device)
+        device = current_device()
+        try:
+            key = self.key(args, meta, device)
+        except RuntimeError:  # tensors without data: traced (torch.library.triton_op)
+            return torch.library.wrap_triton(self.kernel)[grid](*args, **meta)
         entry = self.entries.get(key)
         if entry is None:
             return self.first_launch(key, grid, args, meta)
         compiled, tail, cached_grid = entry
         grid = cached_grid or grid
-        stream = driver.get_current_stream(device)
+        stream = current_stream(device)
         compiled.run(
             grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1,
             stream, compiled.function, compiled.packed_metadata, None, None, None,
@@ -124,8 +132,9 @@ class LeanKernel:
         import triton
         from triton.runtime.driver import driver
 
+        active = driver.active
         knobs = triton.knobs.runtime
-        self.runtime = (driver.active, knobs)
+        self.runtime = (active.get_current_device, active.get_current_stream, knobs)
         return self.runtime
 
     def first_launch(self, key, grid, args, meta):
@@ -154,6 +163,20 @@ class LeanKernel:
             self.entries.clear()
         self.entries[key] = (compiled, tail, cached_grid)
         return compiled
+
+
+ENABLED = [True]
+
+
+@contextlib.contextmanager
+def triton_launches():
+    """Within this block every lean kernel launches through Triton's own path, to measure
+    what the shortcut saves (chapter 08)."""
+    ENABLED[0] = False
+    try:
+        yield
+    finally:
+        ENABLED[0] = True
 
 
 def lean(kernel) -> LeanKernel:

@@ -96,7 +96,7 @@ def lean_path(rows=4096, cols=1024):
     line("driver.active.get_current_stream(device)", lambda: driver.active.get_current_stream(device))
     line("triton.knobs.runtime.launch_enter_hook", lambda: triton.knobs.runtime.launch_enter_hook)
     line("torch.compiler.is_compiling()", torch.compiler.is_compiling)
-    compiled, tail, _ = next(iter(kernel.entries.values()))
+    compiled, tail, _ = next(iter(kernel.entries.values()))  # noqa: RUF015
     stream = driver.active.get_current_stream(device)
     run = lambda: compiled.run(
         grid[0], 1, 1, stream, compiled.function, compiled.packed_metadata, None, None, None, *args, *tail
@@ -207,6 +207,26 @@ def profile(label, fn, calls=300):
         )
 
 
+def alternate(cases, rounds=5):
+    """Each case's CPU time with lean launches and with Triton's own, alternating, so that a
+    drift of the host's speed hits both alike; medians over the rounds."""
+    import statistics
+
+    from stepkernels.launch import triton_launches
+
+    def triton_path(fn):
+        with triton_launches():
+            return fn()
+
+    print(f"lean against Triton's launches, medians of {rounds} alternating rounds")
+    for label, fn in cases.items():
+        lean, plain = [], []
+        for _ in range(rounds):
+            lean.append(bench.cpu_us(fn))
+            plain.append(bench.cpu_us(lambda fn=fn: triton_path(fn)))
+        print(f"  {label:<30} lean {statistics.median(lean):7.1f} µs, Triton's {statistics.median(plain):7.1f} µs")
+
+
 if __name__ == "__main__":
     launches()
     lean_path()
@@ -216,6 +236,7 @@ if __name__ == "__main__":
         "linear forward+backward": matmul_calls(),
         "dropout forward+backward": dropout_calls(),
     }
+    alternate(cases)
     if "--profile" in sys.argv:
         x = torch.randn(4096, 1024, device="cuda", dtype=torch.float16)
         w, b = torch.randn(2, 1024, device="cuda", dtype=torch.float16)

@@ -1,0 +1,67 @@
+"""Chapter 08's operators: layer norm as triton_ops that torch.compile traces, with autograd."""
+
+from conftest import random_tensor
+import pytest
+from stepkernels._core import DEVICE, ON_GPU
+from stepkernels.compiler_ops import TracedLayerNorm, traced_layer_norm
+import torch
+import torch.nn.functional as F
+
+
+def leaves(dtype, shape=(37, 3, 96)):
+    x = random_tensor(shape, dtype).requires_grad_()
+    w = random_tensor(shape[-1], dtype, seed=1).requires_grad_()
+    b = random_tensor(shape[-1], dtype, seed=2).requires_grad_()
+    return x, w, b
+
+
+def check_against_torch(layer_norm, dtype=torch.float32):
+    x, w, b = leaves(dtype)
+    dy = random_tensor(x.shape, dtype, seed=3)
+    ours = layer_norm(x, (x.shape[-1],), w, b)
+    expected = F.layer_norm(x.double(), (x.shape[-1],), w.double(), b.double())
+    torch.testing.assert_close(ours.double(), expected, rtol=1e-4, atol=1e-4)
+    grads = torch.autograd.grad(ours, (x, w, b), dy)
+    expected_grads = torch.autograd.grad(expected, (x, w, b), dy.double())
+    for got, want in zip(grads, expected_grads, strict=True):
+        torch.testing.assert_close(got.double(), want.double(), rtol=1e-3, atol=1e-3)
+
+
+def test_traced_layer_norm_eager_matches_torch():
+    check_against_torch(traced_layer_norm)
+
+
+def test_traced_layer_norm_without_bias_and_weight_gradients():
+    x, w, _ = leaves(torch.float32)
+    y = traced_layer_norm(x, (x.shape[-1],), w.detach(), None)
+    (dx,) = torch.autograd.grad(y.sum(), x)
+    assert dx.shape == x.shape and torch.isfinite(dx).all()
+
+
+def test_traced_layer_norm_refuses_double_backward():
+    x, w, b = leaves(torch.float32, (4, 16))
+    y = traced_layer_norm(x, (16,), w, b)
+    with pytest.raises(RuntimeError, match="cannot be differentiated twice"):
+        torch.autograd.grad(y.square().sum(), x, create_graph=True)
+
+
+def test_module_is_the_packages_layer_norm_in_eager_mode():
+    module = TracedLayerNorm(96, device=DEVICE)
+    x = random_tensor((5, 96))
+    torch.testing.assert_close(module(x), F.layer_norm(x, (96,)), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(not ON_GPU, reason="torch.compile of Triton kernels needs a GPU")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_compiled_layer_norm_matches_eager(dtype):
+    torch._dynamo.reset()
+    compiled = torch.compile(traced_layer_norm, fullgraph=True)
+    x, w, b = leaves(dtype)
+    dy = random_tensor(x.shape, dtype, seed=3)
+    y = compiled(x, (96,), w, b)
+    # Inductor compiles the same kernel with its own flags: equal to a few ulp, not bitwise.
+    torch.testing.assert_close(y, traced_layer_norm(x, (96,), w, b), rtol=1e-5, atol=1e-5)
+    got = torch.autograd.grad(y, (x, w, b), dy)
+    want = torch.autograd.grad(traced_layer_norm(x, (96,), w, b), (x, w, b), dy)
+    for g, e in zip(got, want, strict=True):
+        torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-5)
