@@ -42,21 +42,19 @@ def naive_softmax(x: torch.Tensor) -> torch.Tensor:
 
 
 # %%
-# Each operation is a kernel that reads its inputs from memory and writes its result back:
-# 8 M N elements moved where 2 M N suffice (read x once, write y once). With about five
-# operations per element against an H100's 60 fp32 TFLOP/s and 3 TB/s, the time is the
-# bytes: a *fused* kernel, which keeps a row on chip from load to store, should be up to
-# 4x faster. 2 M N x (bytes per element) is what every benchmark below divides by the time.
+# Each operation is a kernel that reads its inputs from memory and writes its result back: 8 M N
+# elements moved where 2 M N suffice (read x once, write y once). With about five operations per
+# element against an H100's 60 fp32 TFLOP/s and 3 TB/s, the time is the bytes: a *fused* kernel,
+# keeping a row on chip from load to store, should be up to 4x faster (2 M N x bytes per element).
 #
 # The fused kernel
 # ----------------
-# A program handles a tile of ``ROWS`` rows by ``BLOCK_N`` columns, the row length rounded
-# up to a power of two. Out-of-row lanes load ``-inf``: they never win the maximum and
-# their exp is 0. ``tl.max`` and ``tl.sum`` with ``axis=1`` reduce each row of the tile. We
-# compute in fp32 and round once at the store. With ``LOG`` (a compile-time switch) the
-# kernel returns log-softmax, (x_i - max) - log(sum). A row of only ``-inf`` comes out as
-# NaN, as in PyTorch. Cells marked ``# @save softmax`` are the package's module
-# ``stepkernels.softmax`` (chapter 01 explains how).
+# A program handles a tile of ``ROWS`` rows by ``BLOCK_N`` columns, the row length rounded up
+# to a power of two. Out-of-row lanes load ``-inf``: they never win the maximum and their exp
+# is 0. ``tl.max`` and ``tl.sum`` with ``axis=1`` reduce each row of the tile. We compute in
+# fp32 and round once at the store. With ``LOG`` (a compile-time switch) the kernel returns
+# log-softmax, (x_i - max) - log(sum); a row of only ``-inf`` gives NaN, as in PyTorch. Cells
+# marked ``# @save softmax`` are the package's ``stepkernels.softmax`` (chapter 01 says how).
 
 # @save softmax
 import contextlib
@@ -144,10 +142,9 @@ def online_max_and_sum(x_row, n_cols, BLOCK_N: tl.constexpr, NUM_STAGES: tl.cons
 # %%
 # Reading a long row once: split it across programs
 # -------------------------------------------------
-# To read x once, we give each row to several programs, one chunk each, held in registers.
-# Each reduces its chunk to a pair (maximum m_c, sum s_c of exp(x - m_c)) and publishes it;
-# once its row's pairs are all there, each combines them into m = max m_c and
-# S = sum s_c exp(m_c - m), and writes its chunk.
+# To read x once, we give each row to several programs, one chunk each, held in registers. Each
+# reduces its chunk to a pair (maximum m_c, sum s_c of exp(x - m_c)) and publishes it; once its
+# row's pairs are all there, each combines them into m = max m_c and S = sum s_c exp(m_c - m).
 #
 # Publishing: store the pair; ``tl.debug_barrier()``, so that every thread has stored; then
 # ``tl.atomic_add`` on the row's counter with ``sem="release"``, which orders the stores
@@ -155,9 +152,8 @@ def online_max_and_sum(x_row, n_cols, BLOCK_N: tl.constexpr, NUM_STAGES: tl.cons
 # Waiting: poll the counter until all chunks have counted, then read the pairs with
 # ``volatile=True``, so no stale cache line answers. CUDA does not promise that a row's
 # programs run at once (in practice they do: programs start in order of their id), so after
-# ``MAX_POLLS`` tries a program stops waiting and makes its own online pass over the row:
-# same result, slower. Under the interpreter, which runs programs one by one, the last chunk
-# of a row takes the published path and the others this fallback.
+# ``MAX_POLLS`` tries a program makes its own online pass over the row: same result, slower.
+# Under the interpreter, which runs programs one by one, only a row's last chunk finds all pairs.
 
 # @save softmax
 
@@ -222,13 +218,11 @@ def softmax_split_kernel(
 # %%
 # The backward
 # ------------
-# With y = softmax(x) and dy the incoming gradient, the Jacobian dy_i/dx_j =
-# y_i (delta_ij - y_j) collapses to one dot product per row: dx = y * (dy - sum(dy * y)).
-# For log-softmax, dy_i/dx_j = delta_ij - softmax(x)_j gives dx = dy - exp(y) * sum(dy).
-# Both are a row reduction and an elementwise step on the forward's *output*, y (which the
-# forward saves), and dy: 3 M N elements of traffic. A fused kernel takes rows of up to half
-# the forward's block (it holds two tensors), a looped one (the sum, then dx, backwards)
-# longer rows.
+# With y = softmax(x) and dy the incoming gradient, the Jacobian dy_i/dx_j = y_i (delta_ij - y_j)
+# collapses to one dot product per row: dx = y * (dy - sum(dy * y)). For log-softmax,
+# dy_i/dx_j = delta_ij - softmax(x)_j gives dx = dy - exp(y) * sum(dy). Both are a row reduction
+# and an elementwise step on the saved *output* y and dy: 3 M N elements of traffic. A fused
+# kernel takes rows of up to half the forward's block (it holds two tensors), a looped one longer.
 
 # @save softmax
 
@@ -304,15 +298,12 @@ def softmax_backward_looped_kernel(
 # Launch rules and wrappers
 # -------------------------
 # Speed now comes from the launch. A sweep on an H100 gave these rules
-# (``tools/experiments/softmax_launch_sweep.py``; ``softmax_steps.py`` there times each
-# step). One row of 256 fp32 values over 4 warps gives each thread two values, too few
-# loads in flight to hide DRAM's latency: a tile holds about 4,096 values. ``num_warps``
-# grows with the tile, a warp per 1,024 values. A persistent, pipelined grid was never
-# faster for the fused kernels: one program per tile. The wrappers then see a matrix of
-# rows with unit stride: ``reshape(-1, N)`` merges leading dimensions and the row stride is
-# an argument, so a slice like ``x[:, :N]`` is read in place; a transposed matrix is copied
-# first. Autograd cannot differentiate a Triton kernel: the backward refuses
-# ``create_graph=True``.
+# (``tools/experiments/softmax_launch_sweep.py``; ``softmax_steps.py`` times each step). One row
+# of 256 fp32 values over 4 warps gives each thread two values, too few loads in flight to hide
+# DRAM's latency: a tile holds about 4,096 values, with a warp per 1,024. A persistent, pipelined
+# grid was never faster for the fused kernels. The wrappers see a matrix of rows with unit
+# stride: a slice like ``x[:, :N]`` is read in place, a transposed matrix copied first. The
+# backward refuses ``create_graph=True``: autograd cannot differentiate a Triton kernel.
 
 # @save softmax
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -411,13 +402,6 @@ def softmax_backward(y, dy, log: bool = False, launch: Launch | None = None):
     return dx
 
 
-def check_input(x):
-    check_tensor(x, "x", SUPPORTED_DTYPES)
-    if x.dim() == 0:
-        raise ValueError("x is 0-dim, but softmax runs over the last dimension: "
-                         "pass x.reshape(1) (whose softmax is [1.0])")  # fmt: skip
-
-
 class SoftmaxFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, log):
@@ -434,29 +418,29 @@ class SoftmaxFunction(torch.autograd.Function):
         return softmax_backward(y, dy, ctx.log), None
 
 
-def softmax(x: torch.Tensor) -> torch.Tensor:
-    """``torch.softmax(x, dim=-1)`` for fp32, fp16 and bf16, with autograd."""
-    check_input(x)
+def softmax(x: torch.Tensor, *, log: bool = False) -> torch.Tensor:
+    """``torch.softmax(x, dim=-1)`` (``log=True``: ``log_softmax``) for fp32, fp16 and
+    bf16, with autograd."""
+    check_tensor(x, "x", SUPPORTED_DTYPES)
+    if x.dim() == 0:
+        raise ValueError("x is 0-dim, but softmax runs over the last dimension: "
+                         "pass x.reshape(1) (whose softmax is [1.0])")  # fmt: skip
     if x.requires_grad and torch.is_grad_enabled():
-        return SoftmaxFunction.apply(x, False)
-    return softmax_forward(x)  # autograd's machinery costs the CPU ~15 µs: skip it
+        return SoftmaxFunction.apply(x, log)
+    return softmax_forward(x, log)  # autograd's machinery costs the CPU ~15 µs: skip it
 
 
 def log_softmax(x: torch.Tensor) -> torch.Tensor:
     """``torch.log_softmax(x, dim=-1)`` for fp32, fp16 and bf16, with autograd."""
-    check_input(x)
-    if x.requires_grad and torch.is_grad_enabled():
-        return SoftmaxFunction.apply(x, True)
-    return softmax_forward(x, log=True)
+    return softmax(x, log=True)
 
 
 # %%
 # Correctness
 # -----------
 # Values and gradients against PyTorch's in fp64. We round once, at the store: the relative
-# tolerance is about one unit in the last place, 2^-10 for fp16, 2^-7 for bf16 (2^-6 under
-# the interpreter, which truncates), 1e-5 for fp32. Gradients are differences, so their
-# absolute tolerance scales with the largest. ``tests/test_softmax.py`` checks much more.
+# tolerance is one unit in the last place, 2^-10 for fp16, 2^-7 for bf16 (2^-6 under the
+# interpreter, which truncates), 1e-5 for fp32; for gradients, scaled by the largest.
 
 BF16 = 2**-6 if tutorial.INTERPRET else 2**-7
 TOLERANCES = {torch.float32: 1e-5, torch.float16: 2**-10, torch.bfloat16: BF16}
@@ -505,10 +489,9 @@ tutorial.show_refusals("softmax()", bad_calls)
 # %%
 # Benchmarks
 # ----------
-# We time the GPU work of each call (a CUDA graph, replayed by ``do_bench`` with L2 emptied
-# before each replay) and count 2 M N x (bytes per element) forward, 5 M N for forward and
-# backward, against the copy bandwidth of the same GPU (dashed). M = 4,096 rows up to
-# N = 32,768, then 2^26 / N. Under each plot we print what its figures say.
+# GPU time of each call (a CUDA graph replayed by ``do_bench``, L2 emptied before each), for
+# 2 M N x (bytes per element) forward, 5 M N forward and backward, against the copy bandwidth
+# (dashed). M = 4,096 rows up to N = 32,768, then 2^26 / N.
 
 
 def rows_for(n_cols: int) -> int:
@@ -519,12 +502,8 @@ def make_softmax(provider: str, n_cols: int, dtype: torch.dtype, backward=False)
     x = torch.randn(rows_for(n_cols), n_cols, device=DEVICE, dtype=dtype)
     x.requires_grad_(backward)
     dy = torch.randn_like(x)
-    if provider == "torch.compile":
-        fn = bench.compile_static(torch_softmax)
-    else:
-        fn = {"triton": softmax, "torch": torch_softmax, "naive": naive_softmax}[
-            provider
-        ]
+    eager = {"triton": softmax, "torch": torch_softmax, "naive": naive_softmax}
+    fn = eager.get(provider) or bench.compile_static(torch_softmax)
     call = (lambda: torch.autograd.grad(fn(x), x, dy)) if backward else (lambda: fn(x))
     if provider == "torch.compile":
         call()  # compile now, not while timing
@@ -571,9 +550,8 @@ if forward:
 
 # %%
 # The naive version sits near a quarter of the others, as the bytes predict; the gap to
-# ``torch.softmax``, fused too, is how well the bytes are kept moving. Below N = 1,024
-# every provider falls short of the copy line: 4 MB take under 3 µs, about what a kernel
-# takes to launch and ramp up.
+# ``torch.softmax``, fused too, is how well the bytes are kept moving. Below N = 1,024 every
+# provider falls short of the copy line: 4 MB take under 3 µs, what a kernel takes to ramp up.
 #
 # Forward and backward
 # --------------------
@@ -599,9 +577,9 @@ if forward_backward:
 # From N = 32,768 the backward takes its looped kernel, which reads y and dy twice: our rate
 # drops there, and ``torch.compile`` can pull ahead; a split-row backward is the fix
 # (exercise 3). The forward's split kernel, reading x once, is timed against a looped one
-# in ``tools/experiments/softmax_long_rows.py``. The dotted lines time the call as your
-# code makes it, from Python: where its CPU path (wrapper, launcher, autograd) outlasts the
-# GPU work, at small N and through autograd, the CPU sets the pace. Chapter 08 measures it.
+# in ``tools/experiments/softmax_long_rows.py``. Dotted lines time the call from Python
+# (do_bench flushes L2 between calls, which hides that much CPU time); the summaries add a
+# call's CPU time. Through autograd ours needs more CPU than GPU: the CPU sets the pace.
 #
 # What we learned
 # ---------------

@@ -47,15 +47,14 @@ DEVICE = tutorial.DEVICE
 #
 # The forward kernel
 # ------------------
-# A program normalizes ``ROWS_PER_PROGRAM × BLOCK_N`` values: short rows share a program so
-# that each has enough bytes in flight. var = mean(x²) - mean(x)² cancels when the mean is large
-# next to the spread, so we take the mean, then the variance of ``x - mean``, from registers.
-# A longer row is walked: each block's mean m_b and squared deviations M2_b over n_b values
-# merge into the running m_a, M2_a, n_a by Chan's update, m = m_a + d n_b / n and M2 = M2_a +
-# M2_b + d² n_a n_b / n (d = m_b - m_a, n = n_a + n_b), which never cancels; a second walk
-# writes y, reading the row again from L2. The launch rule, measured by
-# ``tools/experiments/layer_norm_launch_sweep.py``, packs short rows into tiles, a warp per
-# 1,024 values, and caps the grid: programs loop over blocks of rows, loading ahead.
+# A program normalizes ``ROWS_PER_PROGRAM × BLOCK_N`` values: short rows share a program so that
+# each has enough bytes in flight. var = mean(x²) - mean(x)² cancels when the mean is large next
+# to the spread, so we take the mean, then the variance of ``x - mean``, from registers. A longer
+# row is walked: each block's mean m_b and squared deviations M2_b over n_b values merge into the
+# running m_a, M2_a, n_a by Chan's update, m = m_a + d n_b / n and M2 = M2_a + M2_b + d² n_a n_b
+# / n (d = m_b - m_a, n = n_a + n_b), which never cancels; a second walk writes y, from L2. The
+# launch rule (``tools/experiments/layer_norm_launch_sweep.py``) packs short rows into tiles, a
+# warp per 1,024 values, and caps the grid: programs loop over blocks of rows, loading ahead.
 
 # @save layer_norm
 import functools
@@ -175,32 +174,30 @@ def layer_norm_forward(x2d, weight, bias, eps, block_size=None, config=None):
 # %%
 # The backward, and the problem with dW and dB
 # --------------------------------------------
-# A program takes ``ROWS_PER_PROGRAM`` rows: it rebuilds x_hat from the saved mean and rstd,
-# writes dx, and sums ``dy * x_hat`` and ``dy`` over its rows in registers. The programs'
-# partial sums must then be combined (``tl.atomic_add`` would take N fp32 atomics per program,
-# their order changing the last bits). We build two ways, each ending in a kernel that sums in
-# a fixed order: **a lock-based reduction**, program p adding its partials into buffer
-# p % GROUP_SIZE_M while it holds that buffer's lock (drawn below), and **a two-stage one**.
+# A program takes ``ROWS_PER_PROGRAM`` rows: it rebuilds x_hat from the saved mean and rstd, writes
+# dx, and sums ``dy * x_hat`` and ``dy`` over its rows in registers. The programs' partials must
+# then be combined (``tl.atomic_add``: N fp32 atomics per program, in varying order). Two ways,
+# each ending in a kernel that sums in a fixed order: **a lock**, program p adding into buffer
+# p % GROUP_SIZE_M while it holds that buffer's lock (drawn below), and **two stages**.
 #
 # **A spin lock needs a barrier.** The lock is an int32, 0 when free: ``tl.atomic_cas(lock, 0,
 # 1)`` writes 1 if it finds 0 and returns what it found (0: we hold it); ``tl.atomic_xchg(lock,
 # 0)`` frees it. In between, the program's 128 to 512 threads each store a slice of the buffer,
-# but an atomic is issued by one thread, which without a barrier can free the lock while
-# others' stores are in flight: the next holder reads old values and a partial is lost, on some
-# runs, on some GPUs (tritonbench PR #1266 saw dW/dB corrupted in about 99 runs of 100 on an
-# RTX 4090). ``tl.debug_barrier()`` makes the release wait for every thread's stores; its
-# *release* semantics publish them before the lock reads free, and the next ``atomic_cas``'s
-# *acquire* makes its holder see them, read from L2 (``.cg``: L1s are not coherent). Buffers
-# come from ``torch.empty``: a count of visits per lock keeps anyone from reading garbage.
+# but an atomic is issued by one thread, which without a barrier can free the lock while others'
+# stores are in flight: a partial is lost, on some runs, on some GPUs (tritonbench PR #1266 saw
+# dW/dB corrupted in about 99 runs of 100 on an RTX 4090). ``tl.debug_barrier()`` makes the
+# release wait for every thread's stores; *release* semantics publish them before the lock reads
+# free, and the next ``atomic_cas``'s *acquire* makes its holder see them, from L2 (``.cg``: L1s
+# are not coherent). Buffers come from ``torch.empty``: a count of visits per lock keeps anyone
+# from reading garbage.
 
 draw_lock_reduction(n_programs=8, group_size_m=3)
 
 # %%
-# Rows past M load as zeros and add nothing. A row too long for one block is walked twice:
-# for c1 and c2 of the program's rows, then block by block for dx and that block's share of
-# dW and dB, flushed per block with locks of its own. The launch rule: fewer programs write
-# fewer partials but idle while waiting for loads, unless the row loop is pipelined; with
-# ``NUM_STAGES = 3``, one program per SM is best from N = 4,096.
+# Rows past M load as zeros and add nothing. A row too long for one block is walked twice: for c1
+# and c2, then block by block for dx and that block's share of dW and dB, flushed with locks of
+# its own. Fewer programs write fewer partials but idle waiting for loads, unless the row loop is
+# pipelined: with ``NUM_STAGES = 3``, one program per SM is best from N = 4,096.
 
 
 # @save layer_norm
@@ -405,9 +402,8 @@ def layer_norm_backward(dy2d, x2d, weight, mean, rstd, want_dw=True, want_db=Tru
 # %%
 # The function and the module
 # ---------------------------
-# ``layer_norm`` takes ``torch.nn.functional.layer_norm``'s arguments. Rows may lie any
-# distance apart (a slice ``x[:, :N]`` is used as it is; a transposed tensor is copied once).
-# Bad input is refused with a message saying what to do, and so is a double backward.
+# ``layer_norm`` takes ``torch.nn.functional.layer_norm``'s arguments. Rows may lie any distance
+# apart (a slice ``x[:, :N]`` is used as it is). Bad input and a double backward are refused.
 
 
 # @save layer_norm
@@ -444,23 +440,18 @@ def check_arguments(x, normalized_shape, weight, bias, eps, reduction, block_siz
     return shape
 
 
-def normalize(x, weight, bias, normalized_shape, eps, block_size):
-    """y, and what the backward needs: x2d, the flat weight, mean and rstd."""
-    x2d = rows_of(x, math.prod(normalized_shape))
-    flat = lambda p: None if p is None else p.reshape(-1).contiguous()
-    weight, bias = flat(weight), flat(bias)
-    y, mean, rstd = layer_norm_forward(x2d, weight, bias, eps, block_size)
-    return y.view(x.shape), (x2d, weight, mean, rstd)
-
-
 class LayerNormFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, normalized_shape, eps, reduction, block_size):
-        y, saved = normalize(x, weight, bias, normalized_shape, eps, block_size)
-        ctx.save_for_backward(*saved)
-        ctx.normalized_shape, ctx.has_bias = normalized_shape, bias is not None
-        ctx.options = dict(reduction=reduction, block_size=block_size)
-        return y
+        x2d = rows_of(x, math.prod(normalized_shape))
+        flat = lambda p: None if p is None else p.reshape(-1).contiguous()
+        weight, bias = flat(weight), flat(bias)
+        y, mean, rstd = layer_norm_forward(x2d, weight, bias, eps, block_size)
+        if ctx is not None:  # None: called without autograd, nothing to save
+            ctx.save_for_backward(x2d, weight, mean, rstd)
+            ctx.normalized_shape, ctx.has_bias = normalized_shape, bias is not None
+            ctx.options = dict(reduction=reduction, block_size=block_size)
+        return y.view(x.shape)
 
     @staticmethod
     def backward(ctx, dy):
@@ -480,14 +471,11 @@ def layer_norm(x, normalized_shape, weight=None, bias=None, eps=1e-5, *,
     every run) or "lock"; ``block_size``: a power of two, the most of a row loaded at once."""
     shape = check_arguments(x, normalized_shape, weight, bias, eps, reduction,
                             block_size)  # fmt: skip
-    tensors = (x, weight, bias)
-    if torch.is_grad_enabled() and any(
-        t is not None and t.requires_grad for t in tensors
-    ):
-        return LayerNormFunction.apply(x, weight, bias, shape, float(eps), reduction,
-                                       block_size)  # fmt: skip
-    # Nothing to differentiate: skip autograd.Function, which costs the CPU ~15 µs a call.
-    return normalize(x, weight, bias, shape, float(eps), block_size)[0]
+    args = (x, weight, bias, shape, float(eps), reduction, block_size)
+    grads = any(t is not None and t.requires_grad for t in (x, weight, bias))
+    if grads and torch.is_grad_enabled():
+        return LayerNormFunction.apply(*args)
+    return LayerNormFunction.forward(None, *args)  # no autograd: ~15 µs less CPU
 
 
 class LayerNorm(torch.nn.LayerNorm):
@@ -508,12 +496,10 @@ class LayerNorm(torch.nn.LayerNorm):
 # %%
 # Correctness, and the two reductions compared
 # --------------------------------------------
-# One call of the harness ``check_layer_norm`` compares y, dx, dW and dB with PyTorch's in
-# fp64, for each dtype and reduction, within one rounding of the dtype relative to the largest
-# value (``tests/test_layer_norm.py`` covers much more). Another runs each reduction's backward
-# 20 times: the time of one (on a GPU), how much dW changes between runs, its error against
-# fp64. The lock adds partials in the order the programs reach it, which varies on a GPU; the
-# interpreter runs them one by one, in a fixed order: it can show no race.
+# ``check_layer_norm`` compares y, dx, dW and dB with PyTorch's in fp64 for each dtype and
+# reduction, within one rounding of the dtype; another call runs each backward 20 times: its time
+# (GPU), how much dW changes between runs, its error. The lock adds partials in the order programs
+# reach it, which varies on a GPU; the interpreter's fixed order can show no race.
 
 keep = lambda t: t
 check_layer_norm.check(layer_norm, [  # shape, normalized dimensions, view, block_size
@@ -525,25 +511,22 @@ check_layer_norm.check(layer_norm, [  # shape, normalized dimensions, view, bloc
     ((21, 300), 1, keep, 64),  # rows walked in blocks of 64
 ])  # fmt: skip
 n_rows, n_cols = bench.choose(gpu=4096, cpu=64), bench.choose(gpu=4096, cpu=256)
-check_layer_norm.compare_reductions(
-    layer_norm_forward, layer_norm_backward, n_rows, n_cols
-)
+compare = check_layer_norm.compare_reductions
+compare(layer_norm_forward, layer_norm_backward, n_rows, n_cols)
 
 # %%
 # Benchmarks
 # ----------
-# M = 4,096 rows, N from 1,024 to 65,536, fp16 and fp32, counting the compulsory bytes (2 × M ×
-# N elements forward; 3 × M × N backward, timed alone through a saved graph). Filling and
-# draining the GPU is a visible share of each call here, so the reference at each size is
-# ``copy (same bytes)``, a plain Triton copy of the bytes we count.
+# M = 4,096 rows, N from 1,024 to 65,536, fp16 and fp32, counting the compulsory bytes (2 × M × N
+# elements forward; 3 × M × N backward, timed alone through a saved graph). Filling and draining
+# the GPU weighs here, so the reference is ``copy (same bytes)``, a Triton copy of those bytes.
 
 PROVIDERS = ["triton (lock)", "triton (two-stage)", "torch", "torch.compile"]
 try:  # Liger-Kernel, where installed
     from liger_kernel.ops.layer_norm import LigerLayerNormFunction
-
-    PROVIDERS.append("liger_kernel")
 except ImportError:
-    pass
+    LigerLayerNormFunction = None
+PROVIDERS += ["liger_kernel"] if LigerLayerNormFunction else []
 BENCH_ROWS = bench.choose(gpu=4096, cpu=8)
 
 
@@ -598,17 +581,14 @@ if backward is not None:
 # Ours falls furthest behind the copy where rows are walked and read twice, past
 # ``FORWARD_MAX_BLOCK`` and ``BACKWARD_MAX_BLOCK``; the backward also writes and reads its
 # partial sums, a larger share of the traffic the shorter the rows. The two-stage reduction
-# never waits for a lock: with its repeatability, the count above makes it the default.
-# Dotted lines are the calls as your code makes them, from Python: at these sizes the CPU
-# path of a call (three launches and autograd's engine, backward) can outlast the kernels.
+# never waits for a lock: with its repeatability, the count above makes it the default. Dotted
+# lines are calls from Python: up to N = 4,096 our calls' CPU time (printed) outlasts the kernels.
 #
 # What we learned
 # ---------------
-# * A row-wise kernel reads each row once; the variance of x - mean, or Chan's merge when
-#   rows are walked, keeps rows with a large mean accurate.
+# * A row-wise kernel reads each row once; x - mean's variance (Chan's merge when walked) is stable.
 # * dW and dB are sums across programs: each program first sums many rows in registers.
-# * A spin lock over ordinary stores needs a barrier before its release, and release/acquire
-#   atomics: a race the interpreter cannot show, and only many GPU runs can.
+# * A spin lock over plain stores needs a barrier before its release and release/acquire atomics.
 # * A two-stage reduction, one partial row per program, gives the same bits on every run.
 #
 # Exercises
@@ -616,5 +596,5 @@ if backward is not None:
 # 1. Delete ``tl.debug_barrier()`` from ``flush_partials`` and run the GPU race test of
 #    ``tests/test_layer_norm.py`` a few times. Why can a pass not prove the barrier useless?
 # 2. Replace the lock in ``flush_partials`` with ``tl.atomic_add``: speed? repeatability?
-# 3. Fuse a residual addition into the forward (``layer_norm(x + residual)``, returning the
-#    sum too). How many bytes does it save over two kernels?
+# 3. Fuse a residual addition into the forward (``layer_norm(x + residual)``, returning the sum
+#    too). How many bytes does it save?

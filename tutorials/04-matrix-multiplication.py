@@ -296,13 +296,11 @@ def keep_configs_for_dtype(configs, named_args, **kwargs):
     return [min(kept, key=lambda c: c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"])]
 
 
-matmul_portable_tuned = lean(  # cheap repeated launches: chapter 08
-    triton.autotune(
-        configs=autotune_configs(PORTABLE_CONFIGS),
-        key=["M", "N", "K", "INPUT_PRECISION"],
-        prune_configs_by={"early_config_prune": keep_configs_for_dtype},
-    )(matmul_kernel)
-)
+matmul_portable_tuned = lean(triton.autotune(  # lean: cheap repeated launches (chapter 08)
+    configs=autotune_configs(PORTABLE_CONFIGS),
+    key=["M", "N", "K", "INPUT_PRECISION"],
+    prune_configs_by={"early_config_prune": keep_configs_for_dtype},
+)(matmul_kernel))  # fmt: skip
 
 # %%
 # The wrapper
@@ -515,14 +513,11 @@ def print_ratios(results, x_values, ours="triton", theirs="torch"):
 if square_results is not None:  # our share of cuBLAS; the descriptor kernel's gain
     print_ratios(square_results, square.x_values)
     print_ratios(square_results, [2048, 4096, 8192], theirs="triton (portable)")
-    print(square_results.as_called("triton", "torch", 1024, "float16"))
 
 # %%
 # On large squares we run level with cuBLAS, a few percent either side (its two lines differ
 # by as much). We trail on small products, where fixed costs weigh, and where tiles fill the
 # last wave poorly (3,072³: 576 tiles of 128² for 132 SMs, 4.4 waves); cuBLAS has more kernels.
-# Dotted lines time the call from Python, as your code makes it: small products take less GPU
-# time than the CPU needs to issue them, so there the call, not the kernel, sets the rate.
 #
 # Benchmark: what the program order is worth
 # ------------------------------------------

@@ -18,9 +18,8 @@ Prerequisites: chapter 04 (matrix multiplication), whose ``matmul`` we import fr
 # %%
 # Setup
 # -----
-# Chapter 04's ``matmul(a, b, activation, *, bias, return_preactivation)`` computes ``activation(a @
-# b + bias)`` for any strides, and also ``a @ b + bias`` if asked, from one kernel. In fp32 it
-# follows ``torch.get_float32_matmul_precision()`` as PyTorch does: exact, or tf32 under "high".
+# Chapter 04's ``matmul(a, b, activation, *, bias, return_preactivation)``: ``activation(a @ b +
+# bias)`` for any strides (and ``a @ b + bias`` if asked) in one kernel; fp32 as PyTorch's setting.
 
 import functools
 
@@ -45,11 +44,10 @@ DEVICE = tutorial.DEVICE
 #     dB = A^T @ dC       (K, M) @ (M, N) -> (K, N)
 #
 # Each costs 2 M N K operations, as much as the forward. ``b.mT`` is a *view*: B's memory with the
-# strides swapped, which chapter 04's kernel reads as they are, where ``.contiguous()`` would copy.
-# A ``torch.autograd.Function`` pairs a forward, which saves what the backward needs, with a
-# backward that returns one gradient per input (``None`` where nobody asked). The product is an
-# argument, so the check can pass one that notes what it receives: the transposes of the backward
-# arrive with the address of the tensor they view and swapped strides. Tolerances, here and below:
+# strides swapped, which chapter 04's kernel reads as they are. A ``torch.autograd.Function``
+# pairs a forward, which saves what the backward needs, with a backward that returns one gradient
+# per input (``None`` where nobody asked). The check passes a product that notes what it receives:
+# the backward's transposes arrive as views, with swapped strides. Tolerances, here and below:
 # 1e-4 in fp32, 1e-2 in fp16, 4e-2 in bf16, in absolute terms scaled by the largest element.
 
 
@@ -93,9 +91,8 @@ for got, want in zip(grads, torch.autograd.grad(a @ b, (a, b), grad_c), strict=T
 (_, forward_b), (_, b_transposed), (a_transposed, _) = seen
 assert b_transposed == (b.data_ptr(), b.stride()[::-1])
 assert a_transposed == (a.data_ptr(), a.stride()[::-1])
-print(
-    "strides: B, B^T in dA, A^T in dB:", forward_b[1], b_transposed[1], a_transposed[1]
-)
+strides = forward_b[1], b_transposed[1], a_transposed[1]
+print("strides: B, B^T in dA, A^T in dB:", *strides)
 
 # %%
 # A fused linear layer
@@ -110,19 +107,16 @@ print(
 #     dW = dZ^T @ X          (N, M) @ (M, K)
 #     db = dZ summed over the M rows
 #
-# W^T and dZ^T are views again. The backward needs Z: we **keep** it (the forward also writes Z,
-# ``return_preactivation=True``) as ``nn.Linear`` + GELU does, or with ``recompute=True`` the
-# backward runs ``X @ W^T + b`` again: a third more work, no memory held.
+# W^T and dZ^T are views again. The backward needs Z: we **keep** it (the forward also writes it)
+# as ``nn.Linear`` + GELU does, or ``recompute=True`` runs ``X @ W^T + b`` again: a third more work.
 #
 # The dZ kernel
 # -------------
-# dZ = dY * act'(Z) is element-wise and memory bound (read dY and Z, write dZ), with
-# ``activation_derivative``, the counterpart of the epilogue's ``apply_activation``. Each program
-# also sums its tile's columns into a row of partial sums, which a small ``sum`` turns into db:
-# without atomics, db is the same on every run. dY may have any strides (``y.sum()``'s gradient has
-# strides 0). ``# @save linear`` puts the cell into ``stepkernels.linear``, with the forward and the
-# backward on X (M, K); the backward computes only the gradients asked for (the first layer needs
-# no dX) and a new empty tensor for the others: an operator's outputs may not alias.
+# dZ = dY * act'(Z) is element-wise and memory bound, with ``activation_derivative``, the
+# counterpart of the epilogue's ``apply_activation``. Each program also sums its tile's columns into
+# a row of partial sums, which a small ``sum`` turns into db: no atomics, the same db on every run.
+# dY may have any strides (``y.sum()``'s gradient has strides 0). The backward computes only the
+# gradients asked for, and a new empty tensor for the others: an operator's outputs may not alias.
 
 # @save linear
 from stepkernels._core import FLOAT_DTYPES, check_tensor, refuse_double_backward
@@ -148,11 +142,10 @@ def activation_backward_kernel(
     rows = block_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     columns = tl.program_id(axis=1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask = (rows[:, None] < M) & (columns[None, :] < N)
-    grad_y_ptrs = (
-        grad_y_ptr
-        + rows[:, None] * stride_grad_y_m
-        + columns[None, :] * stride_grad_y_n
+    grad_y_offsets = (
+        rows[:, None] * stride_grad_y_m + columns[None, :] * stride_grad_y_n
     )
+    grad_y_ptrs = grad_y_ptr + grad_y_offsets
     z_ptrs = z_ptr + rows[:, None] * stride_z_m + columns[None, :] * stride_z_n
     # fp32 arithmetic whatever the storage dtype (and bf16 must be converted first anyway).
     grad_y = tl.load(grad_y_ptrs, mask=mask, other=0.0).to(tl.float32)
@@ -209,13 +202,13 @@ def fused_linear_backward(grad_y, x, weight, bias, z, activation, needs_grad):
 # %%
 # A custom operator
 # -----------------
-# ``torch.compile`` cannot trace into Triton's launcher, but it keeps an operator made with
-# ``torch.library.custom_op`` (here ``torch.ops.stepkernels.fused_linear``) as one opaque node. Its
-# annotations are the schema; ``register_fake`` gives outputs of the right shape, dtype and device
-# for inputs without data, so the compiler traces without running it; ``register_autograd`` gives
-# the derivative, whose backward is a second operator, opaque too. Operators return no input or
-# view of one, and declare what they modify (``mutates_args=()``). Autograd cannot differentiate
-# our kernels, so the backward refuses ``create_graph=True`` with a clear error.
+# ``torch.compile`` keeps an operator made with ``torch.library.custom_op`` (here
+# ``torch.ops.stepkernels.fused_linear``) as one opaque node. Its annotations are the schema;
+# ``register_fake`` gives outputs of the right shape, dtype and device for inputs without data, so
+# the compiler traces without running it; ``register_autograd`` gives the derivative, a second
+# operator. Operators return no input or view of one and declare what they modify
+# (``mutates_args=()``). The backward refuses ``create_graph=True``: autograd cannot differentiate
+# our kernels.
 
 # @save linear
 
@@ -235,14 +228,9 @@ def _(x, weight, bias, activation, keep_z):
 
 @torch.library.custom_op("stepkernels::fused_linear_backward", mutates_args=())
 def fused_linear_backward_op(
-    grad_y: Tensor,
-    x: Tensor,
-    weight: Tensor,
-    bias: Tensor | None,
-    z: Tensor | None,
-    activation: str | None,
-    needs_grad: list[bool],
-) -> tuple[Tensor, Tensor, Tensor]:
+    grad_y: Tensor, x: Tensor, weight: Tensor, bias: Tensor | None, z: Tensor | None,
+    activation: str | None, needs_grad: list[bool],
+) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
     return fused_linear_backward(grad_y, x, weight, bias, z, activation, needs_grad)
 
 
@@ -290,12 +278,11 @@ class FusedLinearFunction(torch.autograd.Function):
 # %%
 # The layer
 # ---------
-# ``linear`` checks its inputs, flattens x into rows and calls the operator, keeping Z only when a
-# gradient will be asked for. That is under ``torch.compile``: in eager mode an operator's
-# dispatch costs the CPU far more than our kernels take (chapter 08 measures it), so eager calls
-# take an ``autograd.Function`` with the same forward and backward, or, when nothing needs a
-# gradient, the forward alone. The rows are counted, not ``-1``: without input features x has no
-# elements, and ``reshape(-1, 0)`` fails (each row is act(bias) then, as in ``nn.Linear``).
+# ``linear`` checks its inputs, flattens x into rows and calls the operator under
+# ``torch.compile``, keeping Z only when a gradient will be asked for. Eager calls take an
+# ``autograd.Function`` with the same forward and backward (an operator's dispatch costs the CPU
+# more than our kernels take: chapter 08), or the forward alone when nothing needs a gradient.
+# Rows are counted, not ``-1``: with no input features ``reshape(-1, 0)`` fails.
 # ``FusedLinear`` subclasses ``nn.Linear``: same parameters, initialisation and ``state_dict``.
 
 # @save linear
@@ -306,13 +293,8 @@ def check_linear_inputs(x, weight, bias, activation):
     check_tensor(weight, "weight", (x.dtype,))
     if bias is not None:
         check_tensor(bias, "bias", (x.dtype,))
-    bias_fits = bias is None or bias.shape == weight.shape[:1]
-    if (
-        weight.dim() != 2
-        or x.dim() == 0
-        or x.shape[-1] != weight.shape[1]
-        or not bias_fits
-    ):
+    bad = weight.dim() != 2 or x.dim() == 0 or x.shape[-1] != weight.shape[1]
+    if bad or not (bias is None or bias.shape == weight.shape[:1]):
         raise ValueError(
             "x must be (..., in_features), weight (out_features, in_features) and bias "
             f"(out_features,) or None, got shapes {tuple(x.shape)}, {tuple(weight.shape)} "
@@ -349,9 +331,8 @@ class FusedLinear(nn.Linear):
         self.activation, self.recompute = activation, recompute
 
     def forward(self, x):
-        return linear(
-            x, self.weight, self.bias, self.activation, recompute=self.recompute
-        )
+        args = (x, self.weight, self.bias, self.activation)
+        return linear(*args, recompute=self.recompute)
 
     def extra_repr(self):
         return f"{super().extra_repr()}, activation={self.activation}"
@@ -360,9 +341,8 @@ class FusedLinear(nn.Linear):
 # %%
 # Correctness
 # -----------
-# ``check_linear`` compares the forward and the three gradients with PyTorch's in fp32 on the same
-# rounded inputs, with Z kept and recomputed (those two must agree to the bit); bf16 on a GPU only.
-# Bad input and a second derivative are refused. ``tests/test_linear.py`` covers the rest.
+# The forward and the three gradients against PyTorch's in fp32 on the same rounded inputs, with Z
+# kept and recomputed (equal to the bit); bf16 on a GPU only. Then refusals; more in the tests.
 
 
 def torch_linear(x, weight, bias=None, activation=None):
@@ -489,11 +469,8 @@ try:
     fused_losses, torch_losses = train(fused_mlp, batches), train(torch_mlp, batches)
 finally:
     torch.set_float32_matmul_precision(precision)
-
-# %%
-# The curves differ only by rounding (the order of additions; on a GPU tf32's rounding, which grows
-# with each step): we allow a relative difference of 1e-4 per step here, 3e-2 on a GPU.
-
+# The curves differ only by rounding (the order of additions; on a GPU tf32's, which grows with
+# each step): we allow a relative difference of 1e-4 per step here, 3e-2 on a GPU.
 differences = [abs(a - b) / b for a, b in zip(fused_losses, torch_losses, strict=True)]
 title = f"MLP {INPUTS}-{HIDDEN}-{HIDDEN}-1, batch {BATCH}, fp32"
 figures_linear.draw_training_losses(torch_losses, fused_losses, title)
@@ -524,10 +501,9 @@ print(f"torch.compile(fullgraph=True, backend={backend!r}): same gradients as ea
 # Benchmark
 # ---------
 # One layer, forward and forward plus backward, against ``nn.Linear`` and the activation in eager
-# PyTorch (cuBLAS, then element-wise kernels) and ``torch.compile`` of it: 4,096 tokens and output
-# features, K from 1,024 to 8,192, GELU; then K = 4,096 in fp16 for each of the ``ACTIVATIONS``.
-# fp32 runs as tf32. We count 2 M N K FLOPs per product, three with the backward: the recomputing
-# variant's fourth product lowers its rate.
+# PyTorch and ``torch.compile`` of it: 4,096 tokens and output features, K from 1,024 to 8,192,
+# GELU; then K = 4,096 in fp16 for each activation. fp32 runs as tf32. We count 2 M N K FLOPs per
+# product, three with the backward: the recomputing variant's fourth product lowers its rate.
 
 TOKENS = OUT_FEATURES = ACTIVATION_K = bench.choose(gpu=4096, cpu=32)
 K_AXIS = "in_features K (M = N = 4096, GELU)"
@@ -562,20 +538,17 @@ def linear_benchmark(name, backward, per_activation):
     activation = lambda x: ACTIVATIONS[int(x)] if per_activation else "gelu"
     recompute = ["triton (recompute)"] if backward and not per_activation else []
     return bench.Benchmark(
-        name=name,
+        name=name, unit="TFLOP/s", float32_matmul_precision="high",
         x_name=ACTIVATION_AXIS if per_activation else K_AXIS,
         x_values=list(range(5)) if per_activation else [1024, 2048, 4096, 8192],
         providers=["triton", *recompute, "torch", "torch.compile"],
         make=lambda p, x, dtype: make_linear(p, k(x), dtype, activation(x), backward),
         work=lambda x, dtype: (3 if backward else 1) * 2 * TOKENS * OUT_FEATURES * k(x),
-        unit="TFLOP/s",
         dtypes=(torch.float16,) if per_activation else (torch.float16, torch.float32),
-        smoke_x=3 if per_activation else 32,
-        headline_x=None if per_activation else 4096,
+        smoke_x=3 if per_activation else 32, headline_x=None if per_activation else 4096,
         x_log2=not per_activation,  # categories: bars, one per activation
         x_labels=dict(enumerate(map(str, ACTIVATIONS))) if per_activation else None,
-        float32_matmul_precision="high",
-    )
+    )  # fmt: skip
 
 
 def print_ratios(results, provider="triton", other="torch"):
@@ -605,12 +578,10 @@ for name, backward, per_activation in [
 # %%
 # In fp16 the fused layer runs close to eager PyTorch but not past it with GELU: its ``erf`` costs
 # our epilogue what PyTorch's separate kernel costs (the persistent kernel loads its next tile only
-# after this tile's epilogue). Cheap activations are nearly free in the epilogue, where PyTorch runs
-# extra kernels: there fusion wins, most for squared ReLU. Recomputing Z costs a fourth product
-# (toward 0.75 of our rate). fp32 trails from the product itself (chapter 04: our tf32 kernel and
-# the copies to K-major operands on Hopper). Gaps of a few percent are noise between recordings.
-# Dotted lines are the calls made from Python, what a training loop sees: forward and backward
-# through autograd cost the CPU more than small products take on the GPU.
+# after this tile's epilogue). Cheap activations are nearly free in the epilogue, where PyTorch
+# runs extra kernels: fusion wins, most for squared ReLU. Recomputing Z costs a fourth product.
+# fp32 trails from the product (chapter 04: tf32, K-major copies on Hopper). Dotted lines are the
+# calls from Python: through autograd the CPU takes longer than small products on the GPU.
 #
 # What we learned
 # ---------------

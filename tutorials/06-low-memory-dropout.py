@@ -32,40 +32,36 @@ DEVICE = tutorial.DEVICE
 # %%
 # What dropout costs
 # ------------------
-# Dropout keeps each element with probability 1 - p and scales the kept ones by 1 / (1 - p),
-# so that the expected output equals the input. Its backward applies the *same* mask to the
-# gradient, dx = dy * keep / (1 - p), so the forward must tell the backward what it kept.
-# PyTorch's CUDA dropout stores the mask, one ``bool`` per element: for N fp16 elements the
-# forward moves 2N (read x) + 2N (write y) + N (the mask) bytes, a quarter more than the 4N
-# dropout needs, and the mask stays in memory until the backward reads it again. If instead
-# the random number of element i is a pure function f(seed, i), the backward calls f again
-# with the same seed and gets the same mask: the forward stores one integer.
+# Dropout keeps each element with probability 1 - p and scales the kept ones by 1 / (1 - p), so
+# that the expected output equals the input. Its backward applies the *same* mask to the gradient,
+# dx = dy * keep / (1 - p), so the forward must tell the backward what it kept. PyTorch's CUDA
+# dropout stores the mask, one ``bool`` per element: for N fp16 elements the forward moves 2N (read
+# x) + 2N (write y) + N (the mask) bytes, a quarter more than the 4N dropout needs, and the mask
+# stays in memory until the backward reads it. If instead the random number of element i is a pure
+# function f(seed, i), the backward calls f again with the same seed: the forward stores an integer.
 #
 # Counter-based random numbers
 # ----------------------------
-# An ordinary generator carries a state that each draw updates; thousands of GPU threads
-# cannot share one. A *counter-based* generator is a keyed hash: it scrambles a counter
-# (position i) with a key (the seed) in a few rounds of multiplications and XORs, so each
-# thread computes its elements' numbers in any order, as often as it likes. Triton ships
-# Philox-4x32-10 (Salmon et al., SC 2011): ``tl.rand4x(seed, offsets)`` returns four uniform
-# floats in [0, 1) per offset, ``tl.rand`` one of them.
+# An ordinary generator carries a state that each draw updates; thousands of GPU threads cannot
+# share one. A *counter-based* generator is a keyed hash: it scrambles a counter (position i) with a
+# key (the seed) in a few rounds of multiplications and XORs, so each thread computes its elements'
+# numbers in any order, as often as it likes. Triton ships Philox-4x32-10 (Salmon et al., SC 2011):
+# ``tl.rand4x(seed, offsets)`` returns four uniform floats in [0, 1) per offset, ``tl.rand`` one.
 #
 # Two mistakes have shipped in real libraries. **Counters that restart in every tile**
-# (``tl.arange(0, BLOCK_SIZE)``): every tile draws the same numbers, so the same features are
-# dropped together everywhere, silently. Number elements by their place in the whole tensor
-# and give every launch a fresh seed. **A seed taken from an address** (``x.data_ptr()``):
-# ``torch.manual_seed`` no longer reproduces a run, and a reused address repeats a mask. Our
-# seed is an explicit integer, drawn by our modules from PyTorch's generator.
+# (``tl.arange(0, BLOCK_SIZE)``): every tile draws the same numbers, so the same features drop
+# together everywhere, silently. Number elements by their place in the whole tensor and give every
+# launch a fresh seed. **A seed taken from an address** (``x.data_ptr()``): ``torch.manual_seed`` no
+# longer reproduces a run, and a reused address repeats a mask. Our seed is an explicit integer.
 #
 # Four numbers per Philox call
 # ----------------------------
-# ``tl.rand`` runs all 10 rounds of Philox (about 60 integer instructions) per element and
-# keeps a quarter of the output; at 3 TB/s an H100 has time for about 40 instructions per
-# fp16 element. So our counter is the group index ``offset // 4``, and one call serves the
-# group's four elements: a block is ``BLOCK_SIZE // 4`` groups x 4 lanes, consecutive in
-# memory (group g, lane l at 4g + l). The counter depends only on the position, never on the
-# block size, and its 32 bits cover 2^34 elements. Cells marked ``# @save dropout`` are the
-# package's ``stepkernels.dropout`` (``make export``); the first holds the imports.
+# ``tl.rand`` runs all 10 rounds of Philox (about 60 integer instructions) per element and keeps a
+# quarter of the output; at 3 TB/s an H100 has time for about 40 instructions per fp16 element. So
+# our counter is the group index ``offset // 4``, and one call serves the group's four elements: a
+# block is ``BLOCK_SIZE // 4`` groups x 4 lanes, consecutive in memory (group g, lane l at 4g + l).
+# The counter depends only on the position, never on the block size, and its 32 bits cover 2^34
+# elements. Cells marked ``# @save dropout`` are the package's ``stepkernels.dropout``.
 
 # @save dropout
 import math
@@ -124,11 +120,10 @@ def dropout_kernel(x_ptr, out_ptr, n_elements, p, scale, seed,
 # %%
 # The wrapper
 # -----------
-# The seed is an explicit integer in [0, 2^63): the caller owns reproducibility. p = 1 would
-# make the scale 1 / 0, so we pass 0; p = 0 returns x. A non-contiguous view gets the mask of
-# its contiguous copy. ``inplace=True`` writes into x, as ``torch.nn.Dropout`` does, and
-# ``mark_dirty`` lets autograd refuse what it refuses for any in-place operation (a leaf
-# that requires grad). A second derivative through the Triton backward is refused.
+# The seed is an explicit integer in [0, 2^63): the caller owns reproducibility. p = 1 would make
+# the scale 1 / 0, so we pass 0; p = 0 returns x. A non-contiguous view gets the mask of its
+# contiguous copy. ``inplace=True`` writes into x, as ``torch.nn.Dropout`` does, and ``mark_dirty``
+# lets autograd refuse what it refuses for any in-place operation, as a second derivative is.
 
 # @save dropout
 BLOCK_SIZE = 4096
@@ -245,9 +240,8 @@ figures_dropout.draw_restarting_counters(dropout)
 # Correctness
 # -----------
 # Given the mask m (dropout of ones shows it), dropout must equal ``where(m, x * scale, 0)``
-# exactly, forward and backward, in every dtype (bf16 to one unit in the last place under
-# the interpreter, which truncates instead of rounding), and keep 1 - p of the elements
-# within 5 standard deviations. ``tests/test_dropout.py`` checks much more.
+# exactly, forward and backward, in every dtype (bf16 to one ulp under the interpreter, which
+# truncates), and keep 1 - p of the elements within 5 standard deviations.
 
 
 def check_dropout(shapes, p: float, seed: int) -> None:
@@ -270,14 +264,11 @@ def check_dropout(shapes, p: float, seed: int) -> None:
 n = bench.choose(gpu=2**24 + 3, cpu=20_011)
 check_dropout([(1,), (97,), (BLOCK_SIZE + 1,), (3, 333), (n,)], p=0.3, seed=2024)
 x = torch.randn(1000, device=DEVICE)
-tutorial.show_refusals(
-    "dropout()",
-    {
-        "p above 1": lambda: dropout(x, 1.5, 0),
-        "seed a tensor": lambda: dropout(x, 0.5, torch.tensor(3)),
-        "seed of 64 bits": lambda: dropout(x, 0.5, 2**63),
-    },
-)
+tutorial.show_refusals("dropout()", {
+    "p above 1": lambda: dropout(x, 1.5, 0),
+    "seed a tensor": lambda: dropout(x, 0.5, torch.tensor(3)),
+    "seed of 64 bits": lambda: dropout(x, 0.5, 2**63),
+})  # fmt: skip
 
 # %%
 # The fused layer: bias, activation, dropout
@@ -288,13 +279,12 @@ tutorial.show_refusals(
 #
 #     dz = dy * keep / (1 - p) * act'(z),     dx = dz,     db = sum of dz over rows.
 #
-# For act'(z) we save x, which the caller holds anyway, and *recompute* z. For db each
-# program walks a strip of rows, sums its columns in registers and writes one row of
-# partial sums for PyTorch to add. Counters number *groups of four in a row* (row *
-# ceil(n_cols / 4) + col // 4, lane col % 4), so one row's tile is dropout's block of groups
-# x 4 lanes. A program owns ``BLOCK_COLS`` columns (bias loaded once) and walks its strip a
-# row at a time; ``NUM_STAGES = 2`` issues the next row's loads before this row's math. (3-D
-# tiles ran at under half this rate: ``tools/experiments/fused_dropout_sweep.py``.)
+# For act'(z) we save x, which the caller holds anyway, and *recompute* z. For db each program walks
+# a strip of rows, sums its columns in registers and writes one row of partial sums for PyTorch to
+# add. Counters number *groups of four in a row*: group row * ceil(n_cols / 4) + col // 4, lane
+# col % 4. A program owns ``BLOCK_COLS`` columns (bias loaded once) and walks its strip a row at a
+# time; ``NUM_STAGES = 2`` issues the next row's loads before this row's math (3-D tiles ran at
+# under half this rate: ``tools/experiments/fused_dropout_sweep.py``).
 
 
 # @save dropout
@@ -383,7 +373,9 @@ def fused_launch(n_rows: int, n_cols: int) -> tuple[int, int, tuple[int, int]]:
     return block_cols, rows_per_program, (row_blocks, col_blocks)
 
 
-def bias_act_dropout(x2d, bias, p, activation, seed):
+def bias_act_dropout(x, bias, p, activation, seed):
+    # Rows by math.prod: with no features, view(-1, 0) would be ambiguous.
+    x2d = x.view(math.prod(x.shape[:-1]), x.shape[-1])
     out = torch.empty_like(x2d)
     if x2d.numel():
         block_cols, rows_per_program, grid = fused_launch(*x2d.shape)
@@ -391,24 +383,24 @@ def bias_act_dropout(x2d, bias, p, activation, seed):
             x2d, bias, out, *x2d.shape, rows_per_program, p, scale_for(p), seed,
             ACTIVATION=activation, BLOCK_COLS=block_cols, **FUSED_OPTIONS,
         )  # fmt: skip
-    return out
+    return out.view(x.shape)
 
 
 class BiasActDropout(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, bias, p, activation, seed):
-        # Rows by math.prod: with no features, view(-1, 0) would be ambiguous.
-        x2d = x.view(math.prod(x.shape[:-1]), x.shape[-1])
-        ctx.save_for_backward(x2d if activation is not None else None, bias)
-        ctx.p, ctx.activation, ctx.seed, ctx.shape2d = p, activation, seed, x2d.shape
-        return bias_act_dropout(x2d, bias, p, activation, seed).view(x.shape)
+        ctx.save_for_backward(x.view(-1) if activation is not None else None, bias)
+        ctx.p, ctx.activation, ctx.seed = p, activation, seed
+        ctx.shape2d = (math.prod(x.shape[:-1]), x.shape[-1])
+        return bias_act_dropout(x, bias, p, activation, seed)
 
     @staticmethod
     def backward(ctx, grad_out):
         _core.refuse_double_backward(
-            "dropout_bias_act", "dropout(act(x + bias)) in PyTorch"
+            "dropout_bias_act", "PyTorch's dropout(act(x + b))"
         )
-        x2d, bias = ctx.saved_tensors
+        x, bias = ctx.saved_tensors
+        x2d = None if x is None else x.view(ctx.shape2d)
         grad_2d = grad_out.contiguous().view(ctx.shape2d)
         grad_in, grad_bias = torch.empty_like(grad_2d), torch.zeros_like(bias)
         if grad_2d.numel():
@@ -440,8 +432,7 @@ def dropout_bias_act(x, bias, p: float, activation, seed: int, training: bool = 
     x, bias = x.contiguous(), bias.contiguous()
     if torch.is_grad_enabled() and (x.requires_grad or bias.requires_grad):
         return BiasActDropout.apply(x, bias, p, activation, seed)
-    x2d = x.view(math.prod(x.shape[:-1]), x.shape[-1])  # nothing for autograd
-    return bias_act_dropout(x2d, bias, p, activation, seed).view(x.shape)
+    return bias_act_dropout(x, bias, p, activation, seed)  # nothing for autograd
 
 
 class DropoutBiasAct(torch.nn.Module):
@@ -509,12 +500,11 @@ print(f"fused mask, 512 rows of 300: mean |correlation| between rows {correlatio
 # %%
 # Benchmarks
 # ----------
-# Dropout at p = 0.1 on 2^16 to 2^28 elements, and the layer with GELU on (N / 4096) x 4096,
-# forward and forward + backward, against eager PyTorch (whose dropout stores a ``bool``
-# mask) and ``torch.compile``. Effective bandwidth counts compulsory bytes only: 2N x (bytes
-# per element) forward, 4N forward + backward, 5N for the layer (whose backward reads x).
-# The recording also holds two variants from ``tools/experiments/dropout_variants.py``:
-# ``triton (stored mask)``, our mask stored, and ``triton (rand per element)``, ``tl.rand``.
+# Dropout at p = 0.1 on 2^16 to 2^28 elements, and the layer with GELU on (N / 4096) x 4096, forward
+# and forward + backward, against eager PyTorch (whose dropout stores a ``bool`` mask) and
+# ``torch.compile``. We count compulsory bytes only: 2N x (bytes per element) forward, 4N forward +
+# backward, 5N for the layer (whose backward reads x). The dropout recordings also hold the two
+# variants of ``tools/experiments/dropout_variants.py``: a stored mask, and ``tl.rand`` per element.
 
 P_BENCH, FEATURES = 0.1, 4096
 
@@ -581,28 +571,23 @@ for name, fused, backward, passes in (
             print(f"{dtype}: {per_ns:.0f} elements per ns at 2^28 ({results.how})")
 
 # %%
-# At large sizes our dropout moves its bytes about as fast as a plain copy, ahead of
-# ``torch``, which also writes its mask. The variants show where time would go: a Philox
-# call per element makes the generator set the pace (most of all in fp16, with the fewest
-# bytes per element to hide it behind), and a stored mask costs the byte it writes. Dotted
-# lines are the calls made from Python: below about a million elements the CPU's part of
-# a call takes longer than the kernel, for every provider.
+# At large sizes our dropout moves its bytes about as fast as a plain copy, ahead of ``torch``,
+# which also writes its mask. The variants show where time would go: a Philox call per element
+# makes the generator set the pace (most in fp16, with the fewest bytes per element to hide it
+# behind), and a stored mask costs the byte it writes. Dotted lines, on the fused layer's plots,
+# are calls from Python: through autograd our call's CPU time outlasts its kernels up to 2^24.
 #
-# The fused layer leaves eager PyTorch's three kernels far behind, and ``torch.compile``
-# too. In fp32 its forward comes near the copy of the same bytes; in fp16 it stays well
-# short, and the elements per nanosecond say why: about the same in both dtypes, although
-# an fp16 element has half the bytes. The pace is set per element, by arithmetic: GELU's
-# ``erf`` and the generator (the sweep in ``tools/experiments`` tells them apart).
+# The fused layer leaves eager PyTorch's three kernels far behind, and ``torch.compile`` too. In
+# fp32 its forward comes near the copy of the same bytes; in fp16 it stays well short, and the
+# elements per nanosecond say why: about the same in both dtypes, though an fp16 element has half
+# the bytes. The pace is set per element by arithmetic: GELU's ``erf`` and the generator.
 #
 # What we learned
 # ---------------
-# * With a counter-based generator a mask is a pure function of (seed, counter), so the
-#   backward regenerates it instead of storing it.
-# * Every element needs its own counter across the launch, and every launch its own seed,
-#   drawn from a generator the user seeds (never a counter per tile, never an address).
+# * A counter-based generator makes a mask a pure function of (seed, counter): regenerate it.
+# * Every element needs its own counter across the launch, every launch a seed (never an address).
 # * One Philox call yields four numbers: using all four cuts the generator's cost by four.
-# * A fused backward recomputes cheap intermediates (z = x + b) from what the caller holds;
-#   a reduction across programs (the bias gradient) becomes partial sums and a small sum.
+# * A fused backward recomputes cheap intermediates (z = x + b); db is partial sums, then a sum.
 #
 # Exercises
 # ---------

@@ -137,7 +137,7 @@ if pieces:
         )
 
 # %%
-# Triton's ``kernel[grid](...)`` costs several times what its launcher needs. At every call
+# Triton's ``kernel[grid](...)`` costs more than twice what its launcher needs. At every call
 # it binds the arguments to the kernel's signature, works out how each one specializes the
 # kernel (its dtype, whether a pointer is 16-byte aligned, whether an integer is 1 or a
 # multiple of 16), turns that into a cache key and looks the compiled kernel up. Autograd adds
@@ -244,7 +244,7 @@ if calls:
 # %%
 # What remains of a forward is the launcher itself (the "compiled launcher alone" above),
 # the output's allocation and a few microseconds of Python: more than torch's C++ path, which
-# is why our forwards miss the 1.5x target on this host. Through autograd the engine's own
+# is why most of our forwards miss the 1.5x target on this host. Through autograd the engine's own
 # cost, paid by torch too, narrows the ratio. (Chapter 05's linear layer was the extreme case:
 # the dispatch of its ``torch.library.custom_op`` cost hundreds of microseconds per eager call,
 # so eager calls now take an ``autograd.Function``.)

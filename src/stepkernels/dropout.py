@@ -225,7 +225,9 @@ def fused_launch(n_rows: int, n_cols: int) -> tuple[int, int, tuple[int, int]]:
     return block_cols, rows_per_program, (row_blocks, col_blocks)
 
 
-def bias_act_dropout(x2d, bias, p, activation, seed):
+def bias_act_dropout(x, bias, p, activation, seed):
+    # Rows by math.prod: with no features, view(-1, 0) would be ambiguous.
+    x2d = x.view(math.prod(x.shape[:-1]), x.shape[-1])
     out = torch.empty_like(x2d)
     if x2d.numel():
         block_cols, rows_per_program, grid = fused_launch(*x2d.shape)
@@ -233,24 +235,24 @@ def bias_act_dropout(x2d, bias, p, activation, seed):
             x2d, bias, out, *x2d.shape, rows_per_program, p, scale_for(p), seed,
             ACTIVATION=activation, BLOCK_COLS=block_cols, **FUSED_OPTIONS,
         )  # fmt: skip
-    return out
+    return out.view(x.shape)
 
 
 class BiasActDropout(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, bias, p, activation, seed):
-        # Rows by math.prod: with no features, view(-1, 0) would be ambiguous.
-        x2d = x.view(math.prod(x.shape[:-1]), x.shape[-1])
-        ctx.save_for_backward(x2d if activation is not None else None, bias)
-        ctx.p, ctx.activation, ctx.seed, ctx.shape2d = p, activation, seed, x2d.shape
-        return bias_act_dropout(x2d, bias, p, activation, seed).view(x.shape)
+        ctx.save_for_backward(x.view(-1) if activation is not None else None, bias)
+        ctx.p, ctx.activation, ctx.seed = p, activation, seed
+        ctx.shape2d = (math.prod(x.shape[:-1]), x.shape[-1])
+        return bias_act_dropout(x, bias, p, activation, seed)
 
     @staticmethod
     def backward(ctx, grad_out):
         _core.refuse_double_backward(
-            "dropout_bias_act", "dropout(act(x + bias)) in PyTorch"
+            "dropout_bias_act", "PyTorch's dropout(act(x + b))"
         )
-        x2d, bias = ctx.saved_tensors
+        x, bias = ctx.saved_tensors
+        x2d = None if x is None else x.view(ctx.shape2d)
         grad_2d = grad_out.contiguous().view(ctx.shape2d)
         grad_in, grad_bias = torch.empty_like(grad_2d), torch.zeros_like(bias)
         if grad_2d.numel():
@@ -282,8 +284,7 @@ def dropout_bias_act(x, bias, p: float, activation, seed: int, training: bool = 
     x, bias = x.contiguous(), bias.contiguous()
     if torch.is_grad_enabled() and (x.requires_grad or bias.requires_grad):
         return BiasActDropout.apply(x, bias, p, activation, seed)
-    x2d = x.view(math.prod(x.shape[:-1]), x.shape[-1])  # nothing for autograd
-    return bias_act_dropout(x2d, bias, p, activation, seed).view(x.shape)
+    return bias_act_dropout(x, bias, p, activation, seed)  # nothing for autograd
 
 
 class DropoutBiasAct(torch.nn.Module):

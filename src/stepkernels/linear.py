@@ -26,11 +26,10 @@ def activation_backward_kernel(
     rows = block_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     columns = tl.program_id(axis=1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask = (rows[:, None] < M) & (columns[None, :] < N)
-    grad_y_ptrs = (
-        grad_y_ptr
-        + rows[:, None] * stride_grad_y_m
-        + columns[None, :] * stride_grad_y_n
+    grad_y_offsets = (
+        rows[:, None] * stride_grad_y_m + columns[None, :] * stride_grad_y_n
     )
+    grad_y_ptrs = grad_y_ptr + grad_y_offsets
     z_ptrs = z_ptr + rows[:, None] * stride_z_m + columns[None, :] * stride_z_n
     # fp32 arithmetic whatever the storage dtype (and bf16 must be converted first anyway).
     grad_y = tl.load(grad_y_ptrs, mask=mask, other=0.0).to(tl.float32)
@@ -99,14 +98,9 @@ def _(x, weight, bias, activation, keep_z):
 
 @torch.library.custom_op("stepkernels::fused_linear_backward", mutates_args=())
 def fused_linear_backward_op(
-    grad_y: Tensor,
-    x: Tensor,
-    weight: Tensor,
-    bias: Tensor | None,
-    z: Tensor | None,
-    activation: str | None,
-    needs_grad: list[bool],
-) -> tuple[Tensor, Tensor, Tensor]:
+    grad_y: Tensor, x: Tensor, weight: Tensor, bias: Tensor | None, z: Tensor | None,
+    activation: str | None, needs_grad: list[bool],
+) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
     return fused_linear_backward(grad_y, x, weight, bias, z, activation, needs_grad)
 
 
@@ -156,13 +150,8 @@ def check_linear_inputs(x, weight, bias, activation):
     check_tensor(weight, "weight", (x.dtype,))
     if bias is not None:
         check_tensor(bias, "bias", (x.dtype,))
-    bias_fits = bias is None or bias.shape == weight.shape[:1]
-    if (
-        weight.dim() != 2
-        or x.dim() == 0
-        or x.shape[-1] != weight.shape[1]
-        or not bias_fits
-    ):
+    bad = weight.dim() != 2 or x.dim() == 0 or x.shape[-1] != weight.shape[1]
+    if bad or not (bias is None or bias.shape == weight.shape[:1]):
         raise ValueError(
             "x must be (..., in_features), weight (out_features, in_features) and bias "
             f"(out_features,) or None, got shapes {tuple(x.shape)}, {tuple(weight.shape)} "
@@ -199,9 +188,8 @@ class FusedLinear(nn.Linear):
         self.activation, self.recompute = activation, recompute
 
     def forward(self, x):
-        return linear(
-            x, self.weight, self.bias, self.activation, recompute=self.recompute
-        )
+        args = (x, self.weight, self.bias, self.activation)
+        return linear(*args, recompute=self.recompute)
 
     def extra_repr(self):
         return f"{super().extra_repr()}, activation={self.activation}"

@@ -121,13 +121,11 @@ def keep_configs_for_dtype(configs, named_args, **kwargs):
     return [min(kept, key=lambda c: c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"])]
 
 
-matmul_portable_tuned = lean(  # cheap repeated launches: chapter 08
-    triton.autotune(
-        configs=autotune_configs(PORTABLE_CONFIGS),
-        key=["M", "N", "K", "INPUT_PRECISION"],
-        prune_configs_by={"early_config_prune": keep_configs_for_dtype},
-    )(matmul_kernel)
-)
+matmul_portable_tuned = lean(triton.autotune(  # lean: cheap repeated launches (chapter 08)
+    configs=autotune_configs(PORTABLE_CONFIGS),
+    key=["M", "N", "K", "INPUT_PRECISION"],
+    prune_configs_by={"early_config_prune": keep_configs_for_dtype},
+)(matmul_kernel))  # fmt: skip
 
 
 FP8_DTYPES = (torch.float8_e4m3fn,) if INTERPRET or capability() >= (8, 9) else ()

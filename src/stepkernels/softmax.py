@@ -287,13 +287,6 @@ def softmax_backward(y, dy, log: bool = False, launch: Launch | None = None):
     return dx
 
 
-def check_input(x):
-    check_tensor(x, "x", SUPPORTED_DTYPES)
-    if x.dim() == 0:
-        raise ValueError("x is 0-dim, but softmax runs over the last dimension: "
-                         "pass x.reshape(1) (whose softmax is [1.0])")  # fmt: skip
-
-
 class SoftmaxFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, log):
@@ -310,17 +303,18 @@ class SoftmaxFunction(torch.autograd.Function):
         return softmax_backward(y, dy, ctx.log), None
 
 
-def softmax(x: torch.Tensor) -> torch.Tensor:
-    """``torch.softmax(x, dim=-1)`` for fp32, fp16 and bf16, with autograd."""
-    check_input(x)
+def softmax(x: torch.Tensor, *, log: bool = False) -> torch.Tensor:
+    """``torch.softmax(x, dim=-1)`` (``log=True``: ``log_softmax``) for fp32, fp16 and
+    bf16, with autograd."""
+    check_tensor(x, "x", SUPPORTED_DTYPES)
+    if x.dim() == 0:
+        raise ValueError("x is 0-dim, but softmax runs over the last dimension: "
+                         "pass x.reshape(1) (whose softmax is [1.0])")  # fmt: skip
     if x.requires_grad and torch.is_grad_enabled():
-        return SoftmaxFunction.apply(x, False)
-    return softmax_forward(x)  # autograd's machinery costs the CPU ~15 µs: skip it
+        return SoftmaxFunction.apply(x, log)
+    return softmax_forward(x, log)  # autograd's machinery costs the CPU ~15 µs: skip it
 
 
 def log_softmax(x: torch.Tensor) -> torch.Tensor:
     """``torch.log_softmax(x, dim=-1)`` for fp32, fp16 and bf16, with autograd."""
-    check_input(x)
-    if x.requires_grad and torch.is_grad_enabled():
-        return SoftmaxFunction.apply(x, True)
-    return softmax_forward(x, log=True)
+    return softmax(x, log=True)
