@@ -247,7 +247,9 @@ if calls:
 # is why most of our forwards miss the 1.5x target on this host. Through autograd the engine's own
 # cost, paid by torch too, narrows the ratio. (Chapter 05's linear layer was the extreme case:
 # the dispatch of its ``torch.library.custom_op`` cost hundreds of microseconds per eager call,
-# so eager calls now take an ``autograd.Function``.)
+# so eager calls now take an ``autograd.Function``.) The linear layer gained least: chapter 04's
+# matmul kernel sits under a ``triton.heuristics`` layer (``EVEN_K``) that ``lean`` does not
+# evaluate yet, so its launches still take Triton's path, and its autotuner's (exercise 4).
 #
 # No Python wrapper will reach C++. To remove the CPU's cost we have to stop paying it at
 # every step: record the GPU work once and replay it.
@@ -562,3 +564,5 @@ if steps:
 #    different masks, and that the backward still regenerates the forward's.
 # 3. Wrap ``softmax`` as a ``triton_op`` like the layer norm above, and compile a function that
 #    uses it with ``fullgraph=True``. What does ``TORCH_LOGS=output_code`` show of our kernel?
+# 4. Teach ``LeanKernel`` to evaluate a ``triton.heuristics`` layer at the first launch of a key
+#    (its inputs are all in the key), and measure ``matmul``'s CPU per call before and after.

@@ -17,9 +17,13 @@ options, and the device. It is finer than Triton's own key, so a kernel that Tri
 compile differently is never reused; an autotuned kernel's shape key is among the integers.
 
 Triton's own path is kept where the shortcut would change behavior: under the interpreter,
-inside ``torch.compile`` (which traces ``kernel[grid]`` itself), when a launch hook is set
+inside ``torch.compile`` (which traces the kernel, through ``wrap_triton``), when a launch hook is set
 (Proton, the profiler), for autotuners with pre-hooks, and for calls that pass a runtime
 argument by keyword. Chapter 08 measures what this saves.
+
+Not yet handled: a kernel under ``@triton.heuristics`` (chapter 04's matmul, for ``EVEN_K``).
+Its heuristic values are not evaluated here, so no launch key is ever cached for it and every
+call takes Triton's path after the lookup (chapter 08, exercise 4).
 """
 
 from __future__ import annotations
