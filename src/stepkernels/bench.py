@@ -604,11 +604,8 @@ class Results:
 
     def value(self, provider: str, x, dtype: str | torch.dtype = "float32") -> float:
         """The rate (or CPU time) of ``provider`` at ``x``; NaN where nothing was recorded."""
-        dtype = dtype if isinstance(dtype, str) else dtype_name(dtype)
-        for p in self.points:
-            if p.provider == provider and p.dtype == dtype and p.x == x:
-                return p.value
-        return float("nan")
+        point = self.point(provider, x, dtype)
+        return float("nan") if point is None else point.value
 
     def ratio(
         self, provider: str, other: str, x, dtype: str | torch.dtype = "float32"
@@ -617,6 +614,7 @@ class Results:
         return self.value(provider, x, dtype) / self.value(other, x, dtype)
 
     def point(self, provider: str, x, dtype: str | torch.dtype = "float32"):
+        """The point of ``provider`` at ``x`` in ``dtype``, or None."""
         dtype = dtype if isinstance(dtype, str) else dtype_name(dtype)
         found = [
             p for p in self.points if (p.provider, p.dtype, p.x) == (provider, dtype, x)

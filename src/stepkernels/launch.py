@@ -67,7 +67,6 @@ class LeanKernel:
         jit = kernel
         while not isinstance(jit, triton.runtime.JITFunction):
             jit = jit.fn
-        self.jit = jit
         self.arg_names = list(jit.arg_names)
         signature = jit.signature.parameters.values()
         self.defaults = {
@@ -85,9 +84,8 @@ class LeanKernel:
         )
         self.always_slow = hooks
 
-    def __getattr__(
-        self, name
-    ):  # the wrapped kernel's attributes (fn, cache, best_config...)
+    def __getattr__(self, name):
+        """The wrapped kernel's attributes (``fn``, ``cache``, ``best_config``...)."""
         return getattr(self.kernel, name)
 
     def __getitem__(self, grid):
@@ -147,16 +145,15 @@ class LeanKernel:
         compiled = self.kernel[grid](*args, **meta)
         if hasattr(compiled, "result"):  # Triton's asynchronous compilation
             compiled = compiled.result()
-        names = self.arg_names[len(args) :]
-        if compiled is None or any(
-            n not in self.constexprs for n in names if n in meta
-        ):
+        names = self.arg_names[len(args) :]  # the parameters not passed by position
+        by_keyword = [n for n in names if n in meta and n not in self.constexprs]
+        if compiled is None or by_keyword:
             return compiled
         chosen = {**meta, **(self.tuned.best_config.all_kwargs() if self.tuned else {})}
+        # A runtime argument left to its default, or a value chosen by a layer we do not
+        # evaluate (``@triton.heuristics``): keep Triton's path.
         if any(n not in chosen and n not in self.defaults for n in names):
-            return (
-                compiled  # a runtime argument left to its default: keep Triton's path
-            )
+            return compiled
         tail = tuple(chosen[n] if n in chosen else self.defaults[n] for n in names)
         cached_grid = None
         if callable(grid):  # its inputs (shapes, chosen constexprs) are all in the key
