@@ -20,8 +20,6 @@ Chapter 07 adds the Hopper kernel that ``matmul`` uses on an H100. Prerequisites
 # Setup
 # -----
 
-import time
-
 from stepkernels import bench, check_matmul, figures_matmul, tutorial
 import torch
 import triton
@@ -190,7 +188,8 @@ def activation_reference(z: torch.Tensor, activation: str | None) -> torch.Tenso
 #    (``offs % M``), not masked: they load valid data feeding outputs we never store. Only a
 #    partial last K-step needs a mask; ``EVEN_K`` compiles it away when BLOCK_K divides K.
 # 3. **The epilogue.** Add the bias, optionally store this *pre-activation* (chapter 05 keeps
-#    it for the backward pass), apply the activation in fp32, round once and store, masked.
+#    it for the backward pass), apply the activation in fp32, round once and store, masked;
+#    or, with ``ACCUMULATE``, add C's old values first (BLAS's beta = 1; chapter 10 uses it).
 #
 # fp32 follows ``torch.get_float32_matmul_precision()`` as ``torch.matmul`` does: under
 # ``"highest"`` (the default) ``INPUT_PRECISION = "ieee"`` is true fp32, without tensor cores;
@@ -208,7 +207,7 @@ def matmul_kernel(
     ACTIVATION: tl.constexpr, HAS_BIAS: tl.constexpr, STORE_PREACTIVATION: tl.constexpr,
     INPUT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, EVEN_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUP_SIZE_M: tl.constexpr,
+    GROUP_SIZE_M: tl.constexpr, ACCUMULATE: tl.constexpr = False,
 ):  # fmt: skip
     tiles_m, tiles_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
     pid_m, pid_n = tile_of_program(tl.program_id(0), tiles_m, tiles_n, GROUP_SIZE_M)
@@ -239,6 +238,8 @@ def matmul_kernel(
     acc = add_bias(acc, bias_ptr, offs_n, N, stride_bias, HAS_BIAS)
     c_offsets = offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cn
     c_mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+    if ACCUMULATE:
+        acc += tl.load(c_ptr + c_offsets, mask=c_mask, other=0.0).to(tl.float32)
     if STORE_PREACTIVATION:
         tl.store(pre_ptr + c_offsets, acc.to(pre_ptr.dtype.element_ty), mask=c_mask)
     out = apply_activation(acc, ACTIVATION)
@@ -248,15 +249,15 @@ def matmul_kernel(
 # %%
 # Autotuning
 # ----------
-# The best tile shape depends on the GPU, the dtype and the problem. Big tiles (128 × 256)
-# reuse loads most; 64-wide ones keep more SMs busy on a small or skinny C. ``num_warps``
-# share a tile; ``num_stages`` K-steps sit in shared memory (3 stages of 128 × 64 + 64 × 256
-# fp16 take 144 KB of the H100's 228). ``BLOCK_K`` makes a K-slice row 128 bytes, the swizzle
-# width the tensor cores read best; a prune drops configs of other element sizes. The first
-# call for each ``key`` times every config left and keeps the fastest, so the lists are
-# short; a product under ``TUNED_FROM`` multiply-adds (microseconds with any tile) takes the
-# smallest tile untimed: tuning would cost seconds of compiles that never pay back. Under the
-# interpreter ``autotune_configs`` keeps the first config only.
+# The best tile depends on the GPU, the dtype and the problem. Big tiles (128 × 256) reuse
+# loads most; 64-wide ones keep more SMs busy on a small or skinny C. ``num_warps`` share a
+# tile; ``num_stages`` K-steps sit in shared memory (3 stages of 128 × 64 + 64 × 256 fp16 take
+# 144 KB of the H100's 228). ``BLOCK_K`` makes a K-slice row 128 bytes, the swizzle width the
+# tensor cores read best; a prune drops configs of other element sizes. The first call for
+# each ``key`` compiles and times every config left, seconds that chapter 08 measures, so the
+# lists are short and a product under ``TUNED_FROM`` multiply-adds takes the smallest tile
+# untimed. A model whose shapes change at every call should bucket them, or give
+# ``matmul_portable`` a fixed ``config``. The interpreter keeps the first config only.
 
 
 # @save matmul
@@ -278,11 +279,8 @@ PORTABLE_TILES = {
         (64, 128, 128, 4, 4)],
     4: [(128, 128, 32, 3, 8), (128, 64, 32, 4, 4), (64, 64, 32, 4, 4)],
 }  # fmt: skip
-PORTABLE_CONFIGS = [
-    tile_config(*tile, itemsize=size)
-    for size, tiles in PORTABLE_TILES.items()
-    for tile in tiles
-]
+PORTABLE_CONFIGS = [tile_config(*tile, itemsize=size)
+                    for size, tiles in PORTABLE_TILES.items() for tile in tiles]  # fmt: skip
 
 
 TUNED_FROM = 2**23  # M * N * K; the benchmarks start at 256³ = 2**24
@@ -299,6 +297,7 @@ def keep_configs_for_dtype(configs, named_args, **kwargs):
 matmul_portable_tuned = lean(triton.autotune(  # lean: cheap repeated launches (chapter 08)
     configs=autotune_configs(PORTABLE_CONFIGS),
     key=["M", "N", "K", "INPUT_PRECISION"],
+    restore_value=["c_ptr"],  # tuning launches it again and again: keep C for ACCUMULATE
     prune_configs_by={"early_config_prune": keep_configs_for_dtype},
 )(matmul_kernel))  # fmt: skip
 
@@ -355,9 +354,21 @@ def dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if exact else "tf32"  # "tf32", the default, means nothing for 16 bits
 
 
-def allocate_outputs(a, b, return_preactivation):
-    shape = (a.shape[0], b.shape[1])
-    out = torch.empty(shape, device=a.device, dtype=output_dtype(a.dtype))
+def check_accumulate(out, a, b, activation, return_preactivation):
+    shape, storage = (a.shape[0], b.shape[1]), out.untyped_storage().data_ptr()
+    check_tensor(out, "accumulate", (output_dtype(a.dtype),))
+    if out.shape != shape or out.stride() != (shape[1], 1) or out.data_ptr() % 16:
+        raise ValueError(f"accumulate must be {shape}, contiguous and 16-byte aligned")
+    if storage in (a.untyped_storage().data_ptr(), b.untyped_storage().data_ptr()):
+        raise ValueError("accumulate shares memory with a or b: pass a copy of those")
+    if activation is not None or return_preactivation:  # it adds the product, as is
+        raise ValueError("accumulate takes no activation and no return_preactivation")
+
+
+def allocate_outputs(a, b, return_preactivation, accumulate=None):
+    if accumulate is not None:
+        return accumulate, None
+    out = a.new_empty((a.shape[0], b.shape[1]), dtype=output_dtype(a.dtype))
     return out, torch.empty_like(out) if return_preactivation else None
 
 
@@ -370,9 +381,11 @@ def matmul_portable(
     return launch_portable(a, b, activation, bias, return_preactivation, config)
 
 
-def launch_portable(a, b, activation, bias, return_preactivation, config=None):
+def launch_portable(
+    a, b, activation, bias, return_preactivation, config=None, accumulate=None
+):
     """The portable kernel's launch, for inputs that ``check_inputs`` accepted."""
-    out, pre = allocate_outputs(a, b, return_preactivation)
+    out, pre = allocate_outputs(a, b, return_preactivation, accumulate)
     (M, K), N = a.shape, b.shape[1]
     if out.numel() > 0:
         grid = lambda meta: (
@@ -385,7 +398,8 @@ def launch_portable(a, b, activation, bias, return_preactivation, config=None):
             out.stride(0), out.stride(1), bias.stride(0) if bias is not None else 0,
             ACTIVATION=activation, HAS_BIAS=bias is not None,
             STORE_PREACTIVATION=pre is not None, INPUT_PRECISION=dot_precision(a.dtype),
-            UPCAST=INTERPRET and a.dtype == torch.bfloat16, **(config or {}),
+            UPCAST=INTERPRET and a.dtype == torch.bfloat16,
+            ACCUMULATE=accumulate is not None, **(config or {}),
         )  # fmt: skip
     return (out, pre) if return_preactivation else out
 
@@ -398,31 +412,39 @@ def fills_the_gpu(M: int, N: int) -> bool:
     return triton.cdiv(M, 128) * triton.cdiv(N, 128) >= sm_count()
 
 
-def matmul(a, b, activation=None, *, bias=None, return_preactivation=False):
+def matmul(
+    a, b, activation=None, *, bias=None, return_preactivation=False, accumulate=None
+):
     """``activation(a @ b + bias)`` for 2-D ``a`` (M, K), ``b`` (K, N) of any strides:
     fp16, bf16, fp32 (exact or tf32 as ``torch.get_float32_matmul_precision()`` says) and
     fp8 e4m3 (bf16 output), accumulated in fp32, bias (N,) and activation applied in fp32
-    before one rounding. ``return_preactivation``: ``(out, a @ b + bias)``, one kernel."""
+    before one rounding. ``return_preactivation``: ``(out, a @ b + bias)``, one kernel.
+    ``accumulate``: a contiguous (M, N) tensor that gets ``a @ b (+ bias)`` added in place."""
     check_inputs(a, b, activation, bias)
+    if accumulate is not None:
+        check_accumulate(accumulate, a, b, activation, return_preactivation)
     if ON_HOPPER and (a.dtype.itemsize == 1 or fills_the_gpu(a.shape[0], b.shape[1])):
         from stepkernels.matmul_hopper import launch_tma, tma_operands
 
         operands = tma_operands(a, b)
         if operands is not None:
-            return launch_tma(*operands, activation, bias, return_preactivation)
-    return launch_portable(a, b, activation, bias, return_preactivation)
+            return launch_tma(
+                *operands, activation, bias, return_preactivation, None, accumulate
+            )
+    return launch_portable(
+        a, b, activation, bias, return_preactivation, None, accumulate
+    )
 
 
 # %%
 # Correctness
 # -----------
-# One call of the chapters' harness, ``check_matmul.check``, compares with the fp64 product
-# of the same inputs. The kernel accumulates in fp32 and rounds once, and products of
-# ``randn`` inputs grow like sqrt(K): the tolerance is two units of the output's last place
-# (2^-10 fp16, 2^-7 bf16; fp32 1e-4 exact, 2^-8 tf32), times sqrt(K) absolute. Shapes: 1 × 1
-# × 1, M, N or K = 1, odd sizes, several blocks and K-steps; A and B as given, transposed, A
-# row-strided; each call with a bias, the next activation and the pre-activation. bf16 on a
-# GPU only; there small shapes run one fixed ``config``. ``tests/test_matmul.py`` has more.
+# ``check_matmul.check`` compares with the fp64 product of the same inputs. The kernel
+# accumulates in fp32 and rounds once; products of ``randn`` inputs grow like sqrt(K): the
+# tolerance is two units in the last place (2^-10 fp16, 2^-7 bf16; fp32 1e-4 exact, 2^-8
+# tf32), times sqrt(K) absolute. Shapes: 1 × 1 × 1, M, N or K = 1, odd sizes, several blocks
+# and K-steps; A and B as given, transposed, A row-strided; each call with a bias, the next
+# activation and the pre-activation; bf16 on a GPU only. ``tests/test_matmul.py`` has more.
 
 check_matmul.check(
     matmul_portable,
@@ -447,30 +469,12 @@ bad_calls = {
 tutorial.show_refusals("matmul()", bad_calls)
 
 # %%
-# What autotuning costs
-# ---------------------
-# The first call for a new (M, N, K) and dtype times every config left after the prune (and
-# a process's first call compiles them, cached on disk). A model with a few shapes pays this
-# once; one whose shapes change at every call should bucket them, or give ``matmul_portable``
-# a fixed ``config``. On a GPU, a first and a later call (the interpreter has one config):
-
-if tutorial.ON_GPU:
-    for size in (1024, 4096):
-        x = torch.randn(size, size, device=DEVICE, dtype=torch.float16)
-        for call in ("first", "later"):
-            start = time.perf_counter()
-            matmul(x, x)
-            torch.cuda.synchronize()
-            print(f"fp16 {size}³, {call} call: {time.perf_counter() - start:.4f} s")
-
-# %%
 # Benchmark: square matrices
 # --------------------------
 # ``matmul`` (``triton``; on an H100 chapter 07's kernel once the output fills the GPU), the
-# portable kernel alone, ``torch.matmul`` (cuBLAS) and ``torch.compile(torch.mm)``, whose
-# default mode hands a lone matmul to cuBLAS: a second measurement of it. GPU time of
-# CUDA-graph replays, L2 flushed: the Python on a call's path is not in these numbers. The
-# dashed line is cuBLAS fp16 at 4,096³ on the same GPU.
+# portable kernel alone, ``torch.matmul`` (cuBLAS) and ``torch.compile(torch.mm)``, which
+# hands a lone matmul to cuBLAS: a second measurement of it. GPU time of CUDA-graph replays,
+# L2 flushed. The dashed line is cuBLAS fp16 at 4,096³ on the same GPU.
 
 
 def calls(x, y) -> dict:
@@ -547,8 +551,7 @@ if order_results is not None:
 
 # %%
 # Grouping gains little while A and B (16 and 64 MB at 2,048³ and 4,096³) nearly fit in the
-# 50 MB L2, more beyond: at 16,384³ the programs in flight read all 64 column-panels of B in
-# row-major order, about 17 grouped.
+# 50 MB L2, more beyond: at 16,384³ programs in flight read all 64 column-panels of B.
 #
 # Benchmark: skinny matrices
 # --------------------------
@@ -576,8 +579,8 @@ if skinny_results is not None:
     print_ratios(skinny_results, skinny.x_values)
 
 # %%
-# No output here has a 128 × 128 tile per SM, so ``matmul`` runs the portable kernel, whose
-# 64 × 64 tile makes 128 programs for M up to 64 (128-wide tiles would make 64).
+# No output here has a 128 × 128 tile per SM: ``matmul`` runs the portable kernel, whose
+# 64 × 64 tile makes 128 programs for M up to 64.
 #
 # What we learned
 # ---------------
@@ -593,8 +596,5 @@ if skinny_results is not None:
 # 1. Split-K: for the skinny shapes, give each program a slice of K as well as a tile of C
 #    and add partial tiles with ``tl.atomic_add`` into an fp32 buffer. How many programs
 #    does M = 16 launch then, and what happens to the bandwidth?
-# 2. Fuse a residual, ``activation(a @ b + bias) + residual``. How many bytes does it save
-#    against a separate addition, at 4,096³ and at M = 16?
-# 3. Time fp32 ``matmul`` at 4,096³ under ``torch.set_float32_matmul_precision("highest")``
-#    and ``"high"`` (restore the setting afterwards). How far apart are exact fp32 and tf32,
-#    and how far is each from ``torch.matmul`` under the same setting?
+# 2. Time fp32 ``matmul`` at 4,096³ under ``torch.set_float32_matmul_precision("highest")``
+#    and ``"high"``. How far apart are exact fp32 and tf32, and each from ``torch.matmul``?

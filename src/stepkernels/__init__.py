@@ -2,7 +2,7 @@ r"""stepkernels: the fused GPU kernels that the chapters of *Triton Kernels, Ste
 
 .. code-block:: python
 
-    from stepkernels import softmax, layer_norm, linear, dropout
+    from stepkernels import softmax, layer_norm, linear, dropout, cross_entropy
 
 Every public function takes and returns torch tensors, checks its input (a clear error, never a
 silent wrong answer), and is differentiable where the operation has a backward.
@@ -28,9 +28,11 @@ if not torch.cuda.is_available() and "TRITON_INTERPRET" not in os.environ:
     os.environ["TRITON_INTERPRET"] = "1"
 
 # The public functions (their modules are written from the chapters by tools/export.py).
+from stepkernels.cross_entropy import cross_entropy  # noqa: E402
 from stepkernels.dropout import Dropout, DropoutBiasAct, dropout, dropout_bias_act  # noqa: E402
 from stepkernels.layer_norm import LayerNorm, layer_norm  # noqa: E402
 from stepkernels.linear import FusedLinear, linear  # noqa: E402
+from stepkernels.linear_cross_entropy import linear_cross_entropy  # noqa: E402
 from stepkernels.matmul import matmul  # noqa: E402
 from stepkernels.softmax import log_softmax, softmax  # noqa: E402
 from stepkernels.vector_add import add  # noqa: E402
@@ -42,10 +44,12 @@ __all__ = [
     "FusedLinear",
     "LayerNorm",
     "add",
+    "cross_entropy",
     "dropout",
     "dropout_bias_act",
     "layer_norm",
     "linear",
+    "linear_cross_entropy",
     "log_softmax",
     "matmul",
     "softmax",

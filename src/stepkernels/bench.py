@@ -97,6 +97,9 @@ class Point:
 UNIT_SCALE = {"GB/s": 1e9, "TFLOP/s": 1e12}
 # A benchmark in this unit times the CPU side of each call (``cpu_us``) instead of the GPU.
 CPU_UNIT = "µs of CPU per call"
+# A benchmark in this unit measures memory: the allocator's peak during one call, beyond what
+# was allocated before it (the inputs), outputs and gradients included.
+MEMORY_UNIT = "GiB of peak memory"
 LIMIT_NAME = {"GB/s": "copy bandwidth", "TFLOP/s": "cuBLAS fp16 matmul at 4096³"}
 STYLE = {
     "triton": "tab:blue",
@@ -236,6 +239,20 @@ def cpu_us(fn: Callable, calls: int = 200, batches: int = 5) -> float:
     return statistics.median(times) * 1e6
 
 
+def peak_memory_gib(fn: Callable) -> float:
+    """GiB that one call of ``fn`` allocates at its peak beyond what is allocated before it
+    (CUDA caching allocator statistics), after a first call has compiled and tuned."""
+    fn()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    result = fn()
+    torch.cuda.synchronize()
+    del result
+    return (torch.cuda.max_memory_allocated() - before) / 2**30
+
+
 def hardware_limits() -> dict:
     """Measure this GPU's ceilings once: device-to-device copy bandwidth and cuBLAS fp16 4096³."""
     if not _limits:
@@ -337,9 +354,11 @@ def measure_on_stream(bench: Benchmark) -> list[Point]:
     for dtype in bench.dtypes:
         for x in bench.x_values:
             for provider in bench.providers:
-                if bench.unit == CPU_UNIT:
-                    us = cpu_us(make_call(bench, provider, x, dtype))
-                    points.append(Point(provider, dtype_name(dtype), x, us))
+                if bench.unit in (CPU_UNIT, MEMORY_UNIT):
+                    measured = cpu_us if bench.unit == CPU_UNIT else peak_memory_gib
+                    value = measured(make_call(bench, provider, x, dtype))
+                    points.append(Point(provider, dtype_name(dtype), x, value))
+                    torch.cuda.empty_cache()
                     continue
                 try:
                     fn = make_call(bench, provider, x, dtype)
@@ -634,7 +653,9 @@ class Results:
     def as_called(self, ours: str, theirs: str, x, dtype="float32") -> str:
         """What a reader's code sees at ``x``: each provider called from Python (do_bench of
         the call) and the CPU time of one call, against the GPU time the plot shows."""
-        if self.bench.unit == CPU_UNIT or math.isnan(self.call(ours, x, dtype)):
+        if self.bench.unit in (CPU_UNIT, MEMORY_UNIT) or math.isnan(
+            self.call(ours, x, dtype)
+        ):
             return f"{self.bench.name}: no call from Python timed in this recording"
         unit, name = (
             self.bench.unit,

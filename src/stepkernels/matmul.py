@@ -48,7 +48,7 @@ def matmul_kernel(
     ACTIVATION: tl.constexpr, HAS_BIAS: tl.constexpr, STORE_PREACTIVATION: tl.constexpr,
     INPUT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, EVEN_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUP_SIZE_M: tl.constexpr,
+    GROUP_SIZE_M: tl.constexpr, ACCUMULATE: tl.constexpr = False,
 ):  # fmt: skip
     tiles_m, tiles_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
     pid_m, pid_n = tile_of_program(tl.program_id(0), tiles_m, tiles_n, GROUP_SIZE_M)
@@ -79,6 +79,8 @@ def matmul_kernel(
     acc = add_bias(acc, bias_ptr, offs_n, N, stride_bias, HAS_BIAS)
     c_offsets = offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cn
     c_mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+    if ACCUMULATE:
+        acc += tl.load(c_ptr + c_offsets, mask=c_mask, other=0.0).to(tl.float32)
     if STORE_PREACTIVATION:
         tl.store(pre_ptr + c_offsets, acc.to(pre_ptr.dtype.element_ty), mask=c_mask)
     out = apply_activation(acc, ACTIVATION)
@@ -103,11 +105,8 @@ PORTABLE_TILES = {
         (64, 128, 128, 4, 4)],
     4: [(128, 128, 32, 3, 8), (128, 64, 32, 4, 4), (64, 64, 32, 4, 4)],
 }  # fmt: skip
-PORTABLE_CONFIGS = [
-    tile_config(*tile, itemsize=size)
-    for size, tiles in PORTABLE_TILES.items()
-    for tile in tiles
-]
+PORTABLE_CONFIGS = [tile_config(*tile, itemsize=size)
+                    for size, tiles in PORTABLE_TILES.items() for tile in tiles]  # fmt: skip
 
 
 TUNED_FROM = 2**23  # M * N * K; the benchmarks start at 256³ = 2**24
@@ -124,6 +123,7 @@ def keep_configs_for_dtype(configs, named_args, **kwargs):
 matmul_portable_tuned = lean(triton.autotune(  # lean: cheap repeated launches (chapter 08)
     configs=autotune_configs(PORTABLE_CONFIGS),
     key=["M", "N", "K", "INPUT_PRECISION"],
+    restore_value=["c_ptr"],  # tuning launches it again and again: keep C for ACCUMULATE
     prune_configs_by={"early_config_prune": keep_configs_for_dtype},
 )(matmul_kernel))  # fmt: skip
 
@@ -167,9 +167,21 @@ def dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if exact else "tf32"  # "tf32", the default, means nothing for 16 bits
 
 
-def allocate_outputs(a, b, return_preactivation):
-    shape = (a.shape[0], b.shape[1])
-    out = torch.empty(shape, device=a.device, dtype=output_dtype(a.dtype))
+def check_accumulate(out, a, b, activation, return_preactivation):
+    shape, storage = (a.shape[0], b.shape[1]), out.untyped_storage().data_ptr()
+    check_tensor(out, "accumulate", (output_dtype(a.dtype),))
+    if out.shape != shape or out.stride() != (shape[1], 1) or out.data_ptr() % 16:
+        raise ValueError(f"accumulate must be {shape}, contiguous and 16-byte aligned")
+    if storage in (a.untyped_storage().data_ptr(), b.untyped_storage().data_ptr()):
+        raise ValueError("accumulate shares memory with a or b: pass a copy of those")
+    if activation is not None or return_preactivation:  # it adds the product, as is
+        raise ValueError("accumulate takes no activation and no return_preactivation")
+
+
+def allocate_outputs(a, b, return_preactivation, accumulate=None):
+    if accumulate is not None:
+        return accumulate, None
+    out = a.new_empty((a.shape[0], b.shape[1]), dtype=output_dtype(a.dtype))
     return out, torch.empty_like(out) if return_preactivation else None
 
 
@@ -182,9 +194,11 @@ def matmul_portable(
     return launch_portable(a, b, activation, bias, return_preactivation, config)
 
 
-def launch_portable(a, b, activation, bias, return_preactivation, config=None):
+def launch_portable(
+    a, b, activation, bias, return_preactivation, config=None, accumulate=None
+):
     """The portable kernel's launch, for inputs that ``check_inputs`` accepted."""
-    out, pre = allocate_outputs(a, b, return_preactivation)
+    out, pre = allocate_outputs(a, b, return_preactivation, accumulate)
     (M, K), N = a.shape, b.shape[1]
     if out.numel() > 0:
         grid = lambda meta: (
@@ -197,7 +211,8 @@ def launch_portable(a, b, activation, bias, return_preactivation, config=None):
             out.stride(0), out.stride(1), bias.stride(0) if bias is not None else 0,
             ACTIVATION=activation, HAS_BIAS=bias is not None,
             STORE_PREACTIVATION=pre is not None, INPUT_PRECISION=dot_precision(a.dtype),
-            UPCAST=INTERPRET and a.dtype == torch.bfloat16, **(config or {}),
+            UPCAST=INTERPRET and a.dtype == torch.bfloat16,
+            ACCUMULATE=accumulate is not None, **(config or {}),
         )  # fmt: skip
     return (out, pre) if return_preactivation else out
 
@@ -210,16 +225,25 @@ def fills_the_gpu(M: int, N: int) -> bool:
     return triton.cdiv(M, 128) * triton.cdiv(N, 128) >= sm_count()
 
 
-def matmul(a, b, activation=None, *, bias=None, return_preactivation=False):
+def matmul(
+    a, b, activation=None, *, bias=None, return_preactivation=False, accumulate=None
+):
     """``activation(a @ b + bias)`` for 2-D ``a`` (M, K), ``b`` (K, N) of any strides:
     fp16, bf16, fp32 (exact or tf32 as ``torch.get_float32_matmul_precision()`` says) and
     fp8 e4m3 (bf16 output), accumulated in fp32, bias (N,) and activation applied in fp32
-    before one rounding. ``return_preactivation``: ``(out, a @ b + bias)``, one kernel."""
+    before one rounding. ``return_preactivation``: ``(out, a @ b + bias)``, one kernel.
+    ``accumulate``: a contiguous (M, N) tensor that gets ``a @ b (+ bias)`` added in place."""
     check_inputs(a, b, activation, bias)
+    if accumulate is not None:
+        check_accumulate(accumulate, a, b, activation, return_preactivation)
     if ON_HOPPER and (a.dtype.itemsize == 1 or fills_the_gpu(a.shape[0], b.shape[1])):
         from stepkernels.matmul_hopper import launch_tma, tma_operands
 
         operands = tma_operands(a, b)
         if operands is not None:
-            return launch_tma(*operands, activation, bias, return_preactivation)
-    return launch_portable(a, b, activation, bias, return_preactivation)
+            return launch_tma(
+                *operands, activation, bias, return_preactivation, None, accumulate
+            )
+    return launch_portable(
+        a, b, activation, bias, return_preactivation, None, accumulate
+    )

@@ -31,7 +31,7 @@ def matmul_tma_kernel(
     ACTIVATION: tl.constexpr, HAS_BIAS: tl.constexpr, STORE_PREACTIVATION: tl.constexpr,
     INPUT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, NUM_PROGRAMS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUP_SIZE_M: tl.constexpr,
+    GROUP_SIZE_M: tl.constexpr, ACCUMULATE: tl.constexpr = False,
 ):  # fmt: skip
     # One descriptor per tensor. A column-major operand is described as its transpose.
     if A_COLUMN_MAJOR:
@@ -83,6 +83,8 @@ def matmul_tma_kernel(
 
         offs_n = off_n + tl.arange(0, BLOCK_N)
         acc = add_bias(acc, bias_ptr, offs_n, N, stride_bias, HAS_BIAS)
+        if ACCUMULATE:  # C += A B (chapter 04)
+            acc += c_desc.load([off_m, off_n]).to(tl.float32)
         if STORE_PREACTIVATION:
             pre_desc.store([off_m, off_n], acc.to(pre_ptr.dtype.element_ty))
         out = apply_activation(acc, ACTIVATION)
@@ -106,6 +108,7 @@ matmul_tma_tuned = lean(  # cheap repeated launches: chapter 08
     triton.autotune(
         configs=autotune_configs(TMA_CONFIGS),
         key=["M", "N", "K", "INPUT_PRECISION"],
+        restore_value=["c_ptr"],  # for ACCUMULATE, as in chapter 04
         prune_configs_by={"early_config_prune": keep_configs_for_dtype},
     )(matmul_tma_kernel)
 )
@@ -173,9 +176,11 @@ def matmul_tma(
     return launch_tma(*operands, activation, bias, return_preactivation, config)
 
 
-def launch_tma(a, b, activation, bias, return_preactivation, config=None):
+def launch_tma(
+    a, b, activation, bias, return_preactivation, config=None, accumulate=None
+):
     """The descriptor kernel's launch, for operands that ``tma_operands`` returned."""
-    out, pre = allocate_outputs(a, b, return_preactivation)
+    out, pre = allocate_outputs(a, b, return_preactivation, accumulate)
     (M, K), N = a.shape, b.shape[1]
     if out.numel() == 0:
         return (out, pre) if return_preactivation else out
@@ -204,6 +209,7 @@ def launch_tma(a, b, activation, bias, return_preactivation, config=None):
         INPUT_PRECISION=dot_precision(a.dtype),
         UPCAST=INTERPRET and a.dtype == torch.bfloat16,
         NUM_PROGRAMS=programs,
+        ACCUMULATE=accumulate is not None,
         **(config or {}),
     )  # fmt: skip
     return (out, pre) if return_preactivation else out

@@ -1,0 +1,221 @@
+"""stepkernels.cross_entropy and linear_cross_entropy against torch in fp64, through the
+public functions only."""
+
+from conftest import random_tensor
+from hypothesis import given, settings
+from hypothesis import strategies as st
+import pytest
+from stepkernels import cross_entropy, linear_cross_entropy
+from stepkernels._core import DEVICE, ON_GPU
+import torch
+import torch.nn.functional as F
+
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+# The loss is rounded once to the logits' dtype; gradients once to theirs.
+RTOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
+REDUCTIONS = ("mean", "sum", "none")
+
+
+def targets(n_rows, n_cols, seed=0, ignored_every=3, ignore_index=-100):
+    generator = torch.Generator().manual_seed(seed)
+    target = torch.randint(0, n_cols, (n_rows,), generator=generator)
+    if ignored_every:
+        target[::ignored_every] = ignore_index
+    return target.to(DEVICE)
+
+
+def check(logits, target, grad_scale=0.7, **options):
+    """Loss and gradient of ours against torch's in fp64 (a grad_loss that is not 1)."""
+    logits = logits.detach().requires_grad_()
+    loss = cross_entropy(logits, target, **options)
+    x64 = logits.detach().double().requires_grad_()
+    want = F.cross_entropy(x64, target.long(), **options)
+    assert loss.dtype == logits.dtype and loss.shape == want.shape
+    rtol = RTOL[logits.dtype]
+    torch.testing.assert_close(loss.double(), want, rtol=rtol, atol=rtol, equal_nan=True)
+    grad_loss = torch.full_like(want, grad_scale)
+    (grad,) = torch.autograd.grad(loss, logits, grad_loss.to(loss.dtype))
+    (want_grad,) = torch.autograd.grad(want, x64, grad_loss)
+    assert grad.dtype == logits.dtype and grad.shape == logits.shape
+    atol = rtol * want_grad.abs().nan_to_num(0.0).max().item() if want_grad.numel() else 0
+    torch.testing.assert_close(grad.double(), want_grad, rtol=rtol, atol=atol, equal_nan=True)
+    return loss, grad
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+@pytest.mark.parametrize("shape", [(1, 1), (1, 7), (5, 3), (9, 100), (4, 4096), (3, 4097), (2, 50_257)])
+def test_matches_torch(shape, reduction, dtype):
+    logits = random_tensor(shape, dtype, scale=3.0)
+    check(logits, targets(*shape), reduction=reduction)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+def test_label_smoothing_with_ignored_rows(dtype, reduction):
+    # Liger-Kernel once got this pair wrong (its PR #198): smoothing must skip ignored rows.
+    logits = random_tensor((12, 9001), dtype, seed=2, scale=2.0)
+    check(logits, targets(12, 9001, seed=3), label_smoothing=0.1, reduction=reduction)
+
+
+@pytest.mark.parametrize("ignore_index", [-1, 0, 4])
+def test_any_ignore_index(ignore_index):
+    logits = random_tensor((10, 5), seed=4)
+    check(logits, targets(10, 5, seed=5, ignore_index=ignore_index), ignore_index=ignore_index)
+
+
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+def test_every_target_ignored_gives_what_torch_gives(reduction):
+    logits = random_tensor((4, 6000), seed=6)
+    target = torch.full((4,), -100, device=DEVICE)
+    loss, grad = check(logits, target, reduction=reduction, label_smoothing=0.2)
+    assert torch.isnan(loss).all() if reduction == "mean" else (loss == 0).all()
+    assert (grad == 0).all()
+
+
+def test_strided_logits_and_int32_targets():
+    wide = random_tensor((6, 8200), scale=2.0)
+    logits = wide[:, 3:8003]  # rows 8,200 apart, read in place
+    check(logits, targets(6, 8000).int(), label_smoothing=0.05)
+    check(wide.t()[:5].t(), targets(6, 5, seed=8))  # column-major: copied first
+
+
+def test_large_logits_stay_finite():
+    logits = random_tensor((3, 10_000), scale=1e4)
+    logits[0, 17] = 3e38  # near fp32's largest
+    check(logits, targets(3, 10_000, ignored_every=0))
+
+
+def test_out_of_range_target_gives_nan_never_a_finite_loss():
+    logits = random_tensor((4, 5000))
+    target = torch.tensor([1, 5000, -100, -7], device=DEVICE)
+    losses = cross_entropy(logits, target, reduction="none")
+    assert losses[0].isfinite() and losses[2] == 0
+    assert losses[1].isnan() and losses[3].isnan()
+    assert cross_entropy(logits, target).isnan()
+    grad = torch.autograd.grad(cross_entropy(logits.requires_grad_(), target, reduction="sum"), logits)[0]
+    assert grad[1].isnan().all() and grad[3].isnan().all() and grad[0].isfinite().all()
+
+
+def test_inputs_are_left_unchanged_and_no_rows_are_fine():
+    logits = random_tensor((5, 9000), torch.bfloat16).requires_grad_()
+    before = logits.detach().clone()
+    loss = cross_entropy(logits, targets(5, 9000))
+    loss.backward()
+    assert torch.equal(logits.detach(), before)
+    empty = torch.zeros(0, 7, device=DEVICE)
+    assert cross_entropy(empty, torch.zeros(0, dtype=torch.long, device=DEVICE)).isnan()
+    assert cross_entropy(empty, torch.zeros(0, dtype=torch.long, device=DEVICE), reduction="sum") == 0
+
+
+def test_second_backward_recomputes_the_gradient():
+    logits = random_tensor((3, 5000)).requires_grad_()
+    loss = cross_entropy(logits, targets(3, 5000, ignored_every=0), label_smoothing=0.1)
+    (first,) = torch.autograd.grad(loss, logits, retain_graph=True)
+    first = first.clone()
+    (second,) = torch.autograd.grad(loss, logits, torch.tensor(2.0, device=DEVICE))
+    torch.testing.assert_close(second, 2 * first)
+
+
+def test_gradient_accumulates_into_grad():
+    logits = random_tensor((4, 300)).requires_grad_()
+    target = targets(4, 300)
+    cross_entropy(logits, target).backward()
+    cross_entropy(logits, target).backward()
+    (once,) = torch.autograd.grad(F.cross_entropy(logits.double(), target), logits)
+    torch.testing.assert_close(logits.grad, 2 * once.float(), rtol=1e-5, atol=1e-7)
+
+
+def test_refuses_bad_input_and_double_backward():
+    logits, target = random_tensor((2, 5)), targets(2, 5, ignored_every=0)
+    with pytest.raises(TypeError, match="class indices"):
+        cross_entropy(logits, target.float())
+    with pytest.raises(ValueError, match=r"reshape\(-1"):
+        cross_entropy(logits[None], target[None])
+    with pytest.raises(ValueError, match="one class per row"):
+        cross_entropy(logits, target[:1])
+    with pytest.raises(ValueError, match="label_smoothing"):
+        cross_entropy(logits, target, label_smoothing=1.5)
+    with pytest.raises(ValueError, match="reduction"):
+        cross_entropy(logits, target, reduction="avg")
+    with pytest.raises(TypeError, match="dtype"):
+        cross_entropy(logits.double(), target)
+    other = "cpu" if ON_GPU else "meta"
+    with pytest.raises(ValueError, match="move it"):
+        cross_entropy(logits.to(other), target)
+    loss = cross_entropy(logits.requires_grad_(), target)
+    (grad,) = torch.autograd.grad(loss, logits, create_graph=False, retain_graph=True)
+    with pytest.raises(RuntimeError, match="differentiated twice"):
+        torch.autograd.grad(loss, logits, create_graph=True)
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    n_rows=st.integers(1, 6),
+    n_cols=st.integers(1, 9000),
+    smoothing=st.sampled_from([0.0, 0.3]),
+    reduction=st.sampled_from(REDUCTIONS),
+    seed=st.integers(0, 2**16),
+)
+def test_random_shapes(n_rows, n_cols, smoothing, reduction, seed):
+    logits = random_tensor((n_rows, n_cols), seed=seed, scale=5.0)
+    check(logits, targets(n_rows, n_cols, seed=seed, ignored_every=2), label_smoothing=smoothing, reduction=reduction)
+
+
+# ----------------------------------------------------------------------------- linear + loss
+def linear_check(n_rows, hidden, n_cols, dtype, chunk_tokens, bias=True, **options):
+    x, weight = (
+        random_tensor((n_rows, hidden), dtype, 1, scale=0.5),
+        random_tensor((n_cols, hidden), dtype, 2, scale=0.3),
+    )
+    tensors = [x, weight]
+    tensors += [random_tensor((n_cols,), dtype, 3)] if bias else []
+    ours = [t.clone().requires_grad_() for t in tensors]
+    theirs = [t.double().requires_grad_() for t in tensors]
+    target = targets(n_rows, n_cols, seed=4, ignored_every=4)
+    loss = linear_cross_entropy(ours[0], ours[1], target, *ours[2:], chunk_tokens=chunk_tokens, **options)
+    want = F.cross_entropy(F.linear(*theirs), target, **options)
+    grad_loss = torch.full_like(want, 0.5)
+    got = torch.autograd.grad(loss, ours, grad_loss.to(dtype))
+    wanted = torch.autograd.grad(want, theirs, grad_loss)
+    rtol = 1e-5 if dtype == torch.float32 else 4e-2
+    torch.testing.assert_close(loss.double(), want, rtol=rtol, atol=rtol)
+    for g, w in zip(got, wanted, strict=True):
+        assert g.dtype == dtype and g.shape == w.shape
+        torch.testing.assert_close(g.double(), w, rtol=rtol, atol=rtol * w.abs().max().item())
+
+
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("chunk_tokens", [1, 7, None])
+def test_linear_cross_entropy_matches_torch(chunk_tokens, dtype, reduction):
+    linear_check(19, 32, 301, dtype, chunk_tokens, reduction=reduction, label_smoothing=0.1)
+
+
+def test_linear_cross_entropy_without_bias_and_with_frozen_weight():
+    linear_check(5, 16, 1000, torch.float32, 2, bias=False)
+    x, weight = random_tensor((4, 16)).requires_grad_(), random_tensor((50, 16))
+    loss = linear_cross_entropy(x, weight, targets(4, 50))
+    (grad,) = torch.autograd.grad(loss, x)
+    (want,) = torch.autograd.grad(F.cross_entropy(x @ weight.T, targets(4, 50)), x)
+    torch.testing.assert_close(grad, want, rtol=1e-5, atol=1e-7)
+
+
+def test_linear_cross_entropy_second_backward_and_refusals():
+    x, weight = random_tensor((6, 16)).requires_grad_(), random_tensor((40, 16)).requires_grad_()
+    target = targets(6, 40)
+    loss = linear_cross_entropy(x, weight, target, chunk_tokens=4)
+    first = [g.clone() for g in torch.autograd.grad(loss, (x, weight), retain_graph=True)]
+    second = torch.autograd.grad(loss, (x, weight), torch.tensor(3.0, device=DEVICE))
+    for a, b in zip(first, second, strict=True):
+        torch.testing.assert_close(b, 3 * a, rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="weight"):
+        linear_cross_entropy(x, weight.T, target)
+    with pytest.raises(ValueError, match="dtype"):
+        linear_cross_entropy(x, weight.half(), target)
+    with pytest.raises(ValueError, match="bias"):
+        linear_cross_entropy(x, weight, target, bias=torch.zeros(3, device=DEVICE))
+    with pytest.raises(ValueError, match="chunk_tokens"):
+        linear_cross_entropy(x, weight, target, chunk_tokens=0)
+    with pytest.raises(TypeError, match="class indices"):
+        linear_cross_entropy(x, weight, target.float())

@@ -1,0 +1,275 @@
+r"""
+Linear + cross-entropy without the logits
+=========================================
+
+We fuse a language model's last layer with its loss, forward and backward, in chunks of tokens,
+so that the logits (3.9 GiB for 16,384 tokens and a vocabulary of 128,256 in bf16) never exist.
+
+What you will learn:
+
+* where the memory of a language model's head goes, in PyTorch and at the minimum;
+* gradients computed in the forward pass, chunk by chunk, from chapter 09's loss kernel
+  writing into the chunk's logits in place, and chapter 07's matmul;
+* accumulating into a matmul's output (BLAS's beta = 1) instead of a sum of products;
+* the chunk size as a trade between memory and speed, measured.
+
+Prerequisites: chapter 05 (autograd for a linear layer), chapter 07 (the matmul),
+chapter 09 (the loss kernel).
+"""
+
+# %%
+# Setup
+# -----
+
+from stepkernels import bench, tutorial
+import torch
+
+tutorial.announce()
+DEVICE = tutorial.DEVICE
+
+# Linear + loss without the logits
+# --------------------------------
+# The logits come from the model's last layer, X = H W^T + b, with H the hidden states (N x D)
+# and W the vocabulary's weights (V x D). For 16,384 tokens, D = 4,096 and V = 128,256 in bf16,
+# H is 0.13 GiB, W 0.98 GiB, and X 3.9 GiB; PyTorch with fp32 logits keeps about six times
+# that through the backward. Yet the loss needs only one row of X at a time, and every
+# gradient follows from dX: dH = dX W, dW = dX^T H, db = the column sums of dX.
+#
+# So we take the tokens in chunks of C rows. For each chunk: the logits X_c = H_c W^T + b
+# (chapter 07's matmul), the loss and dX_c written into X_c itself, a buffer of our own that
+# nobody else holds, then dH_c = dX_c W and dW += dX_c^T H_c. One chunk of logits exists at a
+# time. The accumulation ``matmul(a, b, accumulate=dW)`` adds the product to dW inside the
+# matmul's epilogue, as BLAS's beta = 1 does, instead of a second C x V product and a sum; in
+# bf16, dW is rounded once per chunk. C sets the trade: 256 MiB of bf16 logits is 1,024 tokens
+# at V = 128,256, the matmuls' FLOPs do not change, and dW (0.98 GiB) is read and written
+# once per chunk, 16 times for 16K tokens. The three matmuls cost 6 N D V FLOPs; the loss is
+# a pass over X_c while it is in L2-sized pieces, nearly free next to them.
+
+# @save linear_cross_entropy
+from stepkernels._core import FLOAT_DTYPES, check_tensor, refuse_double_backward
+from stepkernels.cross_entropy import (
+    check_target,
+    gradient_rows,
+    loss_rows,
+    reduce_losses,
+    scale_unless_one,
+)
+from stepkernels.matmul import matmul
+import torch
+
+LOGITS_CHUNK_BYTES = 2**28  # logits held at once by linear_cross_entropy: 256 MiB
+
+
+def chunk_rows(n_rows: int, n_cols: int, itemsize: int, chunk_tokens=None) -> int:
+    """Tokens per chunk: a multiple of 128 (whole matmul tiles) within the budget."""
+    if chunk_tokens is None:
+        chunk_tokens = 128 * max(1, LOGITS_CHUNK_BYTES // (n_cols * itemsize) // 128)
+    return max(1, min(n_rows, chunk_tokens))
+
+
+def linear_loss_pass(x, weight, bias, target, options, needs, chunk_tokens=None,
+                     grad_scale=None, lse=None, row_scale=None):  # fmt: skip
+    """One pass over chunks of tokens. Without ``lse`` (forward): the losses and lse per row,
+    and the gradients that ``needs`` asks for (of x, weight, bias) times ``grad_scale``. With
+    ``lse`` (backward): the gradients times ``row_scale``, one value or one per row."""
+    n_rows, n_cols = x.shape[0], weight.shape[0]
+    chunk = chunk_rows(n_rows, n_cols, x.element_size(), chunk_tokens)
+    grad_x = torch.empty_like(x) if needs[0] else None
+    grad_w = None
+    grad_b = torch.zeros(n_cols, device=x.device) if needs[2] else None
+    losses, lses = [], []
+    for start in range(0, n_rows, chunk):
+        rows = slice(start, start + chunk)
+        logits = matmul(x[rows], weight.mT, bias=bias)
+        if lse is None:
+            grad = logits if any(needs) else None  # in place: our own buffer
+            loss, row_lse = loss_rows(logits, target[rows], options, grad, grad_scale)
+            del grad
+            losses.append(loss)
+            lses.append(row_lse)
+        else:
+            scale = row_scale[rows] if row_scale.dim() else row_scale
+            gradient_rows(logits, target[rows], lse[rows], scale, options, grad=logits)
+        if not any(needs):
+            continue
+        if needs[0]:
+            grad_x[rows] = matmul(logits, weight)
+        if needs[1]:
+            accumulate = {} if grad_w is None else {"accumulate": grad_w}
+            grad_w = matmul(logits.mT, x[rows], **accumulate)
+        if needs[2]:
+            grad_b += logits.sum(dim=0, dtype=torch.float32)
+        del logits  # before the next chunk's: one chunk of logits at a time
+    grads = (grad_x, grad_w, None if grad_b is None else grad_b.to(x.dtype))
+    if lse is None:
+        return torch.cat(losses), torch.cat(lses), grads
+    return grads
+
+
+class LinearCrossEntropyFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, target, options, chunk_tokens):
+        needs = ctx.needs_input_grad[:3]
+        count = target.ne(options.ignore_index).sum(dtype=torch.float32)
+        early = options.reduction != "none"  # the gradients now, as for cross_entropy
+        scale = count.reciprocal() if options.reduction == "mean" else None
+        losses, lse, grads = linear_loss_pass(
+            x, weight, bias, target, options, needs if early else (False,) * 3,
+            chunk_tokens, grad_scale=scale,
+        )  # fmt: skip
+        ctx.save_for_backward(x, weight, bias, target, lse, count)
+        ctx.options, ctx.chunk_tokens, ctx.grads = options, chunk_tokens, grads
+        ctx.early = early
+        return reduce_losses(losses, count, options.reduction).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        refuse_double_backward("linear_cross_entropy", "cross_entropy(F.linear(...))")
+        none = (None, None, None)
+        if ctx.early:  # computed in the forward: hand them over, once
+            grads, ctx.grads, ctx.early = ctx.grads, none, False
+            return *(
+                g if g is None else scale_unless_one(g, grad_loss) for g in grads
+            ), *none
+        x, weight, bias, target, lse, count = ctx.saved_tensors
+        mean = ctx.options.reduction == "mean"
+        row_scale = (grad_loss / count if mean else grad_loss).float()
+        grads = linear_loss_pass(
+            x, weight, bias, target, ctx.options, ctx.needs_input_grad[:3],
+            ctx.chunk_tokens, lse=lse, row_scale=row_scale,
+        )  # fmt: skip
+        return *grads, *none
+
+
+def linear_cross_entropy(x, weight, target, bias=None, ignore_index=-100,
+                         label_smoothing=0.0, reduction="mean", *, chunk_tokens=None):  # fmt: skip
+    """``cross_entropy(x @ weight.T + bias, target)`` for x (tokens, hidden) and weight
+    (vocabulary, hidden) of one dtype, with autograd, never holding more than
+    ``chunk_tokens`` rows of logits (default: 256 MiB of them)."""
+    check_tensor(x, "x", FLOAT_DTYPES)
+    check_tensor(weight, "weight", FLOAT_DTYPES)
+    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
+        raise ValueError(
+            f"x must be (tokens, hidden) and weight (vocabulary, hidden), got x "
+            f"{tuple(x.shape)} and weight {tuple(weight.shape)}: flatten x with "
+            "x.reshape(-1, x.shape[-1])"
+        )
+    if weight.shape[0] == 0 or x.dtype != weight.dtype:
+        raise ValueError(f"weight needs at least one row and x's dtype, got "
+                         f"{tuple(weight.shape)} {weight.dtype}; x is {x.dtype}")  # fmt: skip
+    if bias is not None:
+        check_tensor(bias, "bias", (x.dtype,))
+        if bias.shape != weight.shape[:1]:
+            raise ValueError(f"bias must have shape ({weight.shape[0]},), got "
+                             f"{tuple(bias.shape)}")  # fmt: skip
+    if chunk_tokens is not None and chunk_tokens < 1:
+        raise ValueError(f"chunk_tokens must be at least 1, got {chunk_tokens}")
+    options = check_target(target, x.shape[0], ignore_index, label_smoothing, reduction)
+    return LinearCrossEntropyFunction.apply(
+        x, weight, bias, target.contiguous(), options, chunk_tokens
+    )
+
+
+# %%
+# We check it against PyTorch in fp64, in chunks of 7 rows so that the loop turns, with
+# ignored rows, smoothing and a bias.
+
+
+def check_linear_loss(n_rows, hidden, n_cols, dtype, reduction="mean", smoothing=0.0):
+    x, weight, bias = (torch.randn(*shape, device=DEVICE).to(dtype) / hidden**0.25
+                       for shape in ((n_rows, hidden), (n_cols, hidden), (n_cols,)))  # fmt: skip
+    target = torch.randint(0, n_cols, (n_rows,), device=DEVICE)
+    target[1::4] = -100
+    options = dict(label_smoothing=smoothing, reduction=reduction)
+    ours = [t.clone().requires_grad_() for t in (x, weight, bias)]
+    theirs = [t.double().requires_grad_() for t in (x, weight, bias)]
+    loss = linear_cross_entropy(*ours[:2], target, ours[2], chunk_tokens=7, **options)
+    logits = torch.nn.functional.linear(*theirs)
+    want = torch.nn.functional.cross_entropy(logits, target, **options)
+    grad_loss = torch.rand_like(want)
+    got_grads = torch.autograd.grad(loss, ours, grad_loss.to(dtype))
+    want_grads = torch.autograd.grad(want, theirs, grad_loss)
+    tol = (1e-5 if dtype == torch.float32 else 3e-2) * (
+        1 if dtype == torch.float32 else hidden**0.5
+    )
+    torch.testing.assert_close(loss.double(), want, rtol=tol, atol=tol)
+    for got, wanted in zip(got_grads, want_grads, strict=True):
+        scale = wanted.abs().max().item()
+        torch.testing.assert_close(got.double(), wanted, rtol=tol, atol=tol * scale)
+
+
+for dtype in (torch.float32, torch.bfloat16):
+    for reduction in ("mean", "sum", "none"):
+        check_linear_loss(
+            30, 64, bench.choose(gpu=50_257, cpu=300), dtype, reduction, 0.1
+        )
+print("linear_cross_entropy matches PyTorch in fp32 and bf16, every reduction")
+
+# %%
+# Benchmarks
+# ----------
+# The head of a Llama-3-sized model: D = 4,096, V = 128,256, bf16, 4,096 to 16,384 tokens,
+# forward and backward (dH and dW; this head has no bias). We count the three matmuls'
+# 6 N D V FLOPs, and draw cuBLAS's level as the limit. The peers: PyTorch as training scripts
+# write it, with the logits upcast to fp32, ``F.cross_entropy(F.linear(h, w).float(), t)``;
+# its ``torch.compile``; and Liger-Kernel's fused linear cross-entropy, which chunks tokens
+# too, sized so that a chunk of logits is about as large as H, and calls cuBLAS. Liger asks
+# the CPU whether ``grad_loss`` is 1, which a CUDA graph cannot capture, so all are timed as
+# called from Python. A second benchmark records the peak memory beyond the inputs (dH and
+# dW included: 0.98 GiB of them is dW), a third our time by chunk size at 16,384 tokens.
+
+try:  # Liger-Kernel, where installed
+    from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
+except ImportError:
+    LigerFusedLinearCrossEntropyLoss = None
+PROVIDERS = ["triton", "torch", "torch.compile"]
+PROVIDERS += ["liger_kernel"] if LigerFusedLinearCrossEntropyLoss else []
+HIDDEN, VOCABULARY = bench.choose(gpu=(4096, 128_256), cpu=(64, 300))
+TOKENS = bench.choose(gpu=[4096, 8192, 16_384], cpu=[32])
+CHUNKS = [256, 512, 1024, 2048, 4096]
+
+
+def torch_head(x, weight, target):
+    logits = torch.nn.functional.linear(x, weight).float()
+    return torch.nn.functional.cross_entropy(logits, target)
+
+
+def head_function(provider, chunk_tokens=None):
+    if provider == "triton":
+        return lambda x, w, t: linear_cross_entropy(x, w, t, chunk_tokens=chunk_tokens)
+    if provider == "liger_kernel":
+        liger = LigerFusedLinearCrossEntropyLoss()
+        return lambda x, w, t: liger(w, x, t)
+    return torch_head if provider == "torch" else bench.compile_static(torch_head)
+
+
+def make_head_call(provider, tokens, dtype, chunk_tokens=None):
+    x = torch.randn(tokens, HIDDEN, device=DEVICE, dtype=dtype).requires_grad_()
+    weight = torch.randn(VOCABULARY, HIDDEN, device=DEVICE) / HIDDEN**0.5
+    weight = weight.to(dtype).requires_grad_()
+    target = torch.randint(0, VOCABULARY, (tokens,), device=DEVICE)
+    head = head_function(provider, chunk_tokens)
+    return lambda: torch.autograd.grad(head(x, weight, target), (x, weight))
+
+
+def head_benchmark(name, unit="TFLOP/s", chunks=False):
+    tokens = TOKENS[-1]
+    return bench.Benchmark(
+        name=name, x_values=CHUNKS if chunks else TOKENS, unit=unit,
+        x_name=f"tokens per chunk, {tokens:,} tokens" if chunks else "tokens",
+        providers=["triton"] if chunks else PROVIDERS,
+        make=(lambda p, c, dtype: make_head_call(p, tokens, dtype, c)) if chunks
+        else make_head_call,
+        work=lambda n, dtype: 6 * (tokens if chunks else n) * HIDDEN * VOCABULARY,
+        dtypes=(torch.bfloat16,), smoke_x=8 if chunks else TOKENS[0],
+        headline_x=1024 if chunks else TOKENS[-1], gpu_time=False,
+    )  # fmt: skip
+
+
+head_results = {}
+for name, unit, chunks in (
+    ("linear-cross-entropy", "TFLOP/s", False),
+    ("linear-cross-entropy-memory", bench.MEMORY_UNIT, False),
+    ("linear-cross-entropy-chunk-size", "TFLOP/s", True),
+):
+    head_results[name] = bench.run(head_benchmark(name, unit, chunks))
