@@ -28,7 +28,8 @@ def x_label(x: float) -> str:
 def cell(point: bench.Point, limit: float | None) -> str:
     """The rate (its share of the limit) · the call's rate · CPU µs per call, where timed."""
     value = point.value
-    text = f"{value:,.0f}" if limit is None else f"{value:,.0f} ({value / limit:.0%})"
+    digits = 2 if value < 10 else 0  # GiB of memory, say
+    text = f"{value:,.{digits}f}" if limit is None else f"{value:,.0f} ({value / limit:.0%})"
     if point.call is not None:
         text += f" · {point.call:,.0f} · {point.cpu_us:,.0f} µs"
     return text

@@ -427,7 +427,10 @@ def check_loss(n_rows, n_cols, dtype, reduction="mean", smoothing=0.0, scale=1.0
     (want_grad,) = torch.autograd.grad(want, x64, grad_loss)
     tol = TOLERANCES[dtype]
     torch.testing.assert_close(loss.double(), want, rtol=tol, atol=tol)
-    torch.testing.assert_close(got_grad.double(), want_grad, rtol=tol, atol=tol * 1e-2)
+    # exp(x - lse) loses digits as |x| grows: the absolute tolerance grows with the logits
+    torch.testing.assert_close(
+        got_grad.double(), want_grad, rtol=tol, atol=tol * scale / 100
+    )
 
 
 n_cols = bench.choose(gpu=128_256, cpu=5003)
@@ -511,3 +514,48 @@ for name, backward, unit in (
     ("cross-entropy-memory", True, bench.MEMORY_UNIT),
 ):
     loss_results[name] = bench.run(loss_benchmark(name, backward, unit))
+
+
+def show(results, x_values=(32_768, 50_257, 131_072)):
+    for dtype in dict.fromkeys(p.dtype for p in results.points):
+        for x in x_values:
+            shown = ", ".join(f"{p} {results.value(p, x, dtype):,.2f}"
+                              for p in results.bench.providers)  # fmt: skip
+            print(f"  {dtype}, V = {x:,}: {shown}")
+
+
+for name, results in loss_results.items():
+    if results:
+        print(f"{name} ({results.bench.unit}), {results.how}:")
+        show(results)
+
+# %%
+# Forward and backward, our loss is ahead of torch, ``torch.compile`` and Liger-Kernel at every
+# power-of-two vocabulary from 32,768, in both dtypes, but far from the copy of the same bytes:
+# about half of it in bf16, two thirds in fp32. The second pass does not find all of its row
+# in L2. At V = 50,257 we fall behind, in bf16 behind every peer, in fp32 behind Liger: a row
+# of 50,257 values starts at an address that is not a multiple of 16 bytes, so the compiler
+# cannot prove any load aligned and issues narrow ones (our reading; exercise 2 tests it).
+# The forward alone, which reads the logits once, runs near the copy in fp32. Memory is the
+# promised one logits-sized buffer, the gradient, as for ``torch.compile``, against three for
+# eager PyTorch; Liger-Kernel adds nothing because it overwrites the caller's logits with
+# their gradient.
+#
+# What we learned
+# ---------------
+# * The loss and its gradient come from one online log-sum-exp and the target distribution q:
+#   loss = lse - q·x, gradient = softmax - q, so smoothing and ignored rows cost nothing extra.
+# * A gradient known in the forward can be written there; the backward then only scales it,
+#   on the GPU, skipping the pass when ``grad_loss`` is 1 (no synchronization, graph-safe).
+# * Autograd owns what we return: hand a buffer over once, recompute for a second backward,
+#   and never overwrite a tensor that the caller or autograd still holds.
+# * A second pass over a row can come from L2, if the row is small enough and read backwards.
+#
+# Exercises
+# ---------
+# 1. Add ``z_loss`` (PaLM's lse² penalty): what changes in the loss and in the gradient?
+# 2. At V = 50,257, pad each row to 50,264 (a multiple of 8) with ``-inf`` in a wider buffer
+#    and pass the slice: does the bandwidth come back? Then handle the misaligned head of a row
+#    inside the kernel instead, so that callers need not pad.
+# 3. Make the second pass cheaper still: split a row over two programs that each keep half of
+#    it in registers, as chapter 02's split softmax does, and measure against our loop.
