@@ -269,3 +269,13 @@ def test_call_and_cpu_times_round_trip_and_older_recordings_have_none(tmp_path):
     assert "no call from Python timed" in bench.Results(copy_benchmark(), points, env, False).as_called(
         "triton", "torch", 2**10
     )
+
+
+def test_standing_counts_the_points_ahead_of_every_peer_and_the_share_of_the_limit():
+    points = POINTS + [bench.Point("copy", "float32", 2**10, 3000.0), bench.Point("copy", "float32", 2**12, 3000.0),
+                       bench.Point("liger", "float32", 2**12, 2800.0)]  # fmt: skip
+    results = bench.Results(copy_benchmark(), points, FAKE_ENV, live=False)
+    (line,) = results.standing("triton", limit="copy")
+    assert results.standing("triton", "copy", peers=["torch"]) != [line]
+    assert line == ("float32: triton at or above every peer at 1 of 2 points; 1,500 to 2,700 GB/s, "
+                    "50% to 90% of copy")  # fmt: skip

@@ -5,41 +5,22 @@ from conftest import random_tensor
 from hypothesis import given, settings
 from hypothesis import strategies as st
 import pytest
-from stepkernels import cross_entropy, linear_cross_entropy
+from stepkernels import check_cross_entropy, cross_entropy, linear_cross_entropy
 from stepkernels._core import DEVICE, ON_GPU
 import torch
 import torch.nn.functional as F
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-# The loss is rounded once to the logits' dtype; gradients once to theirs.
-RTOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
+RTOL = check_cross_entropy.TOLERANCE
 REDUCTIONS = ("mean", "sum", "none")
 
 
 def targets(n_rows, n_cols, seed=0, ignored_every=3, ignore_index=-100):
-    generator = torch.Generator().manual_seed(seed)
-    target = torch.randint(0, n_cols, (n_rows,), generator=generator)
-    if ignored_every:
-        target[::ignored_every] = ignore_index
-    return target.to(DEVICE)
+    return check_cross_entropy.targets(n_rows, n_cols, DEVICE, seed, ignored_every, ignore_index)
 
 
 def check(logits, target, grad_scale=0.7, **options):
-    """Loss and gradient of ours against torch's in fp64 (a grad_loss that is not 1)."""
-    logits = logits.detach().requires_grad_()
-    loss = cross_entropy(logits, target, **options)
-    x64 = logits.detach().double().requires_grad_()
-    want = F.cross_entropy(x64, target.long(), **options)
-    assert loss.dtype == logits.dtype and loss.shape == want.shape
-    rtol = RTOL[logits.dtype]
-    torch.testing.assert_close(loss.double(), want, rtol=rtol, atol=rtol, equal_nan=True)
-    grad_loss = torch.full_like(want, grad_scale)
-    (grad,) = torch.autograd.grad(loss, logits, grad_loss.to(loss.dtype))
-    (want_grad,) = torch.autograd.grad(want, x64, grad_loss)
-    assert grad.dtype == logits.dtype and grad.shape == logits.shape
-    atol = rtol * want_grad.abs().nan_to_num(0.0).max().item() if want_grad.numel() else 0
-    torch.testing.assert_close(grad.double(), want_grad, rtol=rtol, atol=atol, equal_nan=True)
-    return loss, grad
+    return check_cross_entropy.check(cross_entropy, logits, target, grad_scale, **options)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -78,6 +59,30 @@ def test_strided_logits_and_int32_targets():
     logits = wide[:, 3:8003]  # rows 8,200 apart, read in place
     check(logits, targets(6, 8000).int(), label_smoothing=0.05)
     check(wide.t()[:5].t(), targets(6, 5, seed=8))  # column-major: copied first
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n_cols", [5, 9001, 50_257])
+def test_forward_alone_matches_torch(n_cols, dtype):
+    # Without a gradient the row's parts do not wait: the last to arrive writes the loss.
+    logits = random_tensor((5, n_cols), dtype, seed=9, scale=4.0)
+    target = targets(5, n_cols, seed=10)
+    for options in ({"reduction": "none"}, {"label_smoothing": 0.2}):
+        want = F.cross_entropy(logits.double(), target, **options)
+        rtol = RTOL[dtype]
+        torch.testing.assert_close(cross_entropy(logits, target, **options).double(), want, rtol=rtol, atol=rtol)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("offset", [1, 3, 6])
+def test_rows_off_the_16_byte_grid(offset, dtype):
+    # Rows that start anywhere in a 16-byte group (an odd V, a slice at an odd offset): on a
+    # GPU read and written in whole groups, the neighbours' values in the shared ones kept.
+    n_cols = 40_009 if ON_GPU else 2_003
+    buffer = random_tensor((4 * n_cols + 16,), dtype, seed=offset, scale=3.0)
+    logits = buffer[offset : offset + 4 * n_cols].view(4, n_cols)
+    check(logits, targets(4, n_cols, seed=offset), label_smoothing=0.1)
+    check(logits, targets(4, n_cols, seed=offset), reduction="none")
 
 
 def test_large_logits_stay_finite():
@@ -190,6 +195,12 @@ def linear_check(n_rows, hidden, n_cols, dtype, chunk_tokens, bias=True, **optio
 @pytest.mark.parametrize("chunk_tokens", [1, 7, None])
 def test_linear_cross_entropy_matches_torch(chunk_tokens, dtype, reduction):
     linear_check(19, 32, 301, dtype, chunk_tokens, reduction=reduction, label_smoothing=0.1)
+
+
+def test_linear_cross_entropy_long_odd_rows_in_place():
+    # The loss writes its gradient over the chunk's logits: rows of several parts, off the
+    # 16-byte grid on a GPU.
+    linear_check(9, 16, 40_009 if ON_GPU else 9_001, torch.float32, 4, label_smoothing=0.1)
 
 
 def test_linear_cross_entropy_without_bias_and_with_frozen_weight():

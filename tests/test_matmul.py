@@ -291,3 +291,64 @@ def test_descriptor_kernel_refuses_layouts_it_cannot_describe():
     a, b, _ = operands(8, 4, 16, torch.float32)
     with pytest.raises(ValueError, match="portable"):
         matmul_tma(a[:, ::2], b[::2])
+
+
+ACCUMULATE_SHAPES = [(1, 1, 1), (19, 23, 7), (37, 56, 33)] + ([(1536, 1536, 64)] if ON_GPU else [])
+
+
+@pytest.mark.parametrize("transpose_b", [False, True])
+@pytest.mark.parametrize("with_bias", [False, True])
+@pytest.mark.parametrize("shape", ACCUMULATE_SHAPES, ids=str)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_accumulate_adds_the_product_in_place(dtype, shape, with_bias, transpose_b):
+    M, N, K = shape  # the largest fills the GPU, so that the Hopper kernel takes it there
+    a, b, bias = operands(M, N, K, dtype)
+    if transpose_b:  # b as (N, K).T, as a weight's gradient reads it
+        b = b.t().contiguous().t()
+    start = torch.randn(M, N, generator=torch.Generator().manual_seed(1)).to(DEVICE, dtype)
+    out = start.clone()
+    bias = bias if with_bias else None
+    with fp32_precision("highest"):
+        returned = matmul(a, b, bias=bias, accumulate=out)
+    product, _ = matmul_reference(a, b, None, bias)
+    assert returned is out
+    tol = tolerance(dtype, K)
+    torch.testing.assert_close(out.double(), start.double() + product, **tol)
+
+
+def test_accumulate_twice_adds_twice():
+    a, b, _ = operands(24, 40, 16, torch.float32)
+    out = torch.zeros(24, 40, device=DEVICE)
+    with fp32_precision("highest"):
+        matmul(a, b, accumulate=out)
+        matmul(a, b, accumulate=out)
+    expected, _ = matmul_reference(a, b, None, None)
+    torch.testing.assert_close(out.double(), 2 * expected, **tolerance(torch.float32, 16))
+
+
+a, b, _ = operands(8, 4, 16, torch.float32)
+BAD_ACCUMULATE = {
+    "shape": ({"accumulate": torch.zeros(8, 5)}, ValueError, "must be"),
+    "strided": ({"accumulate": torch.zeros(4, 8).t()}, ValueError, "contiguous"),
+    "dtype": ({"accumulate": torch.zeros(8, 4, dtype=torch.float16)}, TypeError, "accumulate"),
+    "activation": ({"accumulate": torch.zeros(8, 4), "activation": "relu"}, ValueError, "activation"),
+    "preactivation": (
+        {"accumulate": torch.zeros(8, 4), "return_preactivation": True},
+        ValueError,
+        "return_preactivation",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", BAD_ACCUMULATE)
+def test_bad_accumulate_is_refused_with_advice(case):
+    kwargs, error, advice = BAD_ACCUMULATE[case]
+    kwargs = {k: v.to(DEVICE) if torch.is_tensor(v) else v for k, v in kwargs.items()}
+    with pytest.raises(error, match=advice):
+        matmul(a.to(DEVICE), b.to(DEVICE), **kwargs)
+
+
+def test_accumulate_sharing_memory_with_an_operand_is_refused():
+    a = torch.randn(8, 8, device=DEVICE)
+    with pytest.raises(ValueError, match="copy"):
+        matmul(a, a.clone(), accumulate=a)

@@ -49,7 +49,6 @@ DEVICE = tutorial.DEVICE
 from stepkernels._core import FLOAT_DTYPES, check_tensor, refuse_double_backward
 from stepkernels.cross_entropy import (
     check_target,
-    gradient_rows,
     loss_rows,
     reduce_losses,
     scale_unless_one,
@@ -68,28 +67,23 @@ def chunk_rows(n_rows: int, n_cols: int, itemsize: int, chunk_tokens=None) -> in
 
 
 def linear_loss_pass(x, weight, bias, target, options, needs, chunk_tokens=None,
-                     grad_scale=None, lse=None, row_scale=None):  # fmt: skip
-    """One pass over chunks of tokens. Without ``lse`` (forward): the losses and lse per row,
-    and the gradients that ``needs`` asks for (of x, weight, bias) times ``grad_scale``. With
-    ``lse`` (backward): the gradients times ``row_scale``, one value or one per row."""
+                     grad_scale=None):  # fmt: skip
+    """One pass over chunks of tokens: the loss per row, and the gradients that ``needs``
+    asks for (of x, weight, bias) times ``grad_scale``: None (1), one value or one per row."""
     n_rows, n_cols = x.shape[0], weight.shape[0]
     chunk = chunk_rows(n_rows, n_cols, x.element_size(), chunk_tokens)
     grad_x = torch.empty_like(x) if needs[0] else None
     grad_w = None
     grad_b = torch.zeros(n_cols, device=x.device) if needs[2] else None
-    losses, lses = [], []
+    per_row = grad_scale is not None and grad_scale.dim() > 0
+    losses = []
     for start in range(0, n_rows, chunk):
         rows = slice(start, start + chunk)
         logits = matmul(x[rows], weight.mT, bias=bias)
-        if lse is None:
-            grad = logits if any(needs) else None  # in place: our own buffer
-            loss, row_lse = loss_rows(logits, target[rows], options, grad, grad_scale)
-            del grad
-            losses.append(loss)
-            lses.append(row_lse)
-        else:
-            scale = row_scale[rows] if row_scale.dim() else row_scale
-            gradient_rows(logits, target[rows], lse[rows], scale, options, grad=logits)
+        grad = logits if any(needs) else None  # in place: our own buffer
+        scale = grad_scale[rows] if per_row else grad_scale
+        losses.append(loss_rows(logits, target[rows], options, grad, scale))
+        del grad
         if not any(needs):
             continue
         if needs[0]:
@@ -101,9 +95,7 @@ def linear_loss_pass(x, weight, bias, target, options, needs, chunk_tokens=None,
             grad_b += logits.sum(dim=0, dtype=torch.float32)
         del logits  # before the next chunk's: one chunk of logits at a time
     grads = (grad_x, grad_w, None if grad_b is None else grad_b.to(x.dtype))
-    if lse is None:
-        return torch.cat(losses), torch.cat(lses), grads
-    return grads
+    return torch.cat(losses), grads
 
 
 class LinearCrossEntropyFunction(torch.autograd.Function):
@@ -113,11 +105,11 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         count = target.ne(options.ignore_index).sum(dtype=torch.float32)
         early = options.reduction != "none"  # the gradients now, as for cross_entropy
         scale = count.reciprocal() if options.reduction == "mean" else None
-        losses, lse, grads = linear_loss_pass(
+        losses, grads = linear_loss_pass(
             x, weight, bias, target, options, needs if early else (False,) * 3,
             chunk_tokens, grad_scale=scale,
         )  # fmt: skip
-        ctx.save_for_backward(x, weight, bias, target, lse, count)
+        ctx.save_for_backward(x, weight, bias, target, count)
         ctx.options, ctx.chunk_tokens, ctx.grads = options, chunk_tokens, grads
         ctx.early = early
         return reduce_losses(losses, count, options.reduction).to(x.dtype)
@@ -131,12 +123,12 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
             return *(
                 g if g is None else scale_unless_one(g, grad_loss) for g in grads
             ), *none
-        x, weight, bias, target, lse, count = ctx.saved_tensors
+        x, weight, bias, target, count = ctx.saved_tensors
         mean = ctx.options.reduction == "mean"
         row_scale = (grad_loss / count if mean else grad_loss).float()
-        grads = linear_loss_pass(
+        _, grads = linear_loss_pass(
             x, weight, bias, target, ctx.options, ctx.needs_input_grad[:3],
-            ctx.chunk_tokens, lse=lse, row_scale=row_scale,
+            ctx.chunk_tokens, grad_scale=row_scale,
         )  # fmt: skip
         return *grads, *none
 
@@ -213,10 +205,11 @@ print("linear_cross_entropy matches PyTorch in fp32 and bf16, every reduction")
 # 6 N D V FLOPs, and draw cuBLAS's level as the limit. The peers: PyTorch as training scripts
 # write it, with the logits upcast to fp32, ``F.cross_entropy(F.linear(h, w).float(), t)``;
 # its ``torch.compile``; and Liger-Kernel's fused linear cross-entropy, which chunks tokens
-# too, sized so that a chunk of logits is about as large as H, and calls cuBLAS. Liger asks
-# the CPU whether ``grad_loss`` is 1, which a CUDA graph cannot capture, so all are timed as
-# called from Python. A second benchmark records the peak memory beyond the inputs (dH and
-# dW included: 0.98 GiB of them is dW), a third our time by chunk size at 16,384 tokens.
+# too, sized so that a chunk of logits is about as large as H, and calls cuBLAS. Solid lines
+# are GPU time (CUDA-graph replays), dotted ones the call from Python; Liger asks the CPU
+# whether ``grad_loss`` is 1, which a graph cannot capture, so its value is the call. A second
+# benchmark records the peak memory beyond the inputs (dH and dW included: 0.98 GiB of them
+# is dW), a third our time by chunk size at 16,384 tokens.
 
 try:  # Liger-Kernel, where installed
     from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
@@ -262,7 +255,7 @@ def head_benchmark(name, unit="TFLOP/s", chunks=False):
         else make_head_call,
         work=lambda n, dtype: 6 * (tokens if chunks else n) * HIDDEN * VOCABULARY,
         dtypes=(torch.bfloat16,), smoke_x=8 if chunks else TOKENS[0],
-        headline_x=1024 if chunks else TOKENS[-1], gpu_time=False,
+        headline_x=1024 if chunks else TOKENS[-1], uncapturable=("liger_kernel",),
     )  # fmt: skip
 
 
@@ -276,10 +269,10 @@ for name, unit, chunks in (
 
 
 def show(results):
-    for x in results.bench.x_values:
+    for x in sorted({p.x for p in results.points}):  # the recorded sizes
         shown = ", ".join(f"{p} {results.value(p, x, 'bfloat16'):,.2f}"
-                          for p in results.bench.providers)  # fmt: skip
-        print(f"  {x:,}: {shown}")
+                          for p in results.providers())  # fmt: skip
+        print(f"  {x:,.0f}: {shown}")
 
 
 for name, results in head_results.items():
@@ -288,13 +281,16 @@ for name, results in head_results.items():
             f"{name} ({results.bench.unit}, by {results.bench.x_name}), {results.how}:"
         )
         show(results)
+if timed := head_results["linear-cross-entropy"]:
+    print("GPU time:", *timed.standing("triton"))
 
 # %%
-# In time, we are ahead of eager PyTorch at every size and of Liger-Kernel's fused version,
-# which is slowest at 4,096 tokens, where its chunks are smallest. ``torch.compile`` is faster
-# still: it runs cuBLAS on the full logits and keeps several GiB for them; we keep a little
-# more than Liger-Kernel, 0.98 GiB of which is dW itself. The chunk sweep shows the trade:
-# chunks of 2,048 or 4,096 tokens come close to ``torch.compile``, for 0.25 or 0.75 GiB more.
+# We are ahead of eager PyTorch at every size, and of Liger-Kernel's fused version, slowest
+# at 4,096 tokens, where its chunks are smallest. ``torch.compile`` runs cuBLAS on the full
+# logits and keeps several GiB for them: it is ahead of us in GPU time where the standing
+# above says so, its cuBLAS products against our chunked ones. We keep a little more
+# memory than Liger-Kernel, 0.98 GiB of it dW itself. The chunk sweep shows the trade:
+# chunks of 2,048 or 4,096 tokens gain speed for 0.25 or 0.75 GiB more.
 #
 # What we learned
 # ---------------

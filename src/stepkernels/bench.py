@@ -80,6 +80,9 @@ class Benchmark:
     # False: the value itself is the call from Python (do_bench of the call), for calls a
     # CUDA graph cannot capture or that replay one themselves (chapter 08's training steps).
     gpu_time: bool = True
+    # Providers whose calls a CUDA graph cannot capture (a synchronization inside, say): their
+    # value is the call from Python, in a benchmark whose others' is GPU time.
+    uncapturable: tuple = ()
 
 
 @dataclass
@@ -362,21 +365,20 @@ def measure_on_stream(bench: Benchmark) -> list[Point]:
                     continue
                 try:
                     fn = make_call(bench, provider, x, dtype)
-                    if bench.gpu_time:
+                    gpu_time = bench.gpu_time and provider not in bench.uncapturable
+                    if gpu_time:
                         ms, q20, q80 = measure_ms(fn)
                     else:
                         fn()  # compile and capture before timing
                         ms, q20, q80 = triton.testing.do_bench(
                             fn, quantiles=[0.5, 0.2, 0.8]
                         )
-                    timed_call = (
-                        bench.user_timing
-                        and bench.gpu_time
-                        and provider != COPY_PROVIDER
-                    )
-                    call, cpu = (
-                        (call_ms(fn), cpu_us(fn, 100)) if timed_call else (None, None)
-                    )
+                    # the call from Python, unless the value is that already, and its CPU
+                    timed = bench.user_timing and provider != COPY_PROVIDER
+                    call = call_ms(fn) if timed and gpu_time else None
+                    if timed and bench.gpu_time and not gpu_time:
+                        call = ms  # uncapturable: its value is the call already
+                    cpu = cpu_us(fn, 100) if timed else None
                 except torch.OutOfMemoryError:
                     print(
                         f"  {provider} at {bench.x_name}={x}: out of GPU memory, skipped"
@@ -598,6 +600,8 @@ def summarize(
         if any(p.call is not None for p in points):
             print(f"  {'':<{width}} {'GPU time':>{rate}}  {'':<16} "
                   f"{'called from Python':>{max(rate, 18)}}  CPU per call")  # fmt: skip
+        elif any(p.cpu_us is not None for p in points):
+            print(f"  {'':<{width}} {'called from Python':>{rate}}  {'':<16} CPU per call")  # fmt: skip
         for p in points:
             if p.dtype == dtype and p.x == bench.headline_x:
                 share = (
@@ -608,6 +612,8 @@ def summarize(
                 if p.call is not None:
                     called = f"{p.call:,.1f} {bench.unit}"
                     line += f" {called:>{max(rate, 18)}}  {p.cpu_us:7.1f} µs"
+                elif p.cpu_us is not None:  # the value is the call from Python
+                    line += f" {p.cpu_us:7.1f} µs"
                 print(line.rstrip())
 
 
@@ -669,6 +675,35 @@ class Results:
         ]
         head = f"{self.bench.name}, {name}, at {x:,} ({self.bench.x_name}), {self.how}:"
         return "\n  ".join([head, *parts])
+
+    def providers(self) -> list[str]:
+        """Every provider with a point, in order: a recording may hold peers not installed."""
+        return list(dict.fromkeys(p.provider for p in self.points))
+
+    def standing(self, ours: str, limit: str | None = None, peers=None) -> list[str]:
+        """One line per dtype: at how many x ``ours`` is at or above every peer (``peers``,
+        or every other provider recorded but ``limit``), its range of values, and its share
+        of the ``limit`` provider."""
+        peers = peers or [p for p in self.providers() if p not in (ours, limit)]
+        lines = []
+        for dtype in dict.fromkeys(p.dtype for p in self.points):
+            xs = sorted(
+                {p.x for p in self.points if (p.provider, p.dtype) == (ours, dtype)}
+            )
+            mine = [self.value(ours, x, dtype) for x in xs]
+            best = [max((self.value(p, x, dtype) for p in peers if self.point(p, x, dtype)),
+                        default=-math.inf) for x in xs]  # fmt: skip
+            ahead = sum(m >= b for m, b in zip(mine, best, strict=True))
+            line = (f"{dtype}: {ours} at or above every peer at {ahead} of {len(xs)} points; "
+                    f"{min(mine):,.0f} to {max(mine):,.0f} {self.bench.unit}")  # fmt: skip
+            if limit:
+                shares = [
+                    m / self.value(limit, x, dtype)
+                    for m, x in zip(mine, xs, strict=True)
+                ]
+                line += f", {min(shares):.0%} to {max(shares):.0%} of {limit}"
+            lines.append(line)
+        return lines
 
     @property
     def how(self) -> str:

@@ -4,9 +4,11 @@
 # export`.
 
 from dataclasses import dataclass
+import functools
 
 from stepkernels._core import (
     FLOAT_DTYPES,
+    ON_GPU,
     check_tensor,
     refuse_double_backward,
     sm_count,
@@ -19,86 +21,160 @@ import triton.language as tl
 
 
 @triton.jit
-def smoothed_target(cols, target, n_cols, smoothing, SMOOTH: tl.constexpr):
-    """q over ``cols``: 1 - ε at the target, plus ε / V everywhere (ε = 0 unless SMOOTH)."""
-    if SMOOTH:
-        return tl.where(cols == target, 1.0 - smoothing, 0.0) + smoothing / n_cols
-    return tl.where(cols == target, 1.0, 0.0)
+def row_span(row, row_stride, n_cols, ALIGN: tl.constexpr, ALIGNED: tl.constexpr):
+    """A row read in 16-byte groups of ALIGN values: the offset of its first group, the
+    previous row's values that lead it there, the end of its last whole group and of its
+    last group, counted from the first."""
+    start = row.to(tl.int64) * row_stride
+    if ALIGNED:  # every row starts and ends on a group boundary
+        n_cols = tl.multiple_of(n_cols, ALIGN)
+        return tl.multiple_of(start, ALIGN), 0, n_cols, n_cols
+    lead = (start % ALIGN).to(tl.int32)
+    last = tl.multiple_of((n_cols + lead) // ALIGN * ALIGN, ALIGN)
+    padded = tl.multiple_of(tl.cdiv(n_cols + lead, ALIGN) * ALIGN, ALIGN)
+    return tl.multiple_of(start - lead, ALIGN), lead, last, padded
 
 
 @triton.jit
-def row_loss(lse, target_dot, target, n_cols, ignore_index):
-    """lse - sum_j q_j x_j; 0 for an ignored row, NaN for a target out of range."""
-    loss = tl.where((target < 0) | (target >= n_cols), float("nan"), lse - target_dot)
-    return tl.where(target == ignore_index, 0.0, loss)
+def arrive_and_wait(counter_ptr, n_parts, MAX_POLLS: tl.constexpr):
+    """Count this program in (its stores ordered before), then poll until all ``n_parts``
+    have counted, at most MAX_POLLS times. True if they all did."""
+    tl.debug_barrier()  # every thread of this program has stored
+    arrived = tl.atomic_add(counter_ptr, 1, sem="acq_rel") + 1
+    polls = 0
+    while (arrived < n_parts) & (polls < MAX_POLLS):
+        arrived = tl.atomic_add(counter_ptr, 0, sem="acquire")
+        polls += 1
+    return arrived >= n_parts
 
 
 @triton.jit
-def loss_gradient(x, cols, target, lse, scale, n_cols, smoothing, ignore_index,
-                  SMOOTH: tl.constexpr):  # fmt: skip
-    """(softmax - q) * scale over ``cols``, with the same rules as ``row_loss``."""
-    grad = (
-        tl.exp(x - lse) - smoothed_target(cols, target, n_cols, smoothing, SMOOTH)
-    ) * scale
-    grad = tl.where((target < 0) | (target >= n_cols), float("nan"), grad)
-    return tl.where(target == ignore_index, 0.0, grad)
+def combine_parts(part_stats, n_parts, PARTS_POW2: tl.constexpr):
+    """The row's maximum, sum of exp(x - maximum) and sum of x from its parts' triples."""
+    parts = tl.arange(0, PARTS_POW2)
+    present = parts < n_parts
+    maxima = tl.load(part_stats + parts, present, -float("inf"), volatile=True)
+    sums = tl.load(part_stats + PARTS_POW2 + parts, present, 0.0, volatile=True)
+    x_sums = tl.load(part_stats + 2 * PARTS_POW2 + parts, present, 0.0, volatile=True)
+    row_max = tl.max(maxima, axis=0)
+    shift = tl.where(row_max == -float("inf"), 0.0, row_max)
+    # A part of only -inf has sum 0 and weight exp(-inf) = 0: never 0 * overflow.
+    row_sum = tl.sum(tl.where(present, sums * tl.exp(maxima - shift), 0.0), axis=0)
+    return row_max, row_sum, tl.sum(x_sums, axis=0)
 
 
 @triton.jit
-def row_statistics(x_row, target, n_cols, smoothing, BLOCK_N: tl.constexpr,
-                   SMOOTH: tl.constexpr, NUM_STAGES: tl.constexpr):  # fmt: skip
-    """One online pass over a row: its maximum, sum of exp(x - maximum) and sum_j q_j x_j."""
-    cols = tl.arange(0, BLOCK_N)
+def online_row_statistics(x_row, n_cols, BLOCK_N: tl.constexpr):
+    """The same three numbers from one online pass over the row (the fallback)."""
     running_max = -float("inf")
     lane_sum = tl.zeros([BLOCK_N], tl.float32)
-    lane_dot = tl.zeros([BLOCK_N], tl.float32)
-    for start in tl.range(0, n_cols, BLOCK_N, num_stages=NUM_STAGES):
-        offsets = start + cols
-        in_row = offsets < n_cols
-        x = tl.load(x_row + offsets, mask=in_row, other=-float("inf"),
-                    eviction_policy="evict_last").to(tl.float32)  # fmt: skip
+    lane_x = tl.zeros([BLOCK_N], tl.float32)
+    for start in range(0, n_cols, BLOCK_N):
+        cols = start + tl.arange(0, BLOCK_N)
+        x = tl.load(x_row + cols, cols < n_cols, -float("inf")).to(tl.float32)
         new_max = tl.maximum(running_max, tl.max(x, axis=0))
         shift = tl.where(new_max == -float("inf"), 0.0, new_max)
         lane_sum = lane_sum * tl.exp(running_max - shift) + tl.exp(x - shift)
-        q = smoothed_target(offsets, target, n_cols, smoothing, SMOOTH)
-        lane_dot += tl.where(in_row, q * x, 0.0)
+        lane_x += tl.where(cols < n_cols, x, 0.0)
         running_max = new_max
-    return running_max, tl.sum(lane_sum, axis=0), tl.sum(lane_dot, axis=0)
+    return running_max, tl.sum(lane_sum, axis=0), tl.sum(lane_x, axis=0)
 
 
 @lean
 @triton.jit
-def cross_entropy_looped_kernel(
-    logits_ptr, target_ptr, grad_ptr, loss_ptr, lse_ptr, grad_scale_ptr, n_rows, n_cols,
-    logits_row_stride, grad_row_stride, ignore_index, smoothing, BLOCK_N: tl.constexpr,
-    SMOOTH: tl.constexpr, WRITE_GRAD: tl.constexpr, HAS_GRAD_SCALE: tl.constexpr,
-    NUM_STAGES: tl.constexpr,
+def cross_entropy_kernel(
+    logits_ptr, target_ptr, grad_ptr, loss_ptr, scale_ptr, stats_ptr, counter_ptr,
+    n_cols, n_parts, row_stride, scale_stride, ignore_index, smoothing,
+    PART: tl.constexpr, PARTS_POW2: tl.constexpr, SMOOTH: tl.constexpr,
+    WRITE_GRAD: tl.constexpr, HAS_SCALE: tl.constexpr, ALIGN: tl.constexpr,
+    ALIGNED: tl.constexpr, MAX_POLLS: tl.constexpr,
 ):  # fmt: skip
-    n_chunks = tl.cdiv(n_cols, BLOCK_N)
-    for row in tl.range(tl.program_id(0), n_rows, tl.num_programs(0)):
-        logits_row = logits_ptr + tl.cast(row, tl.int64) * logits_row_stride
-        target = tl.load(target_ptr + row).to(tl.int64)
-        row_max, row_sum, row_dot = row_statistics(
-            logits_row, target, n_cols, smoothing, BLOCK_N, SMOOTH, NUM_STAGES
-        )
-        lse = row_max + tl.log(row_sum)
-        tl.store(loss_ptr + row, row_loss(lse, row_dot, target, n_cols, ignore_index))
-        tl.store(lse_ptr + row, lse)
-        if WRITE_GRAD:
-            scale = 1.0
-            if HAS_GRAD_SCALE:
-                scale = tl.load(grad_scale_ptr)
-            grad_row = grad_ptr + tl.cast(row, tl.int64) * grad_row_stride
-            for chunk in tl.range(0, n_chunks, num_stages=NUM_STAGES):
-                cols = (n_chunks - 1 - chunk) * BLOCK_N + tl.arange(0, BLOCK_N)
-                in_row = cols < n_cols
-                x = tl.load(logits_row + cols, mask=in_row, other=0.0,
-                            eviction_policy="evict_first").to(tl.float32)  # fmt: skip
-                grad = loss_gradient(x, cols, target, lse, scale, n_cols, smoothing,
-                                     ignore_index, SMOOTH)  # fmt: skip
-                tl.store(
-                    grad_row + cols, grad.to(grad_ptr.dtype.element_ty), mask=in_row
+    row, part = tl.program_id(0) // n_parts, tl.program_id(0) % n_parts
+    span, lead, last, padded = row_span(row, row_stride, n_cols, ALIGN, ALIGNED)
+    offsets = part * PART + tl.arange(0, PART)  # from the row's first group
+    x = tl.load(logits_ptr + span + offsets, offsets < padded, -float("inf"),
+                eviction_policy="evict_first").to(tl.float32)  # fmt: skip
+    in_row = (offsets >= lead) & (offsets < n_cols + lead)
+    edge = part == 0  # a part holding a group shared with a neighbouring row
+    if not ALIGNED:
+        edge = (part == 0) | ((part + 1) * PART > last)
+        if edge:
+            x = tl.where(in_row, x, -float("inf"))
+    target = tl.load(target_ptr + row).to(tl.int64)
+    in_range = (target >= 0) & (target < n_cols)
+    # x_t before any program of the row writes its gradient, maybe over the logits
+    x_target = tl.load(logits_ptr + span + lead + target, in_range, 0.0).to(tl.float32)
+    part_max = tl.max(x, axis=0)
+    shift = tl.where(part_max == -float("inf"), 0.0, part_max)
+    e = tl.exp(x - shift)  # kept in registers for the gradient
+    part_sum = tl.sum(e, axis=0)
+    part_x = tl.zeros_like(part_sum)
+    if SMOOTH:
+        part_x = tl.sum(tl.where(in_row, x, 0.0), axis=0)
+    row_max, row_sum, row_x = part_max, part_sum, part_x
+    finisher = part == 0  # writes the row's loss
+    if n_parts > 1:  # publish the triple, then combine the row's
+        part_stats = stats_ptr + row.to(tl.int64) * 3 * PARTS_POW2
+        tl.store(part_stats + part, part_max)
+        tl.store(part_stats + PARTS_POW2 + part, part_sum)
+        tl.store(part_stats + 2 * PARTS_POW2 + part, part_x)
+        if WRITE_GRAD:  # everyone needs lse: wait for the others
+            if arrive_and_wait(counter_ptr + row, n_parts, MAX_POLLS):
+                row_max, row_sum, row_x = combine_parts(part_stats, n_parts, PARTS_POW2)
+            else:  # the others are not running: read the row ourselves
+                row_max, row_sum, row_x = online_row_statistics(
+                    logits_ptr + span + lead, n_cols, 1024
                 )
+        else:  # the loss alone: the last to arrive finishes the row, nobody waits
+            tl.debug_barrier()
+            arrived = tl.atomic_add(counter_ptr + row, 1, sem="acq_rel")
+            finisher = arrived == n_parts - 1
+            if finisher:
+                row_max, row_sum, row_x = combine_parts(part_stats, n_parts, PARTS_POW2)
+    lse = row_max + tl.log(row_sum)
+    if finisher:
+        target_dot = x_target  # sum_j q_j x_j
+        if SMOOTH:
+            target_dot = (1.0 - smoothing) * x_target + smoothing / n_cols * row_x
+        loss = tl.where(in_range, lse - target_dot, float("nan"))
+        tl.store(loss_ptr + row, tl.where(target == ignore_index, 0.0, loss))
+    if WRITE_GRAD:
+        scale = 1.0
+        if HAS_SCALE:
+            scale = tl.load(scale_ptr + row * scale_stride).to(tl.float32)
+        scale = tl.where(in_range, scale, float("nan"))  # out of range: NaN
+        scale = tl.where(target == ignore_index, 0.0, scale)  # ignored: zero
+        # q: 1 - ε + ε/V at the target, ε/V elsewhere; 32-bit offsets to compare
+        target_offset = (tl.where(in_range, target, -1) + lead).to(tl.int32)
+        q_miss = smoothing / n_cols
+        q_hit = 1.0 - smoothing + q_miss
+        q = tl.where(offsets == target_offset, q_hit, q_miss)
+        grad = (e * tl.exp(shift - lse) - q) * scale
+        grad_ptrs = grad_ptr + span + offsets
+        if ALIGNED:
+            tl.store(grad_ptrs, grad.to(grad_ptr.dtype.element_ty), offsets < padded)
+        elif not edge:  # whole groups of this row only
+            tl.store(grad_ptrs, grad.to(grad_ptr.dtype.element_ty))
+        else:  # whole groups of this row, then the row's values in the shared ones
+            first = tl.multiple_of(tl.where(lead > 0, ALIGN, 0), ALIGN)
+            whole = (offsets >= first) & (offsets < last)
+            tl.store(grad_ptrs, grad.to(grad_ptr.dtype.element_ty), whole)
+            if part == 0:
+                index = tl.arange(0, 2 * ALIGN)
+                shared = tl.where(index < ALIGN, index, last + index - ALIGN)
+                in_shared = (shared < first) | (shared >= tl.maximum(first, last))
+                ours = (shared >= lead) & (shared < n_cols + lead) & in_shared
+                x_shared = tl.load(logits_ptr + span + shared, ours).to(tl.float32)
+                q_shared = tl.where(shared == target_offset, q_hit, q_miss)
+                grad_shared = (tl.exp(x_shared - lse) - q_shared) * scale
+                grad_shared = grad_shared.to(grad_ptr.dtype.element_ty)
+                tl.store(grad_ptr + span + shared, grad_shared, ours)
+
+
+SCALE_BLOCK, SCALE_PROGRAMS_PER_SM = 4096, 4
+REDUCTIONS = ("mean", "sum", "none")
+MAX_POLLS = 100_000 if ON_GPU else 2  # tries before a program reads the row itself
+WAIT = 2**31 - 1 if ON_GPU else 2  # in place: wait as long as it takes
 
 
 @lean
@@ -111,35 +187,7 @@ def scale_unless_one_kernel(grad_ptr, factor_ptr, n_elements, BLOCK: tl.constexp
             offsets = start + tl.arange(0, BLOCK)
             in_range = offsets < n_elements
             grad = tl.load(grad_ptr + offsets, mask=in_range).to(tl.float32) * factor
-            tl.store(
-                grad_ptr + offsets, grad.to(grad_ptr.dtype.element_ty), mask=in_range
-            )
-
-
-@lean
-@triton.jit
-def cross_entropy_backward_kernel(
-    logits_ptr, target_ptr, lse_ptr, row_scale_ptr, grad_ptr, n_cols, n_chunks,
-    logits_row_stride, grad_row_stride, row_scale_stride, ignore_index, smoothing,
-    BLOCK_N: tl.constexpr, SMOOTH: tl.constexpr,
-):  # fmt: skip
-    row = (tl.program_id(0) // n_chunks).to(tl.int64)
-    cols = (tl.program_id(0) % n_chunks) * BLOCK_N + tl.arange(0, BLOCK_N)
-    in_row = cols < n_cols
-    x = tl.load(logits_ptr + row * logits_row_stride + cols, mask=in_row).to(tl.float32)
-    target = tl.load(target_ptr + row).to(tl.int64)
-    scale = tl.load(row_scale_ptr + row * row_scale_stride).to(tl.float32)
-    lse = tl.load(lse_ptr + row)
-    grad = loss_gradient(
-        x, cols, target, lse, scale, n_cols, smoothing, ignore_index, SMOOTH
-    )
-    grad_row = grad_ptr + row * grad_row_stride
-    tl.store(grad_row + cols, grad.to(grad_ptr.dtype.element_ty), mask=in_row)
-
-
-BACKWARD_BLOCK = 4096  # values per program of the backward kernel
-SCALE_BLOCK, SCALE_PROGRAMS_PER_SM = 4096, 4
-REDUCTIONS = ("mean", "sum", "none")
+            tl.store(grad_ptr + offsets, grad.to(grad_ptr.dtype.element_ty), in_range)
 
 
 @dataclass(frozen=True)
@@ -151,65 +199,84 @@ class Options:
 
 @dataclass(frozen=True)
 class Launch:
-    block_n: int  # values per chunk of the loop
+    part: int  # values per program: a power of two
     num_warps: int
-    programs_per_sm: int = 0  # a persistent grid; 0 launches a program per row
-    num_stages: int = 2  # chunks loaded ahead
+    max_registers: int | None = None  # per thread: more programs fit an SM
 
 
-def default_launch(element_size: int, write_grad: bool) -> Launch:
-    if write_grad:
-        return Launch(4096, 8 if element_size == 4 else 4)
-    return Launch(2048, 4)
+@functools.cache
+def default_launch(n_values: int, element_size: int, write_grad: bool, aligned: bool):
+    """For rows of ``n_values`` values from their first 16-byte group to their last."""
+    whole_row = triton.next_power_of_2(n_values)
+    if not write_grad:  # the loss alone: nobody waits
+        part = whole_row if whole_row <= 16384 else 8192
+        return Launch(part, max(4, part // 2048))
+    # 32 values a thread, at most 64 registers: 32 warps an SM (rows off the grid spill there)
+    if whole_row <= 32768:  # the row in one program: no waiting
+        return Launch(whole_row, max(4, whole_row // 1024), max_registers=64)
+    if not aligned:
+        return Launch(4096, 4)
+    return Launch(32768 // element_size, 32 // element_size, max_registers=64)  # 32 KB
 
 
-def loss_rows(logits, target, options, grad=None, grad_scale=None, launch=None):
-    """Per row: the loss and the lse, fp32. Writes the gradient into ``grad`` if given
-    (``logits`` itself for in place), times ``grad_scale`` (one element) if given."""
+def rows_aligned(t: torch.Tensor, align: int) -> bool:
+    """Does every row of ``t`` start and end on a 16-byte boundary (``align`` values)?"""
+    return t.data_ptr() % 16 == 0 and t.stride(0) % align == t.shape[1] % align == 0
+
+
+def empty_rows_like(t: torch.Tensor) -> torch.Tensor:
+    """A new tensor with ``t``'s shape, strides and address modulo 16 bytes."""
+    lead = t.data_ptr() % 16 // t.element_size()
+    if t.numel() == 0 or (lead == 0 and t.is_contiguous()):
+        return torch.empty_like(t)
+    size = lead + t.stride(0) * (t.shape[0] - 1) + t.shape[1]
+    storage = torch.empty(size, device=t.device, dtype=t.dtype)
+    return storage.as_strided(t.shape, t.stride(), lead)
+
+
+def loss_rows(logits, target, options, grad=None, scale=None, launch=None):
+    """The loss of each row, fp32. Writes the gradient into ``grad`` if given (laid out as
+    ``logits``, or ``logits`` itself: in place), times ``scale``: one value or one per row."""
     n_rows, n_cols = logits.shape
     losses = torch.empty(n_rows, device=logits.device, dtype=torch.float32)
-    lse = torch.empty_like(losses)
     if n_rows == 0:
-        return losses, lse
-    launch = launch or default_launch(logits.element_size(), grad is not None)
-    per_sm = launch.programs_per_sm
-    grid = (min(n_rows, per_sm * sm_count()) if per_sm else n_rows,)
+        return losses
+    size = logits.element_size()
+    align = 16 // size if ON_GPU else 1  # the interpreter reads NumPy: no groups there
+    aligned, write_grad = rows_aligned(logits, align), grad is not None
+    n_values = n_cols if aligned else n_cols + align - 1  # first group to last, at most
+    launch = launch or default_launch(n_values, size, write_grad, aligned)
+    part = min(launch.part, triton.next_power_of_2(n_values))
+    n_parts = triton.cdiv(n_values, part)
+    parts_pow2 = triton.next_power_of_2(n_parts)
+    stats = counters = losses  # unused by a row in one program
+    if n_parts > 1:
+        stats = torch.empty(n_rows, 3, parts_pow2, device=logits.device)
+        counters = torch.zeros(n_rows, device=logits.device, dtype=torch.int32)
+    has_scale = scale is not None
+    scale = scale if has_scale else losses
     with quiet():
-        cross_entropy_looped_kernel[grid](
-            logits, target, logits if grad is None else grad, losses, lse, grad_scale,
-            n_rows, n_cols, logits.stride(0), 0 if grad is None else grad.stride(0),
-            options.ignore_index, options.smoothing, BLOCK_N=launch.block_n,
-            SMOOTH=options.smoothing > 0, WRITE_GRAD=grad is not None,
-            HAS_GRAD_SCALE=grad_scale is not None, NUM_STAGES=launch.num_stages,
-            num_warps=launch.num_warps,
+        cross_entropy_kernel[(n_rows * n_parts,)](
+            logits, target, logits if grad is None else grad, losses, scale, stats,
+            counters, n_cols, n_parts, logits.stride(0), scale.stride(0) if scale.dim() else 0,
+            options.ignore_index, options.smoothing, PART=part, PARTS_POW2=parts_pow2,
+            SMOOTH=options.smoothing > 0, WRITE_GRAD=write_grad, HAS_SCALE=has_scale,
+            ALIGN=align, ALIGNED=aligned, MAX_POLLS=WAIT if grad is logits else MAX_POLLS,
+            num_warps=launch.num_warps, maxnreg=launch.max_registers,
         )  # fmt: skip
-    return losses, lse
-
-
-def gradient_rows(logits, target, lse, row_scale, options, grad=None):
-    """softmax - q per row, times ``row_scale`` (one value, or one per row); in place when
-    ``grad`` is ``logits``."""
-    grad = torch.empty_like(logits) if grad is None else grad
-    if grad.numel() == 0:
-        return grad
-    block = min(BACKWARD_BLOCK, triton.next_power_of_2(logits.shape[1]))
-    n_chunks = triton.cdiv(logits.shape[1], block)
-    with quiet():
-        cross_entropy_backward_kernel[(logits.shape[0] * n_chunks,)](
-            logits, target, lse, row_scale, grad, logits.shape[1], n_chunks,
-            logits.stride(0), grad.stride(0), row_scale.stride(0) if row_scale.dim() else 0,
-            options.ignore_index, options.smoothing, BLOCK_N=block,
-            SMOOTH=options.smoothing > 0, num_warps=8,
-        )  # fmt: skip
-    return grad
+    return losses
 
 
 def scale_unless_one(tensor, factor):
     """``tensor *= factor`` in place, skipped on the GPU (no synchronization) when it is 1."""
-    if tensor.numel():
-        grid = (min(triton.cdiv(tensor.numel(), SCALE_BLOCK),
+    flat = tensor  # a gradient laid out as strided logits: with the gaps nobody reads
+    if not tensor.is_contiguous():
+        span = tensor.stride(0) * (len(tensor) - 1) + tensor.shape[1]
+        flat = tensor.as_strided((span,), (1,))
+    if flat.numel():
+        grid = (min(triton.cdiv(flat.numel(), SCALE_BLOCK),
                     SCALE_PROGRAMS_PER_SM * sm_count()),)  # fmt: skip
-        scale_unless_one_kernel[grid](tensor, factor, tensor.numel(), BLOCK=SCALE_BLOCK)
+        scale_unless_one_kernel[grid](flat, factor, flat.numel(), BLOCK=SCALE_BLOCK)
     return tensor
 
 
@@ -223,10 +290,10 @@ class CrossEntropyFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, target, options):
         count = target.ne(options.ignore_index).sum(dtype=torch.float32)
-        grad = None if options.reduction == "none" else torch.empty_like(logits)
+        grad = None if options.reduction == "none" else empty_rows_like(logits)
         scale = count.reciprocal() if options.reduction == "mean" else None
-        losses, lse = loss_rows(logits, target, options, grad, scale)
-        ctx.save_for_backward(logits, target, lse, count)
+        losses = loss_rows(logits, target, options, grad, scale)
+        ctx.save_for_backward(logits, target, count)
         ctx.options, ctx.grad = options, grad
         return reduce_losses(losses, count, options.reduction).to(logits.dtype)
 
@@ -236,10 +303,11 @@ class CrossEntropyFunction(torch.autograd.Function):
         if ctx.grad is not None:  # computed in the forward: hand it over, once
             grad, ctx.grad = ctx.grad, None
             return scale_unless_one(grad, grad_loss), None, None
-        logits, target, lse, count = ctx.saved_tensors
-        mean = ctx.options.reduction == "mean"
-        row_scale = (grad_loss / count if mean else grad_loss).float()
-        return gradient_rows(logits, target, lse, row_scale, ctx.options), None, None
+        logits, target, count = ctx.saved_tensors
+        scale = grad_loss / count if ctx.options.reduction == "mean" else grad_loss
+        grad = empty_rows_like(logits)
+        loss_rows(logits, target, ctx.options, grad, scale.float())
+        return grad, None, None
 
 
 def check_target(target, n_rows, ignore_index, label_smoothing, reduction) -> Options:
@@ -250,28 +318,12 @@ def check_target(target, n_rows, ignore_index, label_smoothing, reduction) -> Op
             "probabilities are not supported: convert indices with target.long()"
         )
     if target.shape != (n_rows,):
-        raise ValueError(f"target must have shape ({n_rows},), one class per row, got "
-                         f"{tuple(target.shape)}")  # fmt: skip
+        raise ValueError(f"target needs one class per row, ({n_rows},): {target.shape}")
     if not 0.0 <= label_smoothing <= 1.0:
         raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing}")
     if reduction not in REDUCTIONS:
         raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
     return Options(int(ignore_index), float(label_smoothing), reduction)
-
-
-def check_loss_inputs(
-    logits, target, ignore_index, label_smoothing, reduction
-) -> Options:
-    check_tensor(logits, "logits", FLOAT_DTYPES)
-    if logits.dim() != 2 or logits.shape[1] == 0:
-        raise ValueError(
-            f"logits must be (tokens, vocabulary) with a vocabulary of at least 1, got shape "
-            f"{tuple(logits.shape)}: flatten with logits.reshape(-1, logits.shape[-1]) (for "
-            "(N, C, d1, ...) logits, move the class dimension last first)"
-        )
-    return check_target(
-        target, logits.shape[0], ignore_index, label_smoothing, reduction
-    )
 
 
 def cross_entropy(
@@ -280,12 +332,20 @@ def cross_entropy(
     """``torch.nn.functional.cross_entropy`` for (tokens, vocabulary) logits in fp32, fp16 or
     bf16 and integer targets, computed in fp32, with autograd. A target outside [0, V) that
     is not ``ignore_index`` gives NaN for its row."""
-    options = check_loss_inputs(
-        logits, target, ignore_index, label_smoothing, reduction
+    check_tensor(logits, "logits", FLOAT_DTYPES)
+    if logits.dim() != 2 or logits.shape[1] == 0:
+        raise ValueError(
+            f"logits must be (tokens, vocabulary) with a vocabulary of at least 1, got shape "
+            f"{tuple(logits.shape)}: flatten with logits.reshape(-1, logits.shape[-1]) (for "
+            "(N, C, d1, ...) logits, move the class dimension last first)"
+        )
+    options = check_target(
+        target, len(logits), ignore_index, label_smoothing, reduction
     )
     logits, target = as_rows(logits), target.contiguous()
     if logits.requires_grad and torch.is_grad_enabled():
         return CrossEntropyFunction.apply(logits, target, options)
     count = target.ne(options.ignore_index).sum(dtype=torch.float32)
-    losses, _ = loss_rows(logits, target, options)
-    return reduce_losses(losses, count, reduction).to(logits.dtype)
+    return reduce_losses(loss_rows(logits, target, options), count, reduction).to(
+        logits.dtype
+    )

@@ -6,7 +6,6 @@
 from stepkernels._core import FLOAT_DTYPES, check_tensor, refuse_double_backward
 from stepkernels.cross_entropy import (
     check_target,
-    gradient_rows,
     loss_rows,
     reduce_losses,
     scale_unless_one,
@@ -25,28 +24,23 @@ def chunk_rows(n_rows: int, n_cols: int, itemsize: int, chunk_tokens=None) -> in
 
 
 def linear_loss_pass(x, weight, bias, target, options, needs, chunk_tokens=None,
-                     grad_scale=None, lse=None, row_scale=None):  # fmt: skip
-    """One pass over chunks of tokens. Without ``lse`` (forward): the losses and lse per row,
-    and the gradients that ``needs`` asks for (of x, weight, bias) times ``grad_scale``. With
-    ``lse`` (backward): the gradients times ``row_scale``, one value or one per row."""
+                     grad_scale=None):  # fmt: skip
+    """One pass over chunks of tokens: the loss per row, and the gradients that ``needs``
+    asks for (of x, weight, bias) times ``grad_scale``: None (1), one value or one per row."""
     n_rows, n_cols = x.shape[0], weight.shape[0]
     chunk = chunk_rows(n_rows, n_cols, x.element_size(), chunk_tokens)
     grad_x = torch.empty_like(x) if needs[0] else None
     grad_w = None
     grad_b = torch.zeros(n_cols, device=x.device) if needs[2] else None
-    losses, lses = [], []
+    per_row = grad_scale is not None and grad_scale.dim() > 0
+    losses = []
     for start in range(0, n_rows, chunk):
         rows = slice(start, start + chunk)
         logits = matmul(x[rows], weight.mT, bias=bias)
-        if lse is None:
-            grad = logits if any(needs) else None  # in place: our own buffer
-            loss, row_lse = loss_rows(logits, target[rows], options, grad, grad_scale)
-            del grad
-            losses.append(loss)
-            lses.append(row_lse)
-        else:
-            scale = row_scale[rows] if row_scale.dim() else row_scale
-            gradient_rows(logits, target[rows], lse[rows], scale, options, grad=logits)
+        grad = logits if any(needs) else None  # in place: our own buffer
+        scale = grad_scale[rows] if per_row else grad_scale
+        losses.append(loss_rows(logits, target[rows], options, grad, scale))
+        del grad
         if not any(needs):
             continue
         if needs[0]:
@@ -58,9 +52,7 @@ def linear_loss_pass(x, weight, bias, target, options, needs, chunk_tokens=None,
             grad_b += logits.sum(dim=0, dtype=torch.float32)
         del logits  # before the next chunk's: one chunk of logits at a time
     grads = (grad_x, grad_w, None if grad_b is None else grad_b.to(x.dtype))
-    if lse is None:
-        return torch.cat(losses), torch.cat(lses), grads
-    return grads
+    return torch.cat(losses), grads
 
 
 class LinearCrossEntropyFunction(torch.autograd.Function):
@@ -70,11 +62,11 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         count = target.ne(options.ignore_index).sum(dtype=torch.float32)
         early = options.reduction != "none"  # the gradients now, as for cross_entropy
         scale = count.reciprocal() if options.reduction == "mean" else None
-        losses, lse, grads = linear_loss_pass(
+        losses, grads = linear_loss_pass(
             x, weight, bias, target, options, needs if early else (False,) * 3,
             chunk_tokens, grad_scale=scale,
         )  # fmt: skip
-        ctx.save_for_backward(x, weight, bias, target, lse, count)
+        ctx.save_for_backward(x, weight, bias, target, count)
         ctx.options, ctx.chunk_tokens, ctx.grads = options, chunk_tokens, grads
         ctx.early = early
         return reduce_losses(losses, count, options.reduction).to(x.dtype)
@@ -88,12 +80,12 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
             return *(
                 g if g is None else scale_unless_one(g, grad_loss) for g in grads
             ), *none
-        x, weight, bias, target, lse, count = ctx.saved_tensors
+        x, weight, bias, target, count = ctx.saved_tensors
         mean = ctx.options.reduction == "mean"
         row_scale = (grad_loss / count if mean else grad_loss).float()
-        grads = linear_loss_pass(
+        _, grads = linear_loss_pass(
             x, weight, bias, target, ctx.options, ctx.needs_input_grad[:3],
-            ctx.chunk_tokens, lse=lse, row_scale=row_scale,
+            ctx.chunk_tokens, grad_scale=row_scale,
         )  # fmt: skip
         return *grads, *none
 
