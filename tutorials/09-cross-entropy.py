@@ -272,16 +272,14 @@ def cross_entropy_kernel(
 # The backward, the launch and the autograd function
 # --------------------------------------------------
 # When ``grad_loss`` is 1, the gradient the forward wrote is the answer. Checking that on the
-# CPU would cost a synchronization (``.item()``) and break a CUDA graph (chapter 08), so a
-# tiny kernel checks it on the GPU and returns at once when it is 1, else scales the gradient
-# in place. ``reduction="none"`` (a ``grad_loss`` per row) and a second backward through the
-# same graph (``retain_graph=True``, after the first handed its buffer over) run the loss
-# kernel again with a scale per row: one read and one write, as before.
+# CPU would cost a synchronization and break a CUDA graph (chapter 08), so a tiny kernel checks
+# it on the GPU, returning at once when it is 1, else scaling the gradient in place.
+# ``reduction="none"`` (a ``grad_loss`` per row) and a second backward (``retain_graph=True``)
+# run the loss kernel again with a scale per row: one read and one write, as before.
 #
 # The gradient buffer is new, never X (the caller or autograd may still need X), with X's
-# strides and 16-byte phase, so that their rows share groups. The launch rules are the
-# fastest of a sweep on the H100 (``tools/experiments/cross_entropy_parts.py``). Row offsets
-# are 64-bit: 8,192 x 262,144 fp32 logits pass 2^31 elements.
+# strides and 16-byte phase, so that their rows share groups. Launch rules: the fastest of a
+# sweep on the H100 (``tools/experiments/cross_entropy_parts.py``). Offsets are 64-bit.
 
 # @save cross_entropy
 SCALE_BLOCK, SCALE_PROGRAMS_PER_SM = 4096, 4
@@ -393,6 +391,12 @@ def scale_unless_one(tensor, factor):
     return tensor
 
 
+def kept_rows(target, options):
+    """The rows not ignored, which "mean" divides by; None for the other reductions."""
+    if options.reduction == "mean":
+        return target.ne(options.ignore_index).sum(dtype=torch.float32)
+
+
 def reduce_losses(losses, count, reduction):
     if reduction == "none":
         return losses
@@ -402,9 +406,9 @@ def reduce_losses(losses, count, reduction):
 class CrossEntropyFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, target, options):
-        count = target.ne(options.ignore_index).sum(dtype=torch.float32)
+        count = kept_rows(target, options)
         grad = None if options.reduction == "none" else empty_rows_like(logits)
-        scale = count.reciprocal() if options.reduction == "mean" else None
+        scale = None if count is None else count.reciprocal()
         losses = loss_rows(logits, target, options, grad, scale)
         ctx.save_for_backward(logits, target, count)
         ctx.options, ctx.grad = options, grad
@@ -417,7 +421,7 @@ class CrossEntropyFunction(torch.autograd.Function):
             grad, ctx.grad = ctx.grad, None
             return scale_unless_one(grad, grad_loss), None, None
         logits, target, count = ctx.saved_tensors
-        scale = grad_loss / count if ctx.options.reduction == "mean" else grad_loss
+        scale = grad_loss if count is None else grad_loss / count
         grad = empty_rows_like(logits)
         loss_rows(logits, target, ctx.options, grad, scale.float())
         return grad, None, None
@@ -458,10 +462,8 @@ def cross_entropy(
     logits, target = as_rows(logits), target.contiguous()
     if logits.requires_grad and torch.is_grad_enabled():
         return CrossEntropyFunction.apply(logits, target, options)
-    count = target.ne(options.ignore_index).sum(dtype=torch.float32)
-    return reduce_losses(loss_rows(logits, target, options), count, reduction).to(
-        logits.dtype
-    )
+    losses, count = loss_rows(logits, target, options), kept_rows(target, options)
+    return reduce_losses(losses, count, reduction).to(logits.dtype)
 
 
 # %%
@@ -577,11 +579,10 @@ if memory := loss_results["cross-entropy-memory"]:
 # from a second pass that hoped to find the row in L2) ran at about half the copy. The loss
 # alone reads the logits once and waits for nobody. With the gradient, rows that fit one
 # program come closest to the copy; rows of several parts lose to waiting, bf16 most (its
-# parts hold half the bytes for the same wait). GPU time counts the whole call, the count of
-# rows and the sum of losses around our kernel too, which weigh most at small V. Called from
-# Python, our call costs about twice torch's CPU time (five small torch operations, autograd),
-# more than its GPU time at V = 16,384 and 32,768. Memory: one logits-sized buffer, as
-# ``torch.compile``; Liger-Kernel adds none, overwriting the caller's logits with the gradient.
+# parts hold half the bytes for the same wait). GPU time counts the whole call, the small
+# operations around our kernel too. Called from Python, our call costs about twice torch's CPU
+# time (five small torch operations, autograd), more than its GPU time at V <= 32,768. Memory:
+# one logits-sized buffer, as ``torch.compile``; Liger-Kernel overwrites the caller's logits.
 #
 # What we learned
 # ---------------
@@ -595,6 +596,5 @@ if memory := loss_results["cross-entropy-memory"]:
 # Exercises
 # ---------
 # 1. Add ``z_loss`` (PaLM's lse² penalty): what changes in the loss and in the gradient?
-# 2. Keep x in registers in its own dtype, not exp(x - m) in fp32, and exponentiate again for
-#    the gradient: half the registers, twice the exponentials. Does bf16 gain at 131,072?
+# 2. Keep x in registers in bf16, not exp(x - m) in fp32, and exponentiate twice: faster?
 # 3. Give chapter 02's split softmax our ``arrive_and_wait``, and time the long rows again.

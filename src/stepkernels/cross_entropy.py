@@ -280,6 +280,12 @@ def scale_unless_one(tensor, factor):
     return tensor
 
 
+def kept_rows(target, options):
+    """The rows not ignored, which "mean" divides by; None for the other reductions."""
+    if options.reduction == "mean":
+        return target.ne(options.ignore_index).sum(dtype=torch.float32)
+
+
 def reduce_losses(losses, count, reduction):
     if reduction == "none":
         return losses
@@ -289,9 +295,9 @@ def reduce_losses(losses, count, reduction):
 class CrossEntropyFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, target, options):
-        count = target.ne(options.ignore_index).sum(dtype=torch.float32)
+        count = kept_rows(target, options)
         grad = None if options.reduction == "none" else empty_rows_like(logits)
-        scale = count.reciprocal() if options.reduction == "mean" else None
+        scale = None if count is None else count.reciprocal()
         losses = loss_rows(logits, target, options, grad, scale)
         ctx.save_for_backward(logits, target, count)
         ctx.options, ctx.grad = options, grad
@@ -304,7 +310,7 @@ class CrossEntropyFunction(torch.autograd.Function):
             grad, ctx.grad = ctx.grad, None
             return scale_unless_one(grad, grad_loss), None, None
         logits, target, count = ctx.saved_tensors
-        scale = grad_loss / count if ctx.options.reduction == "mean" else grad_loss
+        scale = grad_loss if count is None else grad_loss / count
         grad = empty_rows_like(logits)
         loss_rows(logits, target, ctx.options, grad, scale.float())
         return grad, None, None
@@ -345,7 +351,5 @@ def cross_entropy(
     logits, target = as_rows(logits), target.contiguous()
     if logits.requires_grad and torch.is_grad_enabled():
         return CrossEntropyFunction.apply(logits, target, options)
-    count = target.ne(options.ignore_index).sum(dtype=torch.float32)
-    return reduce_losses(loss_rows(logits, target, options), count, reduction).to(
-        logits.dtype
-    )
+    losses, count = loss_rows(logits, target, options), kept_rows(target, options)
+    return reduce_losses(losses, count, reduction).to(logits.dtype)

@@ -6,6 +6,7 @@
 from stepkernels._core import FLOAT_DTYPES, check_tensor, refuse_double_backward
 from stepkernels.cross_entropy import (
     check_target,
+    kept_rows,
     loss_rows,
     reduce_losses,
     scale_unless_one,
@@ -59,9 +60,9 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, target, options, chunk_tokens):
         needs = ctx.needs_input_grad[:3]
-        count = target.ne(options.ignore_index).sum(dtype=torch.float32)
+        count = kept_rows(target, options)
         early = options.reduction != "none"  # the gradients now, as for cross_entropy
-        scale = count.reciprocal() if options.reduction == "mean" else None
+        scale = None if count is None else count.reciprocal()
         losses, grads = linear_loss_pass(
             x, weight, bias, target, options, needs if early else (False,) * 3,
             chunk_tokens, grad_scale=scale,
@@ -81,8 +82,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
                 g if g is None else scale_unless_one(g, grad_loss) for g in grads
             ), *none
         x, weight, bias, target, count = ctx.saved_tensors
-        mean = ctx.options.reduction == "mean"
-        row_scale = (grad_loss / count if mean else grad_loss).float()
+        row_scale = (grad_loss if count is None else grad_loss / count).float()
         _, grads = linear_loss_pass(
             x, weight, bias, target, ctx.options, ctx.needs_input_grad[:3],
             ctx.chunk_tokens, grad_scale=row_scale,

@@ -50,9 +50,10 @@ def sweep(write_grad, dtype, n_cols):
     grad = torch.empty_like(logits) if write_grad else None
     nbytes = (2 if write_grad else 1) * logits.numel() * logits.element_size()
     want_loss, want_grad = reference(logits, target, write_grad)
-    align = 16 // logits.element_size()
-    n_values = n_cols if n_cols % align == 0 else n_cols + align - 1
-    default = module.default_launch(n_values, logits.element_size(), write_grad, n_values == n_cols)
+    align = 16 // logits.element_size()  # as loss_rows reckons the values of a row
+    aligned = module.rows_aligned(logits, align)
+    n_values = n_cols if aligned else n_cols + align - 1
+    default = module.default_launch(n_values, logits.element_size(), write_grad, aligned)
     rates, wrong, tried = [], [], set()
     for part, warps, *registers in LAUNCHES + [(default.part, default.num_warps, default.max_registers)]:
         launch = module.Launch(min(part, triton.next_power_of_2(n_values)), warps, *registers)
@@ -68,7 +69,7 @@ def sweep(write_grad, dtype, n_cols):
             wrong.append(f"{name(launch)}: loss {loss_error:.1e}, gradient {grad_error:.1e}")
         mark = "*" if launch == default else ""  # the default launch
         rates.append((gbps(call, nbytes), f"{name(launch)}{mark}"))
-    line = "  ".join(f"{rate:,.0f} {name}" for rate, name in sorted(rates, reverse=True))
+    line = "  ".join(f"{rate:,.0f} {label}" for rate, label in sorted(rates, reverse=True))
     print(f"{'fwd+bwd' if write_grad else 'fwd'} {dtype} V={n_cols}: {line}", flush=True)
     if wrong:
         print("  WRONG " + "; ".join(wrong), flush=True)
