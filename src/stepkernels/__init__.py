@@ -2,7 +2,7 @@ r"""stepkernels: the fused GPU kernels that the chapters of *Triton Kernels, Ste
 
 .. code-block:: python
 
-    from stepkernels import softmax, layer_norm, linear, dropout, cross_entropy
+    from stepkernels import softmax, layer_norm, linear, dropout, cross_entropy, attention
 
 Every public function takes and returns torch tensors, checks its input (a clear error, never a
 silent wrong answer), and is differentiable where the operation has a backward.
@@ -28,6 +28,7 @@ if not torch.cuda.is_available() and "TRITON_INTERPRET" not in os.environ:
     os.environ["TRITON_INTERPRET"] = "1"
 
 # The public functions (their modules are written from the chapters by tools/export.py).
+from stepkernels.attention import attention  # noqa: E402
 from stepkernels.cross_entropy import cross_entropy  # noqa: E402
 from stepkernels.dropout import Dropout, DropoutBiasAct, dropout, dropout_bias_act  # noqa: E402
 from stepkernels.layer_norm import LayerNorm, layer_norm  # noqa: E402
@@ -44,6 +45,7 @@ __all__ = [
     "FusedLinear",
     "LayerNorm",
     "add",
+    "attention",
     "cross_entropy",
     "dropout",
     "dropout_bias_act",

@@ -242,6 +242,12 @@ def cpu_us(fn: Callable, calls: int = 200, batches: int = 5) -> float:
     return statistics.median(times) * 1e6
 
 
+def cpu_calls(ms: float) -> int:
+    """Calls for ``cpu_us`` of a call whose GPU time is ``ms``: 100, fewer for calls over a
+    millisecond (the CPU's part of those is small, and 100 would cost seconds), at least 10."""
+    return 100 if ms < 1.0 else max(10, int(100 / ms))
+
+
 def peak_memory_gib(fn: Callable) -> float:
     """GiB that one call of ``fn`` allocates at its peak beyond what is allocated before it
     (CUDA caching allocator statistics), after a first call has compiled and tuned."""
@@ -378,7 +384,7 @@ def measure_on_stream(bench: Benchmark) -> list[Point]:
                     call = call_ms(fn) if timed and gpu_time else None
                     if timed and bench.gpu_time and not gpu_time:
                         call = ms  # uncapturable: its value is the call already
-                    cpu = cpu_us(fn, 100) if timed else None
+                    cpu = cpu_us(fn, cpu_calls(ms)) if timed else None
                 except torch.OutOfMemoryError:
                     print(
                         f"  {provider} at {bench.x_name}={x}: out of GPU memory, skipped"

@@ -1,38 +1,48 @@
-"""Issue 17's draft attention on a GPU: checks at odd sizes against SDPA (fp32, math backend)
-with a bitwise-repeatable backward, then TFLOP/s by launch (forward; backward with the
-key-gradient launch varied, then the query-gradient one) next to SDPA's default,
-FlashAttention-2 and cuDNN backends ("fwd/bwd", the backward counted as 2.5 forwards), bf16,
-16,384 tokens x 16 heads. With --tma, the descriptor forward against the plain one.
+"""Launches for chapter 11's attention (stepkernels.attention) on a GPU: TFLOP/s of the
+forward by launch, with and without warp specialization, next to the pointer-loading forward
+of the first draft (attention_draft.py); of the backward (the delta, key-gradient and
+query-gradient kernels together) varying the key-gradient launch with the first
+query-gradient one, then the query-gradient launch with the best key-gradient one; SDPA's
+default, FlashAttention-2 and cuDNN backends beside ("fwd/bwd"). bf16, 16,384 tokens x 16
+heads; FLOPs 4 B H N^2 D (halved when causal), the backward 2.5 times that. Then what
+torch.compile makes of the naive attention: its kernels and rates.
 
-    python tools/experiments/attention_sweep.py [--tma]
+    python tools/experiments/attention_sweep.py
 
-The log is results/<gpu>/experiments/attention_sweep.log."""
+The log is results/<gpu>/experiments/attention_sweep.log. Launches that spilled registers
+when compiled for sm_90a (Triton 3.9, ptxas -v) are left out."""
 
+import contextlib
 import itertools
 from pathlib import Path
 import sys
 import time
 
 sys.path.insert(0, str(Path(__file__).parent))
-import attention_draft as attn  # noqa: E402
+import attention_draft as draft  # noqa: E402
+import stepkernels  # noqa: E402, F401  (chooses the interpreter where there is no GPU)
 import torch  # noqa: E402
 from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 import triton  # noqa: E402
 
-Launch = attn.Launch
-LAUNCHES = {  # forward, key gradients, query gradient: (block_m, block_n, warps, stages)
-    64: dict(fwd=[Launch(128, 64, 8, 3), Launch(128, 128, 8, 2), Launch(64, 64, 4, 3), Launch(128, 32, 4, 3)],
-             k=[Launch(32, 128, 4, 3), Launch(64, 128, 8, 2), Launch(64, 64, 4, 3), Launch(32, 64, 4, 3)],
-             q=[Launch(128, 64, 8, 2), Launch(128, 32, 8, 3), Launch(64, 64, 4, 3)]),
-    128: dict(fwd=[Launch(128, 64, 8, 3), Launch(128, 64, 8, 2)],
-              k=[Launch(32, 128, 8, 2), Launch(32, 64, 8, 3), Launch(32, 64, 8, 2)],
-              q=[Launch(128, 32, 8, 2), Launch(128, 32, 8, 3), Launch(64, 32, 8, 3)]),
+attn = sys.modules["stepkernels.attention"]
+L = attn.Launch
+FORWARD = {
+    64: [L(128, 64, 4, 3), L(128, 64, 8, 3), L(64, 64, 4, 3), L(64, 64, 4, 4), L(128, 128, 8, 3), L(128, 32, 4, 3),
+         L(128, 64, 8, 3, True), L(128, 128, 8, 3, True)],
+    128: [L(64, 64, 4, 3), L(64, 64, 4, 4), L(128, 64, 8, 3), L(64, 128, 4, 3), L(128, 128, 8, 2), L(64, 32, 4, 3),
+          L(128, 64, 8, 2), L(128, 64, 8, 3, True), L(128, 128, 8, 2, True), L(128, 64, 8, 2, True)],
 }  # fmt: skip
-TMA_LAUNCHES = {
-    64: [Launch(128, 64, 8, 3), Launch(128, 64, 4, 3), Launch(128, 128, 8, 3), Launch(64, 64, 4, 4)],
-    128: [Launch(128, 64, 8, 3), Launch(128, 128, 8, 2), Launch(128, 64, 8, 4), Launch(64, 64, 4, 3)],
-}
+KEYS = {
+    64: [L(64, 64, 4, 3), L(32, 64, 4, 3), L(64, 128, 8, 3), L(32, 128, 4, 3), L(64, 64, 4, 2)],
+    128: [L(32, 128, 8, 2), L(32, 64, 4, 3), L(64, 64, 4, 3), L(32, 128, 8, 3), L(64, 128, 8, 1)],
+}  # fmt: skip
+QUERIES = {
+    64: [L(64, 64, 4, 3), L(128, 64, 8, 2), L(128, 32, 8, 3), L(64, 32, 4, 3), L(128, 64, 8, 3), L(128, 128, 8, 2)],
+    128: [L(128, 32, 8, 3), L(128, 64, 8, 2), L(64, 64, 4, 3), L(64, 32, 4, 3), L(128, 32, 8, 2), L(128, 64, 8, 3),
+          L(64, 64, 4, 2)],
+}  # fmt: skip
 
 
 def ms(fn):
@@ -40,54 +50,30 @@ def ms(fn):
 
 
 def name(launch):
-    return f"{launch.block_m}/{launch.block_n}/{launch.num_warps}/{launch.num_stages}"
+    ws = "ws" if getattr(launch, "warp_specialize", False) else ""
+    return f"{launch.block_m}/{launch.block_n}/{launch.num_warps}/{launch.num_stages}{ws}"
 
 
-def check(head_dim, causal, n_q, n_kv):
-    q, k, v = (torch.randn(2, 3, n, head_dim, device="cuda", dtype=torch.bfloat16) for n in (n_q, n_kv, n_kv))
-    do = torch.randn(2, 3, n_q, head_dim, device="cuda", dtype=torch.bfloat16)
-    exact = [t.float().requires_grad_() for t in (q, k, v)]
-    with sdpa_kernel(SDPBackend.MATH):
-        want = F.scaled_dot_product_attention(*exact, is_causal=causal)
-    wanted = torch.autograd.grad(want, exact, do.float())
-    table = LAUNCHES[head_dim]
-    worst = 0.0
-    for forward, keys, queries in zip(table["fwd"] * 3, table["k"] * 3, table["q"] * 3, strict=False):
-        o, lse = attn.attention_forward(q, k, v, causal, head_dim**-0.5, forward)
-        grads = attn.attention_backward(q, k, v, o, lse, do, causal, head_dim**-0.5, keys, queries)
-        again = attn.attention_backward(q, k, v, o, lse, do, causal, head_dim**-0.5, keys, queries)
-        assert all(torch.equal(a, b) for a, b in zip(grads, again, strict=True)), "backward not repeatable"
-        errors = [(o.float() - want).abs().max() / want.abs().max()]
-        errors += [(g.float() - w).abs().max() / w.abs().max() for g, w in zip(grads, wanted, strict=True)]
-        worst = max(worst, max(e.item() for e in errors))
-    verdict = "OK" if worst < 2e-2 else "BAD"
-    print(f"check D={head_dim} causal={causal} N={n_q}x{n_kv}: worst relative error {worst:.2e} {verdict}")
+def ranked(calls, work):
+    rates = []
+    for launch, call in calls:
+        try:
+            rates.append((work / ms(call) / 1e9, launch))
+        except Exception as error:  # a launch Triton 3.6 cannot compile: say so, go on
+            print(f"  {name(launch)} failed: {type(error).__name__}: {str(error).splitlines()[0][:120]}")
+    return sorted(rates, key=lambda r: -r[0])
 
 
 def sdpa_rates(q, k, v, do, causal, flops):
     inputs = [t.clone().requires_grad_() for t in (q, k, v)]
-
-    def forward():
-        return F.scaled_dot_product_attention(*inputs, is_causal=causal)
-
-    def both():
-        return torch.autograd.grad(forward(), inputs, do)
-
     cells = []
-    for label, backend in (
-        ("default", None),
-        ("flash", SDPBackend.FLASH_ATTENTION),
-        ("cudnn", SDPBackend.CUDNN_ATTENTION),
-    ):
-        try:
-            if backend is None:
-                t_fwd, t_both = ms(forward), ms(both)
-            else:
-                with sdpa_kernel(backend):
-                    t_fwd, t_both = ms(forward), ms(both)
-            cells.append(f"sdpa-{label} {flops / t_fwd / 1e9:.0f}/{2.5 * flops / (t_both - t_fwd) / 1e9:.0f}")
-        except RuntimeError as error:
-            cells.append(f"sdpa-{label} n/a ({type(error).__name__})")
+    for label, backend in (("default", None), ("flash", SDPBackend.FLASH_ATTENTION),
+                           ("cudnn", SDPBackend.CUDNN_ATTENTION)):  # fmt: skip
+        with sdpa_kernel(backend) if backend else contextlib.nullcontext():
+            out = F.scaled_dot_product_attention(*inputs, is_causal=causal)
+            t_fwd = ms(lambda: F.scaled_dot_product_attention(*inputs, is_causal=causal))
+            t_bwd = ms(lambda out=out: torch.autograd.grad(out, inputs, do, retain_graph=True))
+        cells.append(f"sdpa-{label} {flops / t_fwd / 1e9:.0f}/{2.5 * flops / t_bwd / 1e9:.0f}")
     return cells
 
 
@@ -95,48 +81,68 @@ def sweep(head_dim, causal, n):
     batch, heads, scale = 16384 // n, 16, head_dim**-0.5
     q, k, v, do = (torch.randn(batch, heads, n, head_dim, device="cuda", dtype=torch.bfloat16) for _ in range(4))
     flops = 4 * batch * heads * n * n * head_dim / (2 if causal else 1)
-    table = {key: (value if n != 1024 else value[:1]) for key, value in LAUNCHES[head_dim].items()}
-
-    def ranked(calls, work):
-        return sorted(((work / ms(call) / 1e9, launch) for launch, call in calls), key=lambda r: -r[0])
-
-    forward = ranked([(f, lambda f=f: attn.attention_forward(q, k, v, causal, scale, f)) for f in table["fwd"]], flops)
-    o, lse = attn.attention_forward(q, k, v, causal, scale, forward[0][1])
+    short = n < 4096  # the defaults alone
+    defaults = attn.default_launches(head_dim, 2, causal)
+    forwards = [defaults[0]] if short else FORWARD[head_dim]
+    forward = ranked([(f, lambda f=f: attn.attention_forward(q, k, v, causal, scale, f)) for f in forwards], flops)
+    pointer = draft.Launch(128, 64, 8, 3)
+    pointer_rate = flops / ms(lambda: draft.attention_forward(q, k, v, causal, scale, pointer)) / 1e9
+    o, lse = attn.attention_forward(q, k, v, causal, scale, defaults[0])
 
     def backward(keys, queries):
-        return attn.attention_backward(q, k, v, o, lse, do, causal, scale, keys, queries)
+        return attn.attention_backward(q, k, v, o, lse, do, causal, scale, (keys, queries))
 
-    keys = ranked([(kl, lambda kl=kl: backward(kl, table["q"][0])) for kl in table["k"]], 2.5 * flops)
-    queries = ranked([(ql, lambda ql=ql: backward(keys[0][1], ql)) for ql in table["q"]], 2.5 * flops)
+    key_launches = [defaults[1]] if short else KEYS[head_dim]
+    keys = ranked([(kl, lambda kl=kl: backward(kl, defaults[2])) for kl in key_launches], 2.5 * flops)
+    query_launches = [defaults[2]] if short else QUERIES[head_dim]
+    queries = ranked([(ql, lambda ql=ql: backward(keys[0][1], ql)) for ql in query_launches], 2.5 * flops)
     cells = [f"D={head_dim} causal={int(causal)} N={n}:"]
     for label, results in (("fwd", forward), ("bwd(k)", keys), ("bwd(q)", queries)):
         cells.append(label + " " + " ".join(f"{rate:.0f}@{name(launch)}" for rate, launch in results))
+    cells.append(f"pointer-fwd {pointer_rate:.0f}@{name(pointer)}")
     print("  ".join(cells + sdpa_rates(q, k, v, do, causal, flops)), flush=True)
 
 
-def tma_sweep(head_dim, causal, n):
+def naive(q, k, v, causal):
+    scores = q @ k.transpose(-2, -1) * q.shape[-1] ** -0.5
+    if causal:
+        n_q, n_kv = scores.shape[-2:]
+        mask = torch.ones(n_q, n_kv, dtype=torch.bool, device=q.device).tril()
+        scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.softmax(scores.float(), dim=-1).to(q.dtype) @ v
+
+
+def compile_probe(head_dim, causal, n):
     batch, heads = 16384 // n, 16
-    q, k, v = (torch.randn(batch, heads, n, head_dim, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    q, k, v, do = (torch.randn(batch, heads, n, head_dim, device="cuda", dtype=torch.bfloat16) for _ in range(4))
     flops = 4 * batch * heads * n * n * head_dim / (2 if causal else 1)
-    plain = ms(lambda: attn.attention_forward(q, k, v, causal, 0.1, Launch(128, 64, 8, 3)))
-    cells = [f"D={head_dim} causal={int(causal)} N={n}: plain {flops / plain / 1e9:.0f}"]
-    for launch in TMA_LAUNCHES[head_dim]:
-        rate = flops / ms(lambda launch=launch: attn.attention_forward_tma(q, k, v, causal, 0.1, launch)) / 1e9
-        cells.append(f"tma {rate:.0f}@{name(launch)}")
-    print("  ".join(cells), flush=True)
+    torch._dynamo.reset()
+    compiled = torch.compile(naive, dynamic=False)
+    inputs = [t.clone().requires_grad_() for t in (q, k, v)]
+    start = time.time()
+    out = compiled(*inputs, causal)
+    torch.autograd.grad(out, inputs, do, retain_graph=True)
+    torch.cuda.synchronize()
+    took = time.time() - start
+    t_fwd = ms(lambda: compiled(*inputs, causal))
+    t_bwd = ms(lambda: torch.autograd.grad(out, inputs, do, retain_graph=True))
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        torch.autograd.grad(compiled(*inputs, causal), inputs, do)
+        torch.cuda.synchronize()
+    kernels = sorted({e.name[:60] for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA})
+    print(
+        f"torch.compile naive D={head_dim} causal={int(causal)} N={n}: compile+first {took:.1f} s, "
+        f"fwd {flops / t_fwd / 1e9:.0f} bwd {2.5 * flops / t_bwd / 1e9:.0f} TFLOP/s; kernels: {kernels}",
+        flush=True,
+    )
 
 
 if __name__ == "__main__":
     print(torch.cuda.get_device_name(), torch.__version__, triton.__version__)
     start = time.time()
-    if "--tma" in sys.argv:
-        for head_dim, causal, n in itertools.product((64, 128), (False, True), (4096, 16384)):
-            tma_sweep(head_dim, causal, n)
-    else:
-        for head_dim, causal, shape in itertools.product(
-            (64, 128), (False, True), ((130, 130), (1000, 1000), (77, 300))
-        ):
-            check(head_dim, causal, *shape)
-        for head_dim, causal, n in itertools.product((64, 128), (False, True), (1024, 4096, 16384)):
-            sweep(head_dim, causal, n)
+    for head_dim, causal, n in itertools.product((64, 128), (False, True), (1024, 4096, 16384)):
+        sweep(head_dim, causal, n)
+    print(f"sweep took {time.time() - start:.0f} s", flush=True)
+    for head_dim, causal, n in ((128, False, 4096), (128, True, 4096), (64, False, 16384)):
+        compile_probe(head_dim, causal, n)
     print(f"took {time.time() - start:.0f} s")

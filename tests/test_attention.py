@@ -1,0 +1,147 @@
+"""stepkernels.attention against torch's scaled_dot_product_attention in fp64, through the
+public function only: odd lengths, head dims, causal and not, dtypes, strided layouts."""
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+import pytest
+from stepkernels import attention, check_attention
+from stepkernels._core import DEVICE, ON_GPU
+import torch
+import torch.nn.functional as F
+
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def inputs(batch, heads, n_q, n_kv, head_dim, dtype=torch.float32, layout="BHND", seed=0):
+    return check_attention.inputs(batch, heads, n_q, n_kv, head_dim, dtype, DEVICE, layout, seed)
+
+
+def check(q, k, v, causal=False, sm_scale=None):
+    return check_attention.check(attention, q, k, v, causal=causal, sm_scale=sm_scale)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("head_dim", [16, 64, 80, 128])
+@pytest.mark.parametrize("n", [1, 17, 130])
+def test_matches_sdpa(n, head_dim, causal):
+    check(*inputs(2, 3, n, n, head_dim), causal=causal)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("causal", [False, True])
+def test_dtypes(dtype, causal):
+    check(*inputs(1, 2, 40, 40, 64, dtype), causal=causal)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("n_q, n_kv", [(5, 40), (40, 5), (33, 50), (50, 33)])
+def test_queries_and_keys_of_different_lengths(n_q, n_kv, causal):
+    # causal as SDPA's is_causal: query i sees keys j <= i, whatever the lengths
+    check(*inputs(2, 2, n_q, n_kv, 32), causal=causal)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_heads_interleaved_layout(dtype):
+    # (B, N, H, D) viewed as (B, H, N, D), as a fused QKV projection gives: read in place
+    check(*inputs(2, 3, 37, 37, 64, dtype, layout="BNHD"), causal=True)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim", [1, 7, 20, 24])
+def test_head_dims_a_descriptor_cannot_describe(head_dim, dtype):
+    # rows of D values not a multiple of 16 bytes: copied into a padded layout first
+    check(*inputs(1, 2, 19, 23, head_dim, dtype), causal=True)
+
+
+def test_last_dimension_not_contiguous():
+    q, k, v = (t.transpose(2, 3).contiguous().transpose(2, 3) for t in inputs(1, 2, 24, 24, 32))
+    assert q.stride(3) != 1
+    check(q, k, v)
+
+
+@pytest.mark.parametrize("sm_scale", [0.01, 0.5, 2.0])
+def test_sm_scale(sm_scale):
+    check(*inputs(1, 2, 33, 33, 64), causal=True, sm_scale=sm_scale)
+
+
+def test_large_scores_stay_finite():
+    q, k, v = inputs(1, 1, 40, 40, 64)
+    out, grads = check(q * 30, k * 30, v)
+    assert torch.isfinite(out).all() and all(torch.isfinite(g).all() for g in grads)
+
+
+@settings(max_examples=12, deadline=None)
+@given(
+    n_q=st.integers(1, 48),
+    n_kv=st.integers(1, 48),
+    head_dim=st.integers(1, 72),
+    causal=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_random_shapes(n_q, n_kv, head_dim, causal, seed):
+    check(*inputs(1, 2, n_q, n_kv, head_dim, seed=seed), causal=causal)
+
+
+def test_no_grad_and_partial_grad():
+    q, k, v = inputs(1, 2, 20, 20, 32)
+    want = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    with torch.no_grad():
+        torch.testing.assert_close(attention(q, k, v, causal=True), want, rtol=1e-4, atol=1e-4)
+    v.requires_grad_()
+    out = attention(q, k, v, causal=True)
+    (dv,) = torch.autograd.grad(out.sum(), v)
+    want_dv = torch.autograd.grad(F.scaled_dot_product_attention(q, k, v, is_causal=True).sum(), v)[0]
+    torch.testing.assert_close(dv, want_dv, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("shape", [(2, 3, 0, 16), (0, 3, 8, 16)])
+def test_empty(shape):
+    q, k, v = (torch.zeros(shape, device=DEVICE, requires_grad=True) for _ in range(3))
+    out = attention(q, k, v)
+    assert out.shape == shape
+    grads = torch.autograd.grad(out.sum(), (q, k, v), allow_unused=True)
+    assert all(g is None or (g == 0).all() for g in grads)
+
+
+def test_second_derivative_refused():
+    q, k, v = (t.requires_grad_() for t in inputs(1, 1, 8, 8, 16))
+    out = attention(q, k, v)
+    (dq,) = torch.autograd.grad(out.sum(), q, create_graph=False)
+    assert dq.shape == q.shape
+    out = attention(q, k, v)
+    with pytest.raises(RuntimeError, match="cannot be differentiated twice"):
+        torch.autograd.grad(out.sum(), q, create_graph=True)
+
+
+def zeros(*shape, dtype=torch.float16):
+    return torch.zeros(*shape, device=DEVICE, dtype=dtype)
+
+
+@pytest.mark.parametrize(
+    "call, message",
+    [
+        (lambda: attention(zeros(2, 8, 16), zeros(2, 8, 16), zeros(2, 8, 16)), "batch, heads, sequence"),
+        (lambda: attention(zeros(1, 2, 8, 64), zeros(1, 2, 8, 32), zeros(1, 2, 8, 32)), "same batch"),
+        (lambda: attention(zeros(1, 2, 8, 64), zeros(1, 4, 8, 64), zeros(1, 4, 8, 64)), "grouped heads"),
+        (lambda: attention(zeros(1, 2, 8, 64), zeros(1, 2, 9, 64), zeros(1, 2, 8, 64)), "one shape"),
+        (lambda: attention(*[zeros(1, 2, 8, 256)] * 3), "head_dim must be 1 to 128"),
+        (lambda: attention(zeros(1, 2, 8, 64), *[zeros(1, 2, 8, 64, dtype=torch.bfloat16)] * 2), "share a dtype"),
+        (lambda: attention(*[zeros(1, 2, 8, 64, dtype=torch.int8)] * 3), "supported"),
+        (lambda: attention(zeros(1, 2, 8, 64), *[zeros(1, 2, 0, 64)] * 2), "at least one key"),
+        (lambda: attention(*[zeros(1, 2, 8, 64)] * 3, sm_scale=-1.0), "positive"),
+        (lambda: attention([[0.0]], *[zeros(1, 2, 8, 64)] * 2), "torch.Tensor"),
+    ],
+)
+def test_bad_input_is_refused(call, message):
+    with pytest.raises((TypeError, ValueError), match=message):
+        call()
+
+
+@pytest.mark.skipif(not ON_GPU, reason="full sizes and races: on the GPU")
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_full_size_and_repeatable(head_dim, causal):
+    q, k, v = inputs(2, 4, 2049, 2049, head_dim, torch.bfloat16)
+    out, grads = check(q, k, v, causal=causal)
+    again = check(q, k, v, causal=causal)[1]
+    assert all(torch.equal(a, b) for a, b in zip(grads, again, strict=True)), "not bitwise repeatable"
