@@ -1,17 +1,40 @@
-"""The harness of chapter 11 (fused attention): one call checks an attention function's output
-and gradients against PyTorch's scaled_dot_product_attention computed in fp64. Hand-written;
-the function it takes is the chapter's (in the notebook) or the package's, which is generated
+"""The harness of chapter 11 (fused attention): the specification in plain torch, SDPA by
+backend (the benchmark's peers), and one call that checks an attention function's output and
+gradients against PyTorch's scaled_dot_product_attention computed in fp64. Hand-written; the
+function it checks is the chapter's (in the notebook) or the package's, which is generated
 from the chapter."""
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import torch
+from torch.nn.attention import sdpa_kernel
 import torch.nn.functional as F
 
 # Largest error allowed, relative to the reference's largest value: P is rounded to the
 # inputs' dtype before it meets V (and dS before it meets Q and K), as in every fused
 # attention; fp32 products run in tf32 unless matmul precision is "highest".
 TOLERANCE = {torch.float32: 4e-3, torch.float16: 4e-3, torch.bfloat16: 2.5e-2}
+
+
+def naive_attention(q, k, v, causal=False):
+    """The specification in plain torch: the N x N scores in memory, softmax in fp32."""
+    scores = q @ k.transpose(-2, -1) * q.shape[-1] ** -0.5
+    if causal:  # query i sees keys j <= i
+        keep = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).tril()
+        scores = scores.masked_fill(~keep, float("-inf"))
+    return torch.softmax(scores.float(), dim=-1).to(q.dtype) @ v
+
+
+def sdpa(backend=None):
+    """SDPA called as ``attention(q, k, v, causal)``, held to one ``SDPBackend`` if given."""
+
+    def call(q, k, v, causal=False):
+        with sdpa_kernel(backend) if backend is not None else nullcontext():
+            return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+
+    return call
 
 
 def inputs(batch, heads, n_q, n_kv, head_dim, dtype, device, layout="BHND", seed=0):
