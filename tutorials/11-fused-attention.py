@@ -138,17 +138,23 @@ def attend(acc, row_sum, row_max, q, keys, values, batch, head, offs_m, lo, hi, 
 
 
 @triton.jit
+def query_block(n_heads, BLOCK_M: tl.constexpr, CAUSAL: tl.constexpr):
+    """This program's block of queries, and its (batch, head): axis 0 of the grid counts
+    query blocks, axis 1 batch x heads. Causal programs take the longest rows first."""
+    block = tl.program_id(0)
+    if CAUSAL:
+        block = tl.num_programs(0) - 1 - block
+    start_m, bh = block * BLOCK_M, tl.program_id(1)
+    return start_m, bh, bh // n_heads, bh % n_heads, start_m + tl.arange(0, BLOCK_M)
+
+
+@triton.jit
 def attention_forward_kernel(
     queries, keys, values, outputs, lse_ptr, n_heads, n_q, n_kv, scale_log2,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
     CAUSAL: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
-    block = tl.program_id(0)
-    if CAUSAL:  # the longest rows first
-        block = tl.num_programs(0) - 1 - block
-    start_m, bh = block * BLOCK_M, tl.program_id(1)
-    batch, head = bh // n_heads, bh % n_heads
-    offs_m = start_m + tl.arange(0, BLOCK_M)
+    start_m, bh, batch, head, offs_m = query_block(n_heads, BLOCK_M, CAUSAL)
     q = load_tile(queries, batch, head, start_m)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     row_sum = tl.zeros([BLOCK_M], tl.float32)
@@ -266,12 +272,7 @@ def attention_query_grad_kernel(
     n_kv, scale_log2, sm_scale, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
-    block = tl.program_id(0)
-    if CAUSAL:  # the longest rows first
-        block = tl.num_programs(0) - 1 - block
-    start_m, bh = block * BLOCK_M, tl.program_id(1)
-    batch, head = bh // n_heads, bh % n_heads
-    offs_m = start_m + tl.arange(0, BLOCK_M)
+    start_m, bh, batch, head, offs_m = query_block(n_heads, BLOCK_M, CAUSAL)
     q, do = (
         load_tile(queries, batch, head, start_m),
         load_tile(grads, batch, head, start_m),
@@ -345,11 +346,15 @@ def ready(t: torch.Tensor) -> torch.Tensor:
     return t if ok else empty_heads(t.shape, t.dtype, t.device).copy_(t)
 
 
+def padded_head_dim(head_dim: int) -> int:
+    return max(16, triton.next_power_of_2(head_dim))
+
+
 def heads(t: torch.Tensor, block: int) -> TensorDescriptor:
     """A TMA descriptor of a (B, H, N, D) tensor, read and written in [block, D] tiles of
     one head (D padded to a power of two: zeros past the end)."""
-    padded = max(16, triton.next_power_of_2(t.shape[3]))
-    return TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, block, padded])
+    tile = [1, 1, block, padded_head_dim(t.shape[3])]
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), tile)
 
 
 def attention_forward(q, k, v, causal, sm_scale, launch=None):
@@ -357,7 +362,7 @@ def attention_forward(q, k, v, causal, sm_scale, launch=None):
     batch, n_heads, n_q, head_dim = q.shape
     o = empty_heads(q.shape, q.dtype, q.device)
     lse = torch.empty(batch * n_heads, n_q, device=q.device, dtype=torch.float32)
-    padded = max(16, triton.next_power_of_2(head_dim))
+    padded = padded_head_dim(head_dim)
     launch = launch or default_launches(padded, q.element_size(), causal)[0]
     m, n = launch.block_m, launch.block_n
     attention_forward_kernel[(triton.cdiv(n_q, m), batch * n_heads)](
@@ -372,7 +377,7 @@ def attention_forward(q, k, v, causal, sm_scale, launch=None):
 def attention_backward(q, k, v, o, lse, do, causal, sm_scale, launches=None):
     """dQ, dK, dV for descriptor-ready tensors; ``launches``: (key, query) gradients."""
     batch, n_heads, n_q, head_dim = q.shape
-    padded = max(16, triton.next_power_of_2(head_dim))
+    padded = padded_head_dim(head_dim)
     _, key_launch, query_launch = default_launches(padded, q.element_size(), causal)
     key_launch, query_launch = launches or (key_launch, query_launch)
     dq, dk, dv = (empty_heads(t.shape, t.dtype, t.device) for t in (q, k, v))

@@ -1,15 +1,16 @@
-"""Issue 17's fused attention, a draft: forward and backward kernels, tested, not yet a chapter.
+"""Issue 17's fused attention as first drafted, before chapter 11: forward and backward kernels.
 
     python tools/experiments/attention_draft.py     # without a GPU: checks against SDPA in fp64
 
 Forward: chapter 02's online softmax over key blocks, exp2 with the scale folded in, whole
-blocks unmasked and only the diagonal (causal) and the key tail masked; a variant whose tiles
-come through tensor descriptors (TMA). Backward: FlashAttention-2's split, deterministic (no
-atomics): delta = rowsum(dO * O), one kernel per key block for dK and dV looping over query
-blocks, one per query block for dQ looping over key blocks. Any lengths (queries and keys
-apart, causal as SDPA's ``is_causal``: j <= i), head dims up to 128 padded to a power of two,
-strided (B, H, N, D) views. ``attention_sweep.py`` times it on the H100; the log is
-results/<gpu>/experiments/attention_sweep.log. To become chapter 11 and ``stepkernels.attention``.
+blocks unmasked and only the diagonal (causal) and the key tail masked, tiles loaded through
+pointers. (Its variant with descriptors made in the kernel, run with --tma at commit 998fca6,
+became chapter 11's kernels.) Backward: FlashAttention-2's split, deterministic (no atomics):
+delta = rowsum(dO * O), one kernel per key block for dK and dV looping over query blocks, one
+per query block for dQ looping over key blocks. Any lengths (queries and keys apart, causal
+as SDPA's ``is_causal``: j <= i), head dims up to 128 padded to a power of two, strided
+(B, H, N, D) views. ``attention_sweep.py`` times the pointer-loading forward beside chapter
+11's kernels; the log is results/<gpu>/experiments/attention_sweep.log.
 """
 
 from dataclasses import dataclass
@@ -333,109 +334,6 @@ def attention_backward(q, k, v, o, lse, do, causal, sm_scale, launch_k=None, lau
         num_stages=launch_q.num_stages,
     )
     return dq, dk, dv
-
-
-@triton.jit
-def attend_tma(acc, row_sum, row_max, q, k_desc, v_desc, offs_m, lo, hi, n_kv, scale_log2,
-               BLOCK_N: tl.constexpr, MASK: tl.constexpr, CAUSAL: tl.constexpr,
-               PRECISION: tl.constexpr):  # fmt: skip
-    for start_n in tl.range(lo, hi, BLOCK_N):
-        offs_n = start_n + tl.arange(0, BLOCK_N)
-        k = k_desc.load([start_n, 0])
-        scores = tl.dot(q, tl.trans(k), input_precision=PRECISION)
-        if MASK:
-            keep = offs_n[None, :] < n_kv
-            if CAUSAL:
-                keep &= offs_n[None, :] <= offs_m[:, None]
-            scores = tl.where(keep, scores, -float("inf"))
-        new_max = tl.maximum(row_max, tl.max(scores, axis=1) * scale_log2)
-        p = tl.exp2(scores * scale_log2 - new_max[:, None])  # one FMA a score
-        alpha = tl.exp2(row_max - new_max)
-        row_sum = row_sum * alpha + tl.sum(p, axis=1)
-        v = v_desc.load([start_n, 0])
-        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PRECISION)
-        row_max = new_max
-    return acc, row_sum, row_max
-
-
-@lean
-@triton.jit
-def attention_forward_tma_kernel(
-    q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, n_heads, n_q, n_kv, scale_log2,
-    stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn,
-    stride_vb, stride_vh, stride_vn, stride_ob, stride_oh, stride_on,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-    CAUSAL: tl.constexpr, PRECISION: tl.constexpr,
-):  # fmt: skip
-    start_m = tl.program_id(0) * BLOCK_M
-    batch, head = tl.program_id(1) // n_heads, tl.program_id(1) % n_heads
-    b64, h64 = batch.to(tl.int64), head.to(tl.int64)
-    offs_m = start_m + tl.arange(0, BLOCK_M)
-    q_desc = tl.make_tensor_descriptor(
-        q_ptr + b64 * stride_qb + h64 * stride_qh, [n_q, HEAD_DIM], [stride_qn, 1], [BLOCK_M, HEAD_DIM]
-    )
-    k_desc = tl.make_tensor_descriptor(
-        k_ptr + b64 * stride_kb + h64 * stride_kh, [n_kv, HEAD_DIM], [stride_kn, 1], [BLOCK_N, HEAD_DIM]
-    )
-    v_desc = tl.make_tensor_descriptor(
-        v_ptr + b64 * stride_vb + h64 * stride_vh, [n_kv, HEAD_DIM], [stride_vn, 1], [BLOCK_N, HEAD_DIM]
-    )
-    o_desc = tl.make_tensor_descriptor(
-        o_ptr + b64 * stride_ob + h64 * stride_oh, [n_q, HEAD_DIM], [stride_on, 1], [BLOCK_M, HEAD_DIM]
-    )
-    q = q_desc.load([start_m, 0])
-    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-    row_sum = tl.zeros([BLOCK_M], tl.float32)
-    row_max = tl.full([BLOCK_M], -float("inf"), tl.float32)
-    whole = n_kv // BLOCK_N * BLOCK_N
-    end = tl.minimum(start_m, whole) if CAUSAL else whole
-    hi = tl.minimum(start_m + BLOCK_M, n_kv) if CAUSAL else n_kv
-    acc, row_sum, row_max = attend_tma(
-        acc, row_sum, row_max, q, k_desc, v_desc, offs_m, 0, end, n_kv, scale_log2, BLOCK_N, False, CAUSAL, PRECISION
-    )
-    acc, row_sum, row_max = attend_tma(
-        acc, row_sum, row_max, q, k_desc, v_desc, offs_m, end, hi, n_kv, scale_log2, BLOCK_N, True, CAUSAL, PRECISION
-    )
-    o_desc.store([start_m, 0], (acc / row_sum[:, None]).to(o_ptr.dtype.element_ty))
-    lse_row = lse_ptr + tl.program_id(1).to(tl.int64) * n_q + offs_m
-    tl.store(lse_row, row_max + tl.log2(row_sum), offs_m < n_q)
-
-
-def tma_scratch(size, alignment, stream):
-    return torch.empty(size, device="cuda", dtype=torch.int8)
-
-
-def attention_forward_tma(q, k, v, causal, sm_scale, launch):
-    batch, heads, n_q, head_dim = q.shape
-    n_kv = k.shape[2]
-    o = torch.empty_like(q)
-    lse = torch.empty(batch * heads, n_q, device=q.device, dtype=torch.float32)
-    triton.set_allocator(tma_scratch)
-    grid = (triton.cdiv(n_q, launch.block_m), batch * heads)
-    s = lambda t: (t.stride(0), t.stride(1), t.stride(2))
-    attention_forward_tma_kernel[grid](
-        q,
-        k,
-        v,
-        o,
-        lse,
-        heads,
-        n_q,
-        n_kv,
-        sm_scale * LOG2E,
-        *s(q),
-        *s(k),
-        *s(v),
-        *s(o),
-        BLOCK_M=launch.block_m,
-        BLOCK_N=launch.block_n,
-        HEAD_DIM=head_dim,
-        CAUSAL=causal,
-        PRECISION=dot_precision(q.dtype),
-        num_warps=launch.num_warps,
-        num_stages=launch.num_stages,
-    )
-    return o, lse
 
 
 def check_against_sdpa():
