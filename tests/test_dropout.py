@@ -230,6 +230,105 @@ def test_fused_p_zero_one_and_eval():
     assert all(torch.equal(g, torch.zeros_like(g)) for g in grads)
 
 
+# ----------------------------------------------------------------- seeds in memory
+def seed_tensor(seed, shape=()):
+    return torch.full(shape, seed, dtype=torch.int64, device=DEVICE)
+
+
+def apply(kind, x, bias, seed, p=0.4):
+    """``dropout`` (kind "dropout"), or the fused layer with no activation ("fused") or GELU."""
+    if kind == "dropout":
+        return dropout(x, p, seed)
+    return dropout_bias_act(x, bias, p, None if kind == "fused" else kind, seed)
+
+
+def output_and_grads(kind, x, bias, seed):
+    out = apply(kind, x, bias, seed)
+    inputs = (x,) if kind == "dropout" else (x, bias)
+    return (out, *torch.autograd.grad(out, inputs, random_tensor(out.shape, out.dtype, seed=2)))
+
+
+@pytest.mark.parametrize("kind", ["dropout", "fused", "gelu"])
+@pytest.mark.parametrize(
+    ("shape", "dtype", "seed_shape"),
+    [((97,), torch.float32, ()), ((7, 13), torch.float16, (1,)), ((3, 4, 37), torch.bfloat16, ())],
+)
+def test_a_seed_tensor_draws_the_mask_of_its_value(shape, dtype, seed_shape, kind):
+    # The kernel loads the int64 and gives it to Philox as it would the integer argument: the
+    # same random numbers, so the same outputs and gradients, bit for bit. 2**40 + 3 needs the
+    # seed's high word.
+    x = random_tensor(shape, dtype).requires_grad_()
+    bias = random_tensor(shape[-1:], dtype, seed=1).requires_grad_()
+    for seed in (5, 2**40 + 3):
+        ours = output_and_grads(kind, x, bias, seed_tensor(seed, seed_shape))
+        for mine, wanted in zip(ours, output_and_grads(kind, x, bias, seed), strict=True):
+            assert torch.equal(mine, wanted)
+    with torch.no_grad():  # the launch without autograd reads the tensor too
+        assert torch.equal(apply(kind, x, bias, seed_tensor(9, seed_shape)), apply(kind, x, bias, 9))
+
+
+@pytest.mark.parametrize("kind", ["dropout", "gelu"])
+def test_advancing_the_seed_tensor_after_the_forward_keeps_the_backwards_mask(kind):
+    # A training step replayed by a CUDA graph advances its seeds in place, maybe before the
+    # backward of the step before runs: that backward still uses its own forward's mask.
+    x = random_tensor((6, 40)).requires_grad_()
+    bias = random_tensor((40,), seed=1).requires_grad_()
+    seeds = torch.tensor([11, 12], device=DEVICE)
+    out = apply(kind, x, bias, seeds[1])  # a view: the kernel reads seeds' storage
+    seeds.add_(2)
+    inputs = (x,) if kind == "dropout" else (x, bias)
+    grads = torch.autograd.grad(out, inputs, random_tensor(out.shape, seed=2))
+    for mine, wanted in zip((out, *grads), output_and_grads(kind, x, bias, 12), strict=True):
+        assert torch.equal(mine, wanted)
+    assert torch.equal(apply(kind, x, bias, seeds[1]), apply(kind, x, bias, 14))  # the next mask
+    assert not torch.equal(apply(kind, x, bias, seeds[1]), out)
+
+
+def test_a_seed_tensor_in_place_and_nothing_saved():
+    leaf = random_tensor((30,)).requires_grad_()
+    hidden = leaf * 2
+    out = dropout(hidden, 0.5, seed_tensor(4), inplace=True)
+    assert out is hidden and torch.equal(out, dropout(leaf.detach() * 2, 0.5, 4))
+    (grad,) = torch.autograd.grad(out, leaf, torch.ones_like(out))
+    assert torch.equal(grad, 2 * dropout(torch.ones_like(leaf), 0.5, 4))
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        dropout(leaf, 0.5, seed_tensor(4))
+    assert saved == []  # the seed's copy is held by the backward, not saved as a mask would be
+
+
+@pytest.mark.skipif(not ON_GPU, reason="CUDA graphs need a GPU")
+def test_a_cuda_graph_draws_a_new_mask_at_every_replay():
+    # No host synchronization on the tensor path (capture would fail), lean launches of a
+    # pointer seed, and replays that read the seeds as they are at each replay.
+    x = random_tensor((64, 1000)).requires_grad_()
+    bias = random_tensor((1000,), seed=1).requires_grad_()
+    grad_out = random_tensor((64, 1000), seed=2)
+    seeds = torch.tensor([3, 4], device=DEVICE)
+
+    def step(first, second):
+        out = dropout(dropout_bias_act(x, bias, 0.3, "gelu", first), 0.2, second)
+        return (out.detach(), *torch.autograd.grad(out, (x, bias), grad_out))  # no graph kept
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):  # compile, and fill lean's launch caches
+            step(seeds[0], seeds[1])
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step(seeds[0], seeds[1])
+    masks = []
+    for first in (3, 20, 2**40 + 1):
+        seeds.copy_(torch.tensor([first, first + 1]))
+        graph.replay()
+        for mine, wanted in zip(captured, step(first, first + 1), strict=True):
+            assert torch.equal(mine, wanted)
+        masks.append(captured[0] != 0)
+    assert not torch.equal(masks[0], masks[1]) and not torch.equal(masks[1], masks[2])
+
+
 # ----------------------------------------------------------------- double backward
 @pytest.mark.parametrize(
     "function",
@@ -364,7 +463,11 @@ BAD_DROPOUT = {
     "p nan": ((x, float("nan"), 0), ValueError, "0 <= p <= 1"),
     "p a tensor": ((x, torch.tensor(0.5), 0), TypeError, "Python float"),
     "p a bool": ((x, True, 0), TypeError, "Python float"),
-    "seed a tensor": ((x, 0.5, torch.tensor(3)), TypeError, "int\\(seed\\)"),
+    "seed a float tensor": ((x, 0.5, torch.tensor(3.0, device=DEVICE)), ValueError, "one int64 on x's device"),
+    "seed an int32 tensor": ((x, 0.5, torch.tensor(3, dtype=torch.int32, device=DEVICE)), ValueError, "int64"),
+    "seed a tensor of two": ((x, 0.5, torch.tensor([1, 2], device=DEVICE)), ValueError, "of shape \\(2,\\)"),
+    "seed on meta": ((x, 0.5, torch.tensor(3, device="meta")), ValueError, "on meta"),
+    "seed a list": ((x, 0.5, [3]), TypeError, "one-element int64 tensor"),
     "seed a float": ((x, 0.5, 3.0), TypeError, "Python int"),
     "seed negative": ((x, 0.5, -1), ValueError, "2\\*\\*63"),
     "seed of 64 bits": ((x, 0.5, 2**63), ValueError, "2\\*\\*63"),
@@ -392,6 +495,8 @@ BAD_FUSED = {
     "unknown activation": ((x, bias, 0.5, "tanh", 0), ValueError, "choose one of"),
     "p above one": ((x, bias, 2.0, "relu", 0), ValueError, "0 <= p <= 1"),
     "seed of 64 bits": ((x, bias, 0.5, "relu", 2**63), ValueError, "2\\*\\*63"),
+    "seed a bool tensor": ((x, bias, 0.5, "relu", torch.tensor(True, device=DEVICE)), ValueError, "int64"),
+    "seed on meta": ((x, bias, 0.5, "relu", torch.tensor(3, device="meta")), ValueError, "x's device"),
     "x integer": ((x.int(), bias, 0.5, "relu", 0), TypeError, "supported"),
 }
 

@@ -32,13 +32,12 @@ DEVICE = tutorial.DEVICE
 # %%
 # What dropout costs
 # ------------------
-# Dropout keeps each element with probability 1 - p and scales the kept ones by 1 / (1 - p), so
-# that the expected output equals the input. Its backward applies the *same* mask to the gradient,
-# dx = dy * keep / (1 - p), so the forward must tell the backward what it kept. PyTorch's CUDA
-# dropout stores the mask, one ``bool`` per element: for N fp16 elements the forward moves 2N (read
-# x) + 2N (write y) + N (the mask) bytes, a quarter more than the 4N dropout needs, and the mask
-# stays in memory until the backward reads it. If instead the random number of element i is a pure
-# function f(seed, i), the backward calls f again with the same seed: the forward stores an integer.
+# Dropout keeps each element with probability 1 - p and scales it by 1 / (1 - p): the expected
+# output equals the input. Its backward applies the *same* mask, dx = dy * keep / (1 - p), so the
+# forward must tell the backward what it kept. PyTorch's CUDA dropout stores it, a ``bool`` per
+# element: for N fp16 elements its forward moves 2N (read x) + 2N (write y) + N (mask) bytes, a
+# quarter more than needed, and keeps the mask in memory until the backward. If element i's random
+# number is a pure function f(seed, i), the backward calls f again: the forward keeps an integer.
 #
 # Counter-based random numbers
 # ----------------------------
@@ -49,10 +48,9 @@ DEVICE = tutorial.DEVICE
 # ``tl.rand4x(seed, offsets)`` returns four uniform floats in [0, 1) per offset, ``tl.rand`` one.
 #
 # Two mistakes have shipped in real libraries. **Counters that restart in every tile**
-# (``tl.arange(0, BLOCK_SIZE)``): every tile draws the same numbers, so the same features drop
-# together everywhere, silently. Number elements by their place in the whole tensor and give every
-# launch a fresh seed. **A seed taken from an address** (``x.data_ptr()``): ``torch.manual_seed`` no
-# longer reproduces a run, and a reused address repeats a mask. Our seed is an explicit integer.
+# (``tl.arange(0, BLOCK_SIZE)``) repeat a mask tile after tile, the same features dropping together,
+# silently: number elements by their place in the tensor, each launch with a fresh seed. **A seed
+# from an address** (``x.data_ptr()``) defeats ``manual_seed``; a reused address repeats a mask.
 #
 # Four numbers per Philox call
 # ----------------------------
@@ -100,8 +98,10 @@ def group_offsets(BLOCK_SIZE: tl.constexpr):
 # %%
 # The seeded dropout
 # ------------------
-# The backward *is* this kernel, called on ``dy`` with the forward's seed: nothing saved but
-# two numbers. ``do_not_specialize`` avoids compiling a kernel per seed value.
+# The backward *is* this kernel, called on ``dy`` with the forward's seed: nothing saved but two
+# numbers. ``do_not_specialize`` avoids compiling a kernel per seed value. A CUDA graph replays
+# kernels with their captured arguments, one mask forever, so a seed may also lie in memory: a
+# one-element int64 tensor that the kernel loads and the step advances in place (chapter 12's GPT).
 
 
 # @save dropout
@@ -111,6 +111,7 @@ def dropout_kernel(x_ptr, out_ptr, n_elements, p, scale, seed,
                    BLOCK_SIZE: tl.constexpr):  # fmt: skip
     groups, offsets = group_offsets(BLOCK_SIZE)
     in_bounds = offsets < n_elements
+    seed = tl.load(seed) if seed.dtype.is_ptr() else seed  # in memory: a tensor seed
     keep = keep_mask(seed, p, groups)
     x = tl.load(x_ptr + offsets, mask=in_bounds).to(tl.float32)
     out = tl.where(keep, x * scale, 0.0)
@@ -120,10 +121,10 @@ def dropout_kernel(x_ptr, out_ptr, n_elements, p, scale, seed,
 # %%
 # The wrapper
 # -----------
-# The seed is an explicit integer in [0, 2^63): the caller owns reproducibility. p = 1 would make
-# the scale 1 / 0, so we pass 0; p = 0 returns x. A non-contiguous view gets the mask of its
-# contiguous copy. ``inplace=True`` writes into x, as ``torch.nn.Dropout`` does, and ``mark_dirty``
-# lets autograd refuse what it refuses for any in-place operation, as a second derivative is.
+# The seed is an explicit integer in [0, 2^63) or a tensor: the caller owns reproducibility. p = 1
+# would make the scale 1 / 0: we pass 0; p = 0 returns x. A non-contiguous view gets the mask of its
+# contiguous copy. ``inplace=True`` writes into x as in ``torch.nn.Dropout``; ``mark_dirty`` lets
+# autograd refuse what it refuses for in-place operations, as a second derivative is.
 
 # @save dropout
 BLOCK_SIZE = 4096
@@ -139,11 +140,18 @@ def check_p(p) -> float:
     return float(p)
 
 
-def check_seed(seed) -> int:
+def check_seed(seed, x: torch.Tensor):
+    if isinstance(seed, torch.Tensor):
+        if seed.dtype != torch.int64 or seed.numel() != 1 or seed.device != x.device:
+            raise ValueError(
+                f"pass a seed tensor of one int64 on x's device ({x.device}), not "
+                f"{seed.dtype} of shape {tuple(seed.shape)} on {seed.device}"
+            )
+        return seed  # its value unchecked: reading it would wait for the GPU
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise TypeError(
-            f"seed must be a Python int, got {type(seed).__name__}: pass int(seed), or "
-            "draw one with int(torch.randint(2**63 - 1, ()))"
+            f"seed must be a Python int or a one-element int64 tensor, got "
+            f"{type(seed).__name__}: draw one with int(torch.randint(2**63 - 1, ()))"
         )
     if not 0 <= seed < 2**63:
         raise ValueError(f"seed must lie in [0, 2**63), got {seed}")
@@ -178,7 +186,7 @@ def launch_dropout(x, p, seed, inplace=False, kernel=dropout_kernel) -> torch.Te
 class SeededDropout(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, p, seed, inplace):
-        ctx.p, ctx.seed = p, seed  # two numbers: all the backward needs
+        ctx.p, ctx.seed = p, seed.clone() if torch.is_tensor(seed) else seed  # a copy
         if inplace:
             ctx.mark_dirty(x)
         return launch_dropout(x, p, seed, inplace)
@@ -190,15 +198,16 @@ class SeededDropout(torch.autograd.Function):
         return launch_dropout(grad_out, ctx.p, ctx.seed), None, None, None
 
 
-def dropout(x, p: float, seed: int, training: bool = True, inplace: bool = False):
+def dropout(x, p: float, seed, training: bool = True, inplace: bool = False):
     """Drop each element of ``x`` with probability ``p`` and scale the rest by 1 / (1 - p).
 
-    The mask is a function of ``seed`` (an int in [0, 2**63)) and the element's row-major
+    The mask is a function of ``seed`` (an int in [0, 2**63), or a one-element int64 tensor
+    on x's device that the kernel reads, its value used as is) and the element's row-major
     position alone, and is regenerated in the backward: nothing is stored. With
     ``training=False`` or ``p=0``, returns ``x``; ``inplace=True`` writes into ``x``.
     """
-    p, seed = check_p(p), check_seed(seed)
     check_input(x)
+    p, seed = check_p(p), check_seed(seed, x)
     if not training or p == 0.0:
         return x
     if not (torch.is_grad_enabled() and x.requires_grad):  # nothing for autograd
@@ -206,14 +215,10 @@ def dropout(x, p: float, seed: int, training: bool = True, inplace: bool = False
     return SeededDropout.apply(x, p, seed, inplace)
 
 
-# %%
-# ``Dropout`` draws a 63-bit seed per call from PyTorch's CPU generator: ``manual_seed``
-# reproduces a run, and 31 bits would repeat a mask about once in 46,000 calls.
-
-
-# @save dropout
 class Dropout(torch.nn.Module):
-    """Drop-in for ``torch.nn.Dropout`` that stores no mask."""
+    """Drop-in for ``torch.nn.Dropout`` that stores no mask. It draws a 63-bit seed per call
+    from PyTorch's CPU generator: ``manual_seed`` reproduces a run, and 31 bits would repeat
+    a mask about once in 46,000 calls."""
 
     def __init__(self, p: float = 0.5, inplace: bool = False):
         super().__init__()
@@ -229,14 +234,12 @@ class Dropout(torch.nn.Module):
 
 
 # %%
-# Counters that restart in every row draw what ``dropout`` draws when each row is its own
-# launch with the same seed. That mistake next to ours:
+# Counters that restart in every row draw what ``dropout`` draws with a launch per row and one seed.
+# Left, that mistake: every row the same mask; right, ours: rows correlate only by chance.
 
 figures_dropout.draw_restarting_counters(dropout)
 
 # %%
-# On the left every row is the same mask; on the right rows correlate only by chance.
-#
 # Correctness
 # -----------
 # Given the mask m (dropout of ones shows it), dropout must equal ``where(m, x * scale, 0)``
@@ -266,7 +269,7 @@ check_dropout([(1,), (97,), (BLOCK_SIZE + 1,), (3, 333), (n,)], p=0.3, seed=2024
 x = torch.randn(1000, device=DEVICE)
 tutorial.show_refusals("dropout()", {
     "p above 1": lambda: dropout(x, 1.5, 0),
-    "seed a tensor": lambda: dropout(x, 0.5, torch.tensor(3)),
+    "seed a float tensor": lambda: dropout(x, 0.5, torch.tensor(3.0)),
     "seed of 64 bits": lambda: dropout(x, 0.5, 2**63),
 })  # fmt: skip
 
@@ -312,6 +315,7 @@ def bias_act_dropout_kernel(
 ):  # fmt: skip
     col_groups, cols = column_block(BLOCK_COLS)
     bias = tl.load(bias_ptr + cols, mask=cols < n_cols).to(tl.float32)
+    seed = tl.load(seed) if seed.dtype.is_ptr() else seed  # as in dropout_kernel
     first_row = tl.program_id(0).to(tl.int64) * rows_per_program
     for i in tl.range(0, rows_per_program, num_stages=NUM_STAGES):
         tile = row_tile(first_row + i, col_groups, cols, n_rows, n_cols)
@@ -332,6 +336,7 @@ def bias_act_dropout_backward_kernel(
 ):  # fmt: skip
     col_groups, cols = column_block(BLOCK_COLS)
     cols_in = cols < n_cols
+    seed = tl.load(seed) if seed.dtype.is_ptr() else seed  # as in dropout_kernel
     if ACTIVATION is not None:
         bias = tl.load(bias_ptr + cols, mask=cols_in).to(tl.float32)
     bias_sum = tl.zeros((BLOCK_COLS // 4, 4), dtype=tl.float32)
@@ -353,13 +358,8 @@ def bias_act_dropout_backward_kernel(
     tl.store(bias_partial_ptr + partial_row + cols, bias_sum, mask=cols_in)
 
 
-# %%
-# The launch rule: up to ``FUSED_BLOCK_COLS`` columns per program, and strips long enough
-# for about ``FUSED_PROGRAMS_PER_SM`` programs per SM. An empty input launches nothing.
-
-# @save dropout
-FUSED_BLOCK_COLS = 1024
-FUSED_PROGRAMS_PER_SM = 8
+FUSED_BLOCK_COLS = 1024  # the launch rule: at most this many columns per program,
+FUSED_PROGRAMS_PER_SM = 8  # and strips long enough for about this many programs per SM
 FUSED_OPTIONS = {"NUM_STAGES": 2, "num_warps": 4}
 
 
@@ -377,7 +377,7 @@ def bias_act_dropout(x, bias, p, activation, seed):
     # Rows by math.prod: with no features, view(-1, 0) would be ambiguous.
     x2d = x.view(math.prod(x.shape[:-1]), x.shape[-1])
     out = torch.empty_like(x2d)
-    if x2d.numel():
+    if x2d.numel():  # an empty input launches nothing
         block_cols, rows_per_program, grid = fused_launch(*x2d.shape)
         bias_act_dropout_kernel[grid](
             x2d, bias, out, *x2d.shape, rows_per_program, p, scale_for(p), seed,
@@ -390,6 +390,7 @@ class BiasActDropout(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, bias, p, activation, seed):
         ctx.save_for_backward(x.view(-1) if activation is not None else None, bias)
+        seed = seed.clone() if torch.is_tensor(seed) else seed  # callers may advance it
         ctx.p, ctx.activation, ctx.seed = p, activation, seed
         ctx.shape2d = (math.prod(x.shape[:-1]), x.shape[-1])
         return bias_act_dropout(x, bias, p, activation, seed)
@@ -415,12 +416,12 @@ class BiasActDropout(torch.autograd.Function):
         return grad_in.view(grad_out.shape), grad_bias, None, None, None
 
 
-def dropout_bias_act(x, bias, p: float, activation, seed: int, training: bool = True):
+def dropout_bias_act(x, bias, p: float, activation, seed, training: bool = True):
     """``dropout(act(x + bias), p)`` in one kernel, forward and backward; bias over the last
-    dimension. The mask is a function of (seed, row, column) and is never stored."""
-    p, seed = check_p(p), check_seed(seed)
+    dimension. Its mask, of (seed, row, column), is never stored; seed: as for ``dropout``."""
     activations.check_activation(activation)
     check_input(x)
+    p, seed = check_p(p), check_seed(seed, x)
     _core.check_tensor(bias, "bias", _core.FLOAT_DTYPES)
     if x.dim() == 0 or bias.shape != x.shape[-1:] or bias.dtype != x.dtype:
         raise ValueError(
@@ -571,11 +572,10 @@ for name, fused, backward, passes in (
             print(f"{dtype}: {per_ns:.0f} elements per ns at 2^28 ({results.how})")
 
 # %%
-# At large sizes our dropout moves its bytes about as fast as a plain copy, ahead of ``torch``,
-# which also writes its mask. The variants show where time would go: a Philox call per element
-# makes the generator set the pace (most in fp16, with the fewest bytes per element to hide it
-# behind), and a stored mask costs the byte it writes. Dotted lines, on the fused layer's plots,
-# are calls from Python: through autograd our call's CPU time outlasts its kernels up to 2^24.
+# At large sizes our dropout moves bytes about as fast as a copy, ahead of ``torch``, which also
+# writes its mask. The variants show where time goes: a Philox call per element sets the pace (most
+# in fp16, with the fewest bytes to hide it); a stored mask costs the byte it writes. Dotted lines,
+# on fused plots, are Python calls: through autograd our CPU time outlasts the kernels up to 2^24.
 #
 # The fused layer leaves eager PyTorch's three kernels far behind, and ``torch.compile`` too. In
 # fp32 its forward comes near the copy of the same bytes; in fp16 it stays well short, and the

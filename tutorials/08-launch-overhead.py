@@ -425,9 +425,10 @@ print(
 # into a graph; ``graph.replay()`` queues them all again with one call. What the CPU decided
 # while recording is frozen: the inputs must live at the same addresses (we copy each batch
 # into ``static_x``), shapes cannot change, and no CPU-side choice may differ between steps. A
-# dropout that draws its seed on the CPU would replay one mask forever, which is why the model
-# has none (exercise 2). Autotuning and Triton's compilation cannot happen while recording:
-# a few eager steps on a side stream come first, as PyTorch's CUDA-graph notes ask.
+# dropout that draws its seed on the CPU would replay one mask forever: chapter 06's kernels can
+# read their seed from a GPU tensor instead, which chapter 12's model advances inside its graph.
+# Autotuning and Triton's compilation cannot happen while recording: a few eager steps on a
+# side stream come first, as PyTorch's CUDA-graph notes ask.
 
 
 def graphed_step(model, n_tokens):
@@ -559,9 +560,8 @@ if steps:
 # 1. Add ``torch.compile`` of the whole step, optimizer included (with
 #    ``torch.optim.SGD(..., capturable=True)`` where needed). How much of the eager optimizer's
 #    time was left in the two compiled steps?
-# 2. Make chapter 06's dropout replayable: read the seed from a one-element GPU tensor that the
-#    step increments, instead of an argument fixed at recording. Check that two replays give
-#    different masks, and that the backward still regenerates the forward's.
+# 2. Record only the model with ``torch.cuda.make_graphed_callables`` (above) and keep the
+#    optimizer's update eager. How much of the whole-step graph's lead over eager is left?
 # 3. Wrap ``softmax`` as a ``triton_op`` like the layer norm above, and compile a function that
 #    uses it with ``fullgraph=True``. What does ``TORCH_LOGS=output_code`` show of our kernel?
 # 4. Teach ``LeanKernel`` to evaluate a ``triton.heuristics`` layer at the first launch of a key

@@ -2,7 +2,7 @@ r"""stepkernels: the fused GPU kernels that the chapters of *Triton Kernels, Ste
 
 .. code-block:: python
 
-    from stepkernels import softmax, layer_norm, linear, dropout, cross_entropy, attention
+    from stepkernels import softmax, layer_norm, linear, dropout, cross_entropy, attention, GPT
 
 Every public function takes and returns torch tensors, checks its input (a clear error, never a
 silent wrong answer), and is differentiable where the operation has a backward.
@@ -31,6 +31,7 @@ if not torch.cuda.is_available() and "TRITON_INTERPRET" not in os.environ:
 from stepkernels.attention import attention  # noqa: E402
 from stepkernels.cross_entropy import cross_entropy  # noqa: E402
 from stepkernels.dropout import Dropout, DropoutBiasAct, dropout, dropout_bias_act  # noqa: E402
+from stepkernels.gpt import GPT  # noqa: E402
 from stepkernels.layer_norm import LayerNorm, layer_norm  # noqa: E402
 from stepkernels.linear import FusedLinear, linear  # noqa: E402
 from stepkernels.linear_cross_entropy import linear_cross_entropy  # noqa: E402
@@ -43,6 +44,7 @@ __all__ = [
     "Dropout",
     "DropoutBiasAct",
     "FusedLinear",
+    "GPT",
     "LayerNorm",
     "add",
     "attention",

@@ -18,6 +18,7 @@ import contextlib
 import csv
 from dataclasses import dataclass
 import datetime
+import functools
 import json
 import math
 import os
@@ -716,29 +717,58 @@ class Results:
         return "measured now" if self.live else f"recorded on {describe(self.env)}"
 
 
-def run(bench: Benchmark) -> Results | None:
+def selected(name: str) -> bool:
+    """Whether a GPU run measures the benchmark ``name``: all, or those in STEPKERNELS_ONLY
+    (``make bench ONLY=name,name``)."""
+    only = os.environ.get("STEPKERNELS_ONLY")
+    return not (ON_GPU and only and name not in only.split(","))
+
+
+def run(
+    bench: Benchmark, points_of: Callable | None = None, draw: bool = True
+) -> Results | None:
     """Measure (GPU) or show the recording (no GPU), draw the plot and print the summary.
 
     Returns the points shown (None when there are none). With STEPKERNELS_RECORD=1 (``make
     bench``) the measurement is also written to the results folder; with STEPKERNELS_ONLY set
-    to benchmark names, separated by commas, a GPU measures only those.
+    to benchmark names, separated by commas, a GPU measures only those. ``points_of()``, for
+    what is not one timed call (a training run), measures the points instead of ``make``;
+    ``draw=False`` leaves the plot and summary to the chapter.
     """
-    only = os.environ.get("STEPKERNELS_ONLY")  # make bench ONLY=name,name
-    if ON_GPU and only and bench.name not in only.split(","):
-        print(f"{bench.name}: not measured (STEPKERNELS_ONLY={only})")
+    if not selected(bench.name):
+        print(
+            f"{bench.name}: not measured (STEPKERNELS_ONLY={os.environ['STEPKERNELS_ONLY']})"
+        )
         return None
     if ON_GPU:
-        points, env = measure(bench), environment()
+        points, env = (points_of or functools.partial(measure, bench))(), environment()
         if os.environ.get("STEPKERNELS_RECORD") == "1":
             print(f"recorded {record(bench, points, env)}")
     else:
-        smoke(bench)
+        if points_of is None:
+            smoke(bench)
         found = load_recorded(bench.name)
         if found is None:
             where = f"{bench.name!r} under {default_results_dir()}"
             print(f"No recorded GPU results for {where}: run `make bench` on a GPU.")
             return None
         points, env = found
+    if not draw:
+        return Results(bench, points, env, live=ON_GPU)
     plot(bench, points, env, live=ON_GPU)
     summarize(bench, points, env, live=ON_GPU)
     return Results(bench, points, env, live=ON_GPU)
+
+
+def text_file(name: str, text: str | None = None) -> str | None:
+    """Text beside the recorded results (a model's sample, say): on a GPU ``text``, also
+    recorded under ``make bench``; without one, the recorded text (None if there is none)."""
+    if ON_GPU and text is not None:
+        if os.environ.get("STEPKERNELS_RECORD") == "1":
+            folder = default_results_dir() / gpu_slug(torch.cuda.get_device_name())
+            folder.mkdir(parents=True, exist_ok=True)
+            (folder / name).write_text(text + "\n")
+        return text
+    folder = recorded_gpu_dir()
+    path = None if folder is None else folder / name
+    return path.read_text().rstrip("\n") if path is not None and path.exists() else None

@@ -43,6 +43,7 @@ def dropout_kernel(x_ptr, out_ptr, n_elements, p, scale, seed,
                    BLOCK_SIZE: tl.constexpr):  # fmt: skip
     groups, offsets = group_offsets(BLOCK_SIZE)
     in_bounds = offsets < n_elements
+    seed = tl.load(seed) if seed.dtype.is_ptr() else seed  # in memory: a tensor seed
     keep = keep_mask(seed, p, groups)
     x = tl.load(x_ptr + offsets, mask=in_bounds).to(tl.float32)
     out = tl.where(keep, x * scale, 0.0)
@@ -62,11 +63,18 @@ def check_p(p) -> float:
     return float(p)
 
 
-def check_seed(seed) -> int:
+def check_seed(seed, x: torch.Tensor):
+    if isinstance(seed, torch.Tensor):
+        if seed.dtype != torch.int64 or seed.numel() != 1 or seed.device != x.device:
+            raise ValueError(
+                f"pass a seed tensor of one int64 on x's device ({x.device}), not "
+                f"{seed.dtype} of shape {tuple(seed.shape)} on {seed.device}"
+            )
+        return seed  # its value unchecked: reading it would wait for the GPU
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise TypeError(
-            f"seed must be a Python int, got {type(seed).__name__}: pass int(seed), or "
-            "draw one with int(torch.randint(2**63 - 1, ()))"
+            f"seed must be a Python int or a one-element int64 tensor, got "
+            f"{type(seed).__name__}: draw one with int(torch.randint(2**63 - 1, ()))"
         )
     if not 0 <= seed < 2**63:
         raise ValueError(f"seed must lie in [0, 2**63), got {seed}")
@@ -101,7 +109,7 @@ def launch_dropout(x, p, seed, inplace=False, kernel=dropout_kernel) -> torch.Te
 class SeededDropout(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, p, seed, inplace):
-        ctx.p, ctx.seed = p, seed  # two numbers: all the backward needs
+        ctx.p, ctx.seed = p, seed.clone() if torch.is_tensor(seed) else seed  # a copy
         if inplace:
             ctx.mark_dirty(x)
         return launch_dropout(x, p, seed, inplace)
@@ -113,15 +121,16 @@ class SeededDropout(torch.autograd.Function):
         return launch_dropout(grad_out, ctx.p, ctx.seed), None, None, None
 
 
-def dropout(x, p: float, seed: int, training: bool = True, inplace: bool = False):
+def dropout(x, p: float, seed, training: bool = True, inplace: bool = False):
     """Drop each element of ``x`` with probability ``p`` and scale the rest by 1 / (1 - p).
 
-    The mask is a function of ``seed`` (an int in [0, 2**63)) and the element's row-major
+    The mask is a function of ``seed`` (an int in [0, 2**63), or a one-element int64 tensor
+    on x's device that the kernel reads, its value used as is) and the element's row-major
     position alone, and is regenerated in the backward: nothing is stored. With
     ``training=False`` or ``p=0``, returns ``x``; ``inplace=True`` writes into ``x``.
     """
-    p, seed = check_p(p), check_seed(seed)
     check_input(x)
+    p, seed = check_p(p), check_seed(seed, x)
     if not training or p == 0.0:
         return x
     if not (torch.is_grad_enabled() and x.requires_grad):  # nothing for autograd
@@ -130,7 +139,9 @@ def dropout(x, p: float, seed: int, training: bool = True, inplace: bool = False
 
 
 class Dropout(torch.nn.Module):
-    """Drop-in for ``torch.nn.Dropout`` that stores no mask."""
+    """Drop-in for ``torch.nn.Dropout`` that stores no mask. It draws a 63-bit seed per call
+    from PyTorch's CPU generator: ``manual_seed`` reproduces a run, and 31 bits would repeat
+    a mask about once in 46,000 calls."""
 
     def __init__(self, p: float = 0.5, inplace: bool = False):
         super().__init__()
@@ -169,6 +180,7 @@ def bias_act_dropout_kernel(
 ):  # fmt: skip
     col_groups, cols = column_block(BLOCK_COLS)
     bias = tl.load(bias_ptr + cols, mask=cols < n_cols).to(tl.float32)
+    seed = tl.load(seed) if seed.dtype.is_ptr() else seed  # as in dropout_kernel
     first_row = tl.program_id(0).to(tl.int64) * rows_per_program
     for i in tl.range(0, rows_per_program, num_stages=NUM_STAGES):
         tile = row_tile(first_row + i, col_groups, cols, n_rows, n_cols)
@@ -189,6 +201,7 @@ def bias_act_dropout_backward_kernel(
 ):  # fmt: skip
     col_groups, cols = column_block(BLOCK_COLS)
     cols_in = cols < n_cols
+    seed = tl.load(seed) if seed.dtype.is_ptr() else seed  # as in dropout_kernel
     if ACTIVATION is not None:
         bias = tl.load(bias_ptr + cols, mask=cols_in).to(tl.float32)
     bias_sum = tl.zeros((BLOCK_COLS // 4, 4), dtype=tl.float32)
@@ -210,8 +223,8 @@ def bias_act_dropout_backward_kernel(
     tl.store(bias_partial_ptr + partial_row + cols, bias_sum, mask=cols_in)
 
 
-FUSED_BLOCK_COLS = 1024
-FUSED_PROGRAMS_PER_SM = 8
+FUSED_BLOCK_COLS = 1024  # the launch rule: at most this many columns per program,
+FUSED_PROGRAMS_PER_SM = 8  # and strips long enough for about this many programs per SM
 FUSED_OPTIONS = {"NUM_STAGES": 2, "num_warps": 4}
 
 
@@ -229,7 +242,7 @@ def bias_act_dropout(x, bias, p, activation, seed):
     # Rows by math.prod: with no features, view(-1, 0) would be ambiguous.
     x2d = x.view(math.prod(x.shape[:-1]), x.shape[-1])
     out = torch.empty_like(x2d)
-    if x2d.numel():
+    if x2d.numel():  # an empty input launches nothing
         block_cols, rows_per_program, grid = fused_launch(*x2d.shape)
         bias_act_dropout_kernel[grid](
             x2d, bias, out, *x2d.shape, rows_per_program, p, scale_for(p), seed,
@@ -242,6 +255,7 @@ class BiasActDropout(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, bias, p, activation, seed):
         ctx.save_for_backward(x.view(-1) if activation is not None else None, bias)
+        seed = seed.clone() if torch.is_tensor(seed) else seed  # callers may advance it
         ctx.p, ctx.activation, ctx.seed = p, activation, seed
         ctx.shape2d = (math.prod(x.shape[:-1]), x.shape[-1])
         return bias_act_dropout(x, bias, p, activation, seed)
@@ -267,12 +281,12 @@ class BiasActDropout(torch.autograd.Function):
         return grad_in.view(grad_out.shape), grad_bias, None, None, None
 
 
-def dropout_bias_act(x, bias, p: float, activation, seed: int, training: bool = True):
+def dropout_bias_act(x, bias, p: float, activation, seed, training: bool = True):
     """``dropout(act(x + bias), p)`` in one kernel, forward and backward; bias over the last
-    dimension. The mask is a function of (seed, row, column) and is never stored."""
-    p, seed = check_p(p), check_seed(seed)
+    dimension. Its mask, of (seed, row, column), is never stored; seed: as for ``dropout``."""
     activations.check_activation(activation)
     check_input(x)
+    p, seed = check_p(p), check_seed(seed, x)
     _core.check_tensor(bias, "bias", _core.FLOAT_DTYPES)
     if x.dim() == 0 or bias.shape != x.shape[-1:] or bias.dtype != x.dtype:
         raise ValueError(
