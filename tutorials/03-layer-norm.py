@@ -60,7 +60,7 @@ DEVICE = tutorial.DEVICE
 import functools
 import math
 
-from stepkernels._core import check_tensor, refuse_double_backward, sm_count
+from stepkernels._core import INTERPRET, check_tensor, refuse_double_backward, sm_count
 from stepkernels.launch import lean  # cheap repeated launches: chapter 08
 import torch
 import triton
@@ -188,8 +188,7 @@ def layer_norm_forward(x2d, weight, bias, eps, block_size=None, config=None):
 # dW/dB corrupted in about 99 runs of 100 on an RTX 4090). ``tl.debug_barrier()`` makes the
 # release wait for every thread's stores; *release* semantics publish them before the lock reads
 # free, and the next ``atomic_cas``'s *acquire* makes its holder see them, from L2 (``.cg``: L1s
-# are not coherent). Buffers come from ``torch.empty``: a count of visits per lock keeps anyone
-# from reading garbage.
+# are not coherent). Buffers come from ``torch.empty``: visits counted per lock bar garbage.
 
 draw_lock_reduction(n_programs=8, group_size_m=3)
 
@@ -351,7 +350,8 @@ def backward_config(n_cols, n_rows, block_size=None, rows_per_program=None, item
     single = block <= max_block
     block = block if single else min(max_block, BACKWARD_LOOP_BLOCK)
     if rows_per_program is None:
-        wanted = triton.cdiv(n_rows, max(1, 4096 // block) * sm_count())
+        programs = 4 if INTERPRET else max(1, 4096 // block) * sm_count()  # CPU: few
+        wanted = triton.cdiv(n_rows, programs)
         rows_per_program = min(64, triton.next_power_of_2(wanted))
     per_stage = 2 * block * itemsize  # a row of x and one of dy
     stages = max(1, min(BACKWARD_STAGES, BACKWARD_STAGE_BYTES // per_stage))

@@ -7,7 +7,7 @@ right."""
 import functools
 import math
 
-from stepkernels._core import check_tensor, refuse_double_backward, sm_count
+from stepkernels._core import INTERPRET, check_tensor, refuse_double_backward, sm_count
 from stepkernels.launch import lean  # cheap repeated launches: chapter 08
 import torch
 import triton
@@ -268,7 +268,8 @@ def backward_config(n_cols, n_rows, block_size=None, rows_per_program=None, item
     single = block <= max_block
     block = block if single else min(max_block, BACKWARD_LOOP_BLOCK)
     if rows_per_program is None:
-        wanted = triton.cdiv(n_rows, max(1, 4096 // block) * sm_count())
+        programs = 4 if INTERPRET else max(1, 4096 // block) * sm_count()  # CPU: few
+        wanted = triton.cdiv(n_rows, programs)
         rows_per_program = min(64, triton.next_power_of_2(wanted))
     per_stage = 2 * block * itemsize  # a row of x and one of dy
     stages = max(1, min(BACKWARD_STAGES, BACKWARD_STAGE_BYTES // per_stage))
