@@ -473,14 +473,14 @@ seconds = measured("gpt-training-time", "s since the start", lambda: curve("seco
                    "tokens seen", list(FULL_RUNS), draw=False)  # fmt: skip
 if validation and seconds:
     fig, ax = plt.subplots(figsize=(8, 4), layout="constrained")
-    ends = {}
+    ends, colors = {}, bench.provider_colors([*RACE, LIMIT])  # the race's colors
     for provider in validation.providers():
         rows = sorted(
             (p.x, p.value) for p in validation.points if p.provider == provider
         )
         times = {p.x: p.value for p in seconds.points if p.provider == provider}
         ax.plot([x / 1e6 for x, _ in rows], [v for _, v in rows], marker="o", ms=3,
-                label=provider)  # fmt: skip
+                label=provider, color=colors[provider])  # fmt: skip
         reached = next((x for x, loss in rows if loss <= TARGET_LOSS), None)
         ends[provider] = rows[-1][1]
         first = (
@@ -497,7 +497,7 @@ if validation and seconds:
     ax.axhline(TARGET_LOSS, ls="--", lw=1, color="0.35")
     ax.set(xlabel="million tokens seen", ylabel="validation loss", ylim=(1.0, 3.0))
     ax.grid(alpha=0.3), ax.legend()
-    fig.suptitle(f"gpt-validation-loss: {validation.how}", fontsize=9)
+    fig.suptitle(f"gpt-validation-loss:\n{validation.how}", fontsize=9)
     print(
         f"final losses differ by {abs(ends['torch'] - ends['triton + CUDA graph']):.4f}"
     )
