@@ -344,6 +344,13 @@ def gpu_slug(gpu_name: str) -> str:
     return re.sub(r"[^a-z0-9]+", "-", gpu_name.lower()).strip("-")
 
 
+def gpu_results_dir(gpu_name: str, results_dir: Path | None = None) -> Path:
+    """The folder of one GPU's recordings (made if missing): results/<gpu slug>/."""
+    folder = (results_dir or default_results_dir()) / gpu_slug(gpu_name)
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder
+
+
 def make_call(bench: Benchmark, provider: str, x, dtype) -> Callable:
     """The call to time: ``bench.make``'s, or for ``COPY_PROVIDER`` a copy of the bytes that
     ``bench.work`` counts, so that a benchmark gets its size's reference by listing it."""
@@ -411,8 +418,7 @@ def record(
     bench: Benchmark, points: list[Point], env: dict, results_dir: Path | None = None
 ) -> Path:
     """Write the points as results/<gpu>/<benchmark>.csv and note the environment they ran in."""
-    folder = (results_dir or default_results_dir()) / gpu_slug(env["gpu"])
-    folder.mkdir(parents=True, exist_ok=True)
+    folder = gpu_results_dir(env["gpu"], results_dir)
     path = folder / f"{bench.name}.csv"
     with path.open("w", newline="") as f:
         writer = csv.writer(f, lineterminator="\n")
@@ -765,8 +771,7 @@ def text_file(name: str, text: str | None = None) -> str | None:
     recorded under ``make bench``; without one, the recorded text (None if there is none)."""
     if ON_GPU and text is not None:
         if os.environ.get("STEPKERNELS_RECORD") == "1":
-            folder = default_results_dir() / gpu_slug(torch.cuda.get_device_name())
-            folder.mkdir(parents=True, exist_ok=True)
+            folder = gpu_results_dir(torch.cuda.get_device_name())
             (folder / name).write_text(text + "\n")
         return text
     folder = recorded_gpu_dir()

@@ -166,9 +166,7 @@ class Trainer:
         else:
             self.optimizer.zero_grad(set_to_none=True)
             if self.cfg.step == "graph":  # warm-up steps on a side stream, as CUDA asks
-                side = torch.cuda.Stream()
-                side.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(side):
+                with bench.side_stream() as side:
                     loss = self.training_step()
                 torch.cuda.current_stream().wait_stream(side)
             else:
