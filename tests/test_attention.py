@@ -43,7 +43,10 @@ def test_queries_and_keys_of_different_lengths(n_q, n_kv, causal):
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_heads_interleaved_layout(dtype):
     # (B, N, H, D) viewed as (B, H, N, D), as a fused QKV projection gives: read in place
-    check(*inputs(2, 3, 37, 37, 64, dtype, layout="BNHD"), causal=True)
+    q, k, v = inputs(2, 3, 37, 37, 64, dtype, layout="BNHD")
+    check(q, k, v, causal=True)
+    out = attention(q, k, v, causal=True)  # written in q's layout: (B, N, H·D) is a view
+    assert out.stride() == q.stride() and out.transpose(1, 2).reshape(2, 37, 192)._base is not None
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

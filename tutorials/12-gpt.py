@@ -143,7 +143,12 @@ class TritonLayers:
         weight, bias = layer.weight.to(dtype), getattr(layer, "bias", None)
         bias = None if bias is None else bias.to(dtype)
         if p == 0 or bias is None:
-            return self.dropout(linear(x.to(dtype), weight, bias, activation), p, seed)
+            # With an activation, the backward recomputes x W^T + b instead of keeping it:
+            # 4C values a token (50 MB a layer here) for one more product.
+            product = linear(
+                x.to(dtype), weight, bias, activation, recompute=bool(activation)
+            )
+            return self.dropout(product, p, seed)
         # The bias joins the dropout's kernel, which regenerates its mask in the backward.
         return dropout_bias_act(linear(x.to(dtype), weight), bias, p, activation, seed)
 
@@ -163,7 +168,7 @@ class TritonLayers:
 # ``Block`` and ``GPT`` never name a kernel: they ask ``layers`` for each step, so one flag,
 # ``use_triton``, switches the whole model, and one ``state_dict`` serves both. The attention's
 # q, k and v are strided views of one (B, T, 3, H, D) product, which chapter 11's descriptors
-# read in place.
+# read in place; its output comes back in q's layout, so the projection reads it as a view.
 #
 # Dropout is the one layer with state. Chapter 06's masks are a function of a seed and the
 # element's position; a seed drawn on the CPU would be frozen into a CUDA graph (chapter 08),
@@ -423,6 +428,8 @@ if speed and memory:
               f"{rate / speed.value('torch.compile', **at):.2f}x torch.compile, "
               f"{memory.value(provider, **at):.2f} GiB")  # fmt: skip
     print(f"{LIMIT}: {speed.value(LIMIT, **at):,.0f} tokens/s")
+    ours, eager = (memory.value(p, **at) for p in ("triton + CUDA graph", "torch"))
+    print(f"peak memory of ours replayed / eager torch: {ours / eager:.2f}")
 
 # %%
 # Eager, our model is the slowest: its step makes a few hundred calls, each dearer on the CPU
@@ -435,10 +442,13 @@ if speed and memory:
 # shapes (the results' notes hold a profile). Both are far from the limit: this model's step
 # is mostly memory-bound work between its products, in small launches.
 #
-# Memory is where we miss our target of at most eager PyTorch's: a graph's private pool keeps
-# every buffer of the step reserved for the next replay, where eager's allocator hands a freed
-# buffer on within the step. Ours holds less than PyTorch's own graph; exercises 1 and 4 shrink
-# what the step keeps.
+# Memory costs the graphs: a graph's private pool keeps every buffer of the step reserved for
+# the next replay, where eager's allocator hands a freed buffer on within the step, so PyTorch's
+# own graph holds more than PyTorch eager. Ours replayed holds no more than eager PyTorch,
+# because our step keeps less: chapter 06's dropout stores no mask; the attention's output,
+# written in q's layout, reaches the projection without a copy; the MLP recomputes its
+# pre-activation in the backward (chapter 05's ``recompute=True``: 50 MB a layer for one more
+# product) and writes dZ over the recomputed product instead of a third buffer.
 #
 # The full run
 # ------------
@@ -524,13 +534,14 @@ if validation and seconds:
 #
 # Exercises
 # ---------
-# 1. Our attention returns (B, H, T, D); the projection wants (B, T, H·D), so a copy runs after
-#    every attention. Let ``attention`` write its output in the layout of q (here a strided view
-#    of (B, T, H, D)) and measure the step.
+# 1. Our norms write fp32, which the model then casts to bf16 for the next product: a second
+#    pass over 16,384 x 384 values, twice a block. Let chapter 03's kernel write the output in
+#    the product's dtype and measure the step's time and memory.
 # 2. The weight gradients dW = dZᵀ X reduce 16,384 tokens into outputs of 384 x 384 to
 #    1,536 x 384: a few dozen tiles for 132 SMs. Add split-K to chapter 04's matmul for such
 #    shapes and compare with cuBLAS (``TORCH_LOGS`` or the profiler names its split-K kernels).
 # 3. Drop attention probabilities as nanoGPT does, inside chapter 11's forward, with chapter
 #    06's ``keep_mask`` keyed by (seed, head, query, key); the backward regenerates the mask.
-# 4. The MLP keeps its pre-activation for the backward, 50 MB a layer here. Chapter 05's
-#    ``recompute=True`` computes it again instead: measure the graphed step's memory and speed.
+# 4. Evaluation runs eagerly beside the graph, in the allocator's other pool. Record it as a
+#    second graph sharing the training graph's pool (``torch.cuda.graph(..., pool=...)``) and
+#    measure the peak memory of a run with evaluations.

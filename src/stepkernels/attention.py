@@ -232,10 +232,16 @@ def descriptor_ready(t: torch.Tensor) -> bool:
     return t.stride(3) == 1 and aligned and t.data_ptr() % 16 == 0
 
 
-def empty_heads(shape, dtype, device) -> torch.Tensor:
-    """A new (B, H, N, D) tensor whose rows start on 16-byte boundaries."""
+def empty_heads(shape, dtype, device, like=None) -> torch.Tensor:
+    """A new (B, H, N, D) tensor whose rows start on 16-byte boundaries, its heads
+    interleaved ((B, N, H, D) in memory) when those of ``like`` are."""
     step = 16 // dtype.itemsize
     padded = -(-shape[3] // step) * step
+    if like is not None and like.stride(1) < like.stride(2):
+        rows = torch.empty(
+            shape[0], shape[2], shape[1], padded, dtype=dtype, device=device
+        )
+        return rows.transpose(1, 2)[..., : shape[3]]
     return torch.empty(*shape[:3], padded, dtype=dtype, device=device)[..., : shape[3]]
 
 
@@ -259,7 +265,7 @@ def heads(t: torch.Tensor, block: int) -> TensorDescriptor:
 def attention_forward(q, k, v, causal, sm_scale, launch=None):
     """O and the base-2 log-sum-exp of each row, for descriptor-ready q, k, v."""
     batch, n_heads, n_q, head_dim = q.shape
-    o = empty_heads(q.shape, q.dtype, q.device)
+    o = empty_heads(q.shape, q.dtype, q.device, like=q)
     lse = torch.empty(batch * n_heads, n_q, device=q.device, dtype=torch.float32)
     padded = padded_head_dim(head_dim)
     launch = launch or default_launches(padded, q.element_size(), causal)[0]

@@ -45,10 +45,10 @@ def activation_backward_kernel(
 ACTIVATION_BACKWARD_BLOCK = {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4}
 
 
-def activation_backward(grad_y, z, activation, bias_grad: bool):
-    """dZ = dY * act'(Z) (contiguous, in Z's dtype) and, if asked, db in fp32."""
+def activation_backward(grad_y, z, activation, bias_grad: bool, over_z=False):
+    """dZ = dY * act'(Z), contiguous in Z's dtype (over Z if ``over_z``), and db (fp32)."""
     M, N = z.shape
-    grad_z = torch.empty((M, N), device=z.device, dtype=z.dtype)
+    grad_z = z if over_z else torch.empty((M, N), device=z.device, dtype=z.dtype)
     blocks_m = triton.cdiv(M, ACTIVATION_BACKWARD_BLOCK["BLOCK_M"])
     partial = torch.zeros((blocks_m, N), device=z.device, dtype=torch.float32)
     if grad_z.numel() > 0:
@@ -73,9 +73,9 @@ def fused_linear_backward(grad_y, x, weight, bias, z, activation, needs_grad):
         grad_z = grad_y
         grad_bias = grad_y.sum(dim=0, dtype=torch.float32) if need_bias else None
     else:
-        if z is None:  # recompute: the forward product again, without the activation
-            z = matmul(x, weight.mT, None, bias=bias)
-        grad_z, grad_bias = activation_backward(grad_y, z, activation, need_bias)
+        again = z is None  # recompute: the forward product, without the activation,
+        z = matmul(x, weight.mT, None, bias=bias) if again else z  # then dZ over it
+        grad_z, grad_bias = activation_backward(grad_y, z, activation, need_bias, again)
     return (
         matmul(grad_z, weight) if need_x else x.new_empty(0),
         matmul(grad_z.mT, x) if need_weight else x.new_empty(0),  # dZ^T: a view
