@@ -279,3 +279,33 @@ def test_standing_counts_the_points_ahead_of_every_peer_and_the_share_of_the_lim
     assert results.standing("triton", "copy", peers=["torch"]) != [line]
     assert line == ("float32: triton at or above every peer at 1 of 2 points; 1,500 to 2,700 GB/s, "
                     "50% to 90% of copy")  # fmt: skip
+
+
+def test_gpu_state_keeps_busy_samples_and_names_every_clock_event_reason():
+    lines = [
+        "1980, 1980, 512.25, 51, 0x0000000000000000",
+        "345, 1980, 80.50, 40, 0x0000000000000001",  # idle between launches: left out
+        "1755, 1980, 699.90, 63, 0x0000000000000004",  # software power cap
+        "1830, 1980, [N/A], 60, 0x0",  # unreadable: left out
+        "1830, 1980, 650.0",  # cut off when the sampler stopped
+    ]
+    state = bench.gpu_state_summary(lines)
+    assert state["busy_samples"] == 2
+    assert state["sm_clock_mhz"] == {"median": 1867.5, "min": 1755.0, "max": 1980.0, "max_possible": 1980.0}
+    assert state["power_w"]["max"] == 699.9 and state["temperature_c"]["max"] == 63.0
+    assert state["clock_event_reasons"] == ["0x4"]
+    assert bench.gpu_state_summary(["345, 1980, 80.5, 40, 0x1"]) == {}
+
+
+def test_gpu_state_is_recorded_beside_a_gpu_measurement():
+    with bench.gpu_state(interval_ms=20) as state:
+        if ON_GPU:
+            a = torch.randn(4096, 4096, device="cuda")
+            for _ in range(200):
+                a = a @ a / 64
+            torch.cuda.synchronize()
+    if not ON_GPU:
+        assert state == {}  # nothing to sample without a GPU
+    else:
+        clock = state["sm_clock_mhz"]
+        assert state["busy_samples"] > 0 and 0 < clock["median"] <= clock["max_possible"]

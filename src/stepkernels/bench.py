@@ -27,6 +27,7 @@ import re
 import statistics
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 
@@ -338,6 +339,67 @@ def environment() -> dict:
         "limits": hardware_limits(),
         "timing": TIMING,
     }
+
+
+# Sampled while a benchmark runs, so that a slow point can be told from a throttled GPU.
+GPU_STATE_QUERY = (
+    "clocks.sm,clocks.max.sm,power.draw,temperature.gpu,clocks_event_reasons.active"
+)
+
+
+def gpu_state_summary(lines: list[str]) -> dict:
+    """SM clock, power and temperature over nvidia-smi's CSV samples (GPU_STATE_QUERY, no
+    units) taken while the GPU was busy (clock-event bit 0x1, idle, clear): median and
+    extremes, and every clock-event reason seen (``nvidia-smi -q`` names the bits: 0x4
+    software power cap, 0x20 and 0x40 thermal slowdown, 0x80 power brake, ...)."""
+    rows = []
+    for line in lines:
+        fields = [f.strip() for f in line.split(",")]
+        try:
+            row = [float(f) for f in fields[:4]] + [int(fields[4], 16)]
+        except (ValueError, IndexError):  # a header, [N/A] or a cut line
+            continue
+        rows += [row] if not row[4] & 0x1 else []
+    if not rows:
+        return {}
+    clock, max_clock, power, temperature, reasons = zip(*rows, strict=True)
+    return {
+        "busy_samples": len(rows),
+        "sm_clock_mhz": {"median": statistics.median(clock), "min": min(clock),
+                         "max": max(clock), "max_possible": max(max_clock)},
+        "power_w": {"median": statistics.median(power), "max": max(power)},
+        "temperature_c": {"median": statistics.median(temperature),
+                          "max": max(temperature)},
+        "clock_event_reasons": sorted({hex(r) for r in reasons if r}),
+    }  # fmt: skip
+
+
+@contextlib.contextmanager
+def gpu_state(interval_ms: int = 100):
+    """Sample the GPU's state with nvidia-smi while the block runs; the dict it yields is
+    filled by ``gpu_state_summary`` on exit (it stays empty without a GPU or nvidia-smi)."""
+    state: dict = {}
+    if not ON_GPU:
+        yield state
+        return
+    uuid = torch.cuda.get_device_properties(
+        DEVICE
+    ).uuid  # this process's GPU among several
+    command = ["nvidia-smi", f"--query-gpu={GPU_STATE_QUERY}", "--format=csv,noheader,nounits",
+               f"--loop-ms={interval_ms}", f"--id=GPU-{uuid}"]  # fmt: skip
+    with tempfile.TemporaryFile("w+") as log:
+        try:  # to a file: a pipe left unread would fill and stall nvidia-smi
+            sampler = subprocess.Popen(command, stdout=log, stderr=subprocess.DEVNULL)
+        except OSError:
+            sampler = None
+        try:
+            yield state
+        finally:
+            if sampler is not None:
+                sampler.terminate()
+                sampler.wait(timeout=30)
+                log.seek(0)
+                state.update(gpu_state_summary(log.read().splitlines()))
 
 
 def gpu_slug(gpu_name: str) -> str:
@@ -747,7 +809,9 @@ def run(
         )
         return None
     if ON_GPU:
-        points, env = (points_of or functools.partial(measure, bench))(), environment()
+        with gpu_state() as state:
+            points = (points_of or functools.partial(measure, bench))()
+        env = {**environment(), "gpu_state": state}
         if os.environ.get("STEPKERNELS_RECORD") == "1":
             print(f"recorded {record(bench, points, env)}")
     else:
