@@ -1,0 +1,78 @@
+"""Issue 19's scoreboard: which recorded points of chapters 02-06 meet the performance target.
+
+Run anywhere from the repository root (``PYTHONPATH=src``; it reads the recordings only)::
+
+    python tools/experiments/performance_standing.py [--all]
+
+A point is one (benchmark, dtype, size) from 2^24 elements (M x N for the row-wise kernels) or
+2,048³ (products: M N K of at least that). It meets the target when our best provider (any
+whose name starts with "triton") is at or above every peer recorded with it (every other
+provider but the copy) and, for a memory-bound benchmark (GB/s), at or above 90% of the copy
+of the same bytes (the ``copy (same bytes)`` provider at that point, or where a benchmark has
+none, the recorded copy bandwidth). ``--all`` prints every point, not only the short ones.
+"""
+
+import argparse
+import csv
+import json
+import re
+
+from stepkernels import bench
+
+BENCHMARKS = [
+    "softmax-forward", "softmax-forward-backward", "layer-norm-forward", "layer-norm-backward",
+    "matmul-square", "fused-linear-forward", "fused-linear-forward-backward",
+    "fused-linear-activations", "fused-linear-activations-forward-backward",
+    "dropout-forward", "dropout-forward-backward", "bias-gelu-dropout-forward",
+    "bias-gelu-dropout-forward-backward",
+]  # fmt: skip
+COPY_SHARE = 0.9
+
+
+def counted(x_name: str, x: float) -> bool:
+    """Whether a point is as large as the target asks."""
+    rows = re.search(r"M = (\d+)", x_name)
+    if x_name.startswith("M = N = K"):
+        return x >= 2048
+    if x_name.startswith(("in_features", "activation")):  # M = N = 4,096, K >= 1,024
+        return True
+    return x * (int(rows.group(1)) if rows else 1) >= 2**24
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--all", action="store_true", help="print every point")
+    args = parser.parse_args()
+    folder = bench.recorded_gpu_dir()
+    env = json.loads((folder / "environment.json").read_text())["benchmarks"]
+    met = total = 0
+    for name in BENCHMARKS:
+        with (folder / f"{name}.csv").open() as f:
+            rows = list(csv.DictReader(f))
+        values = {(r["provider"], r["dtype"], float(r["x"])): float(r["value"]) for r in rows}
+        for dtype, x in dict.fromkeys((d, x) for _, d, x in values):
+            here = {pr: v for (pr, d, xx), v in values.items() if (d, xx) == (dtype, x)}
+            ours = {pr: v for pr, v in here.items() if pr.startswith("triton")}
+            peers = {pr: v for pr, v in here.items()
+                     if not pr.startswith("triton") and pr != bench.COPY_PROVIDER}  # fmt: skip
+            if not ours or not counted(rows[0]["x_name"], x):
+                continue
+            best_ours, best_name = max((v, pr) for pr, v in ours.items())
+            best_peer, peer = max(((v, pr) for pr, v in peers.items()), default=(0, "-"))
+            problems = []
+            if best_ours < best_peer:
+                problems.append(f"behind {peer} ({best_peer:,.0f})")
+            if rows[0]["unit"] == "GB/s":
+                copy = here.get(bench.COPY_PROVIDER, env[name]["limits"]["GB/s"])
+                if best_ours < COPY_SHARE * copy:
+                    problems.append(f"{best_ours / copy:.0%} of the copy ({copy:,.0f})")
+            total += 1
+            met += not problems
+            if problems or args.all:
+                status = "; ".join(problems) or "meets the target"
+                print(f"{name}, {dtype}, {x:,.0f}: {best_name} {best_ours:,.0f}: {status}")
+    print(f"{met} of {total} points meet the target")
+
+
+if __name__ == "__main__":
+    main()
