@@ -16,7 +16,7 @@ FUNCTIONS = {"softmax": (softmax, torch.softmax), "log_softmax": (log_softmax, t
 # About one unit in the last place (relative); the interpreter truncates bf16 instead of rounding.
 RTOL = {torch.float32: 1e-5, torch.float16: 2**-10, torch.bfloat16: 2**-6 if INTERPRET else 2**-7}
 SPLIT_FORWARD = 32_771  # past 32,768 columns the forward splits each row over programs
-LOOPED_BACKWARD = 16_387  # past 16,384 the backward loops over each row in chunks
+SPLIT_BACKWARD = 16_387  # past 16,384 the backward splits each row over programs too
 
 
 def expected(x, name):
@@ -55,15 +55,15 @@ def test_values_and_gradients_match_torch(shape, dtype, name):
 
 @pytest.mark.parametrize("name", FUNCTIONS)
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_long_rows_take_the_split_forward_and_looped_backward(dtype, name):
+def test_long_rows_take_the_split_forward_and_split_backward(dtype, name):
     x = random_tensor((2, SPLIT_FORWARD), dtype, scale=4.0)
     assert_values(FUNCTIONS[name][0](x), x, name)
-    assert_gradient(random_tensor((2, LOOPED_BACKWARD), dtype, scale=4.0), name)
+    assert_gradient(random_tensor((2, SPLIT_BACKWARD), dtype, scale=4.0), name)
 
 
 @pytest.mark.parametrize("name", FUNCTIONS)
 def test_long_rows_with_masked_chunks(name):
-    """-inf over whole chunks and a row of only -inf, on the split forward and looped backward."""
+    """-inf over whole chunks and a row of only -inf, on the split forward and backward."""
     x = random_tensor((3, SPLIT_FORWARD), torch.float32, scale=4.0)
     x[0, :20_000] = -float("inf")  # the first chunks of the row are all masked
     x[1] = -float("inf")  # nothing left: NaN, as in torch
@@ -71,7 +71,7 @@ def test_long_rows_with_masked_chunks(name):
     y = FUNCTIONS[name][0](x)
     assert_values(y, x, name)
     assert torch.isnan(y[1]).all()
-    assert_gradient(x[[0, 2], :LOOPED_BACKWARD], name)
+    assert_gradient(x[[0, 2], :SPLIT_BACKWARD], name)
 
 
 @settings(max_examples=20, deadline=None)
@@ -181,8 +181,8 @@ def test_bad_input_is_refused_with_advice(case, name):
 
 
 @pytest.mark.skipif(ON_GPU, reason="on a GPU the script also benchmarks; run it by hand")
-def test_split_row_backward_experiment_checks_out_under_the_interpreter(capsys):
+def test_looped_backward_experiment_checks_out_under_the_interpreter(capsys):
     """tools/experiments/softmax_split_backward.py (chapter 02's exercise 3) against torch."""
     script = Path(__file__).resolve().parent.parent / "tools/experiments/softmax_split_backward.py"
     runpy.run_path(str(script))
-    assert "matches torch.autograd" in capsys.readouterr().out
+    assert "backward match torch.autograd" in capsys.readouterr().out

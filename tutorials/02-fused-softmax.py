@@ -62,13 +62,7 @@ from dataclasses import dataclass
 import functools
 
 import numpy as np
-from stepkernels._core import (
-    INTERPRET,
-    ON_GPU,
-    check_tensor,
-    refuse_double_backward,
-    sm_count,
-)
+from stepkernels._core import INTERPRET, ON_GPU, check_tensor, refuse_double_backward
 from stepkernels.launch import lean  # cheap repeated launches: chapter 08
 import torch
 import triton
@@ -112,7 +106,7 @@ def softmax_kernel(
 # A looped kernel would then read the row again to write exp(x - m) / s: 3 M N of traffic,
 # not 2 M N (``tools/experiments/softmax_long_rows.py`` has one, walking the second pass
 # backwards to catch the chunks still in L2, and times it). The online pass itself is
-# still needed, for the split kernel below, and the looped backward has the same shape.
+# still needed, for the split kernel below.
 
 # @save softmax
 
@@ -222,7 +216,9 @@ def softmax_split_kernel(
 # collapses to one dot product per row: dx = y * (dy - sum(dy * y)). For log-softmax,
 # dy_i/dx_j = delta_ij - softmax(x)_j gives dx = dy - exp(y) * sum(dy). Both are a row reduction
 # and an elementwise step on the saved *output* y and dy: 3 M N elements of traffic. A fused
-# kernel takes rows of up to half the forward's block (it holds two tensors), a looped one longer.
+# kernel takes rows of up to half the forward's block (it holds two tensors); longer rows are
+# split as in the forward: each program publishes its chunk's part of the sum, waits for the
+# row's, and writes its chunk of dx, so y and dy are read once.
 
 # @save softmax
 
@@ -250,48 +246,45 @@ def softmax_backward_kernel(
 
 @lean
 @triton.jit
-def softmax_backward_looped_kernel(
-    y_ptr, dy_ptr, dx_ptr, n_rows, n_cols, y_row_stride, dy_row_stride, dx_row_stride,
-    BLOCK_N: tl.constexpr, LOG: tl.constexpr, NUM_STAGES: tl.constexpr,
+def softmax_backward_split_kernel(
+    y_ptr, dy_ptr, dx_ptr, partial_ptr, counter_ptr, n_cols, n_chunks,
+    y_row_stride, dy_row_stride, dx_row_stride,
+    BLOCK_N: tl.constexpr, CHUNKS_POW2: tl.constexpr, LOG: tl.constexpr,
+    MAX_POLLS: tl.constexpr,
 ):  # fmt: skip
-    cols = tl.arange(0, BLOCK_N)
-    n_chunks = tl.cdiv(n_cols, BLOCK_N)
-    for row in tl.range(tl.program_id(0), n_rows, tl.num_programs(0)):
-        y_row = y_ptr + tl.cast(row, tl.int64) * y_row_stride
-        dy_row = dy_ptr + tl.cast(row, tl.int64) * dy_row_stride
-        dx_row = dx_ptr + tl.cast(row, tl.int64) * dx_row_stride
-        lane_total = tl.zeros([BLOCK_N], tl.float32)
-        for chunk in tl.range(0, n_chunks, num_stages=NUM_STAGES):
-            offsets = chunk * BLOCK_N + cols
-            in_row = offsets < n_cols
-            dy = tl.load(
-                dy_row + offsets, mask=in_row, other=0.0, eviction_policy="evict_last"
-            ).to(tl.float32)
-            if LOG:
-                lane_total += dy
-            else:
-                y = tl.load(
-                    y_row + offsets,
-                    mask=in_row,
-                    other=0.0,
-                    eviction_policy="evict_last",
-                ).to(tl.float32)
-                lane_total += dy * y
-        total = tl.sum(lane_total, axis=0)
-        for chunk in tl.range(0, n_chunks, num_stages=NUM_STAGES):
-            offsets = (n_chunks - 1 - chunk) * BLOCK_N + cols  # backwards
-            in_row = offsets < n_cols
-            y = tl.load(
-                y_row + offsets, mask=in_row, other=0.0, eviction_policy="evict_first"
-            ).to(tl.float32)
-            dy = tl.load(
-                dy_row + offsets, mask=in_row, other=0.0, eviction_policy="evict_first"
-            ).to(tl.float32)
-            if LOG:
-                dx = dy - tl.exp(y) * total
-            else:
-                dx = y * (dy - total)
-            tl.store(dx_row + offsets, dx.to(dx_ptr.dtype.element_ty), mask=in_row)
+    row = (tl.program_id(0) // n_chunks).to(tl.int64)
+    chunk = tl.program_id(0) % n_chunks
+    cols = chunk * BLOCK_N + tl.arange(0, BLOCK_N)
+    in_row = cols < n_cols
+    y_row, dy_row = y_ptr + row * y_row_stride, dy_ptr + row * dy_row_stride
+    y = tl.load(y_row + cols, mask=in_row, other=0.0).to(tl.float32)
+    dy = tl.load(dy_row + cols, mask=in_row, other=0.0).to(tl.float32)
+    parts = partial_ptr + row * CHUNKS_POW2  # each chunk's part of the row's sum
+    if LOG:
+        tl.store(parts + chunk, tl.sum(dy, axis=0))
+    else:
+        tl.store(parts + chunk, tl.sum(dy * y, axis=0))
+    if publish_and_wait(counter_ptr, row, n_chunks, MAX_POLLS):
+        chunks = tl.arange(0, CHUNKS_POW2)
+        present = chunks < n_chunks
+        partials = tl.load(parts + chunks, mask=present, other=0.0, volatile=True)
+        total = tl.sum(partials, axis=0)
+    else:  # the siblings are not running: sum the row ourselves
+        lanes = tl.zeros([BLOCK_N], tl.float32)
+        for start in range(0, n_cols, BLOCK_N):
+            offsets = start + tl.arange(0, BLOCK_N)
+            mask = offsets < n_cols
+            part = tl.load(dy_row + offsets, mask=mask, other=0.0).to(tl.float32)
+            if not LOG:
+                part *= tl.load(y_row + offsets, mask=mask, other=0.0).to(tl.float32)
+            lanes += part
+        total = tl.sum(lanes, axis=0)
+    if LOG:
+        dx = dy - tl.exp(y) * total
+    else:
+        dx = y * (dy - total)
+    dx_row = dx_ptr + row * dx_row_stride
+    tl.store(dx_row + cols, dx.to(dx_ptr.dtype.element_ty), mask=in_row)
 
 
 # %%
@@ -311,21 +304,17 @@ MAX_FUSED_BLOCK = 32768  # longest row kept whole in registers (forward)
 MAX_FUSED_BLOCK_BACKWARD = 16384  # the backward holds two tensors, y and dy
 TILE_ELEMENTS = 4096  # values per tile for short rows
 ELEMENTS_PER_WARP = 1024
-SPLIT_CHUNK = {4: 8192, 2: 4096}  # split kernel: values per program, by element size
-MAX_POLLS = 100_000 if ON_GPU else 2  # split kernel: tries before it reads the row
+SPLIT_CHUNK = {4: 8192, 2: 4096}  # split forward: values per program, by element size
+SPLIT_BACKWARD = 8192, 4  # split backward: values per program, warps (fp32 and fp16)
+MAX_POLLS = 100_000 if ON_GPU else 2  # split kernels: tries before it reads the row
 
 
 @dataclass(frozen=True)
 class Launch:
-    kernel: str  # "fused" (a tile in registers), "split" or "looped" (a row in chunks)
+    kernel: str  # "fused" (a tile in registers) or "split" (a program per chunk)
     block_n: int  # columns of a tile: the whole row (fused) or one chunk
     rows: int = 1  # rows of a tile (fused)
     num_warps: int = 4
-    num_stages: int = 1  # looped: chunks loaded ahead
-    programs_per_sm: int = 1  # looped: the persistent grid
-
-
-LOOPED_LAUNCH = Launch("looped", 4096, num_warps=8, num_stages=2)
 
 
 @functools.cache  # called on every softmax: keep it off the launch's critical path
@@ -333,8 +322,8 @@ def default_launch(n_cols: int, element_size: int, backward: bool = False) -> La
     block_n = max(16, triton.next_power_of_2(n_cols))
     if block_n > MAX_FUSED_BLOCK and not backward:
         return Launch("split", SPLIT_CHUNK[element_size], num_warps=8)
-    if block_n > (MAX_FUSED_BLOCK_BACKWARD if backward else MAX_FUSED_BLOCK):
-        return LOOPED_LAUNCH
+    if block_n > MAX_FUSED_BLOCK_BACKWARD and backward:
+        return Launch("split", *SPLIT_BACKWARD)
     rows = max(1, TILE_ELEMENTS // block_n)
     num_warps = min(32, max(4, rows * block_n // ELEMENTS_PER_WARP))
     return Launch("fused", block_n, rows, num_warps)
@@ -358,20 +347,18 @@ def launch_rows(tensors: tuple, log: bool, launch: Launch, backward: bool) -> No
     n_rows, n_cols = tensors[0].shape
     strides = [t.stride(0) for t in tensors]
     meta = {"BLOCK_N": launch.block_n, "LOG": log, "num_warps": launch.num_warps}
-    if launch.kernel == "split" and not backward:
+    if launch.kernel == "split":
         n_chunks = triton.cdiv(n_cols, launch.block_n)
         chunks_pow2 = triton.next_power_of_2(n_chunks)
-        stats = torch.empty(n_rows, 2, chunks_pow2, device=tensors[0].device)
-        counters = torch.zeros(n_rows, device=stats.device, dtype=torch.int32)
-        softmax_split_kernel[(n_rows * n_chunks,)](
-            *tensors, stats, counters, n_cols, n_chunks, *strides,
+        # per row and chunk: the (max, sum) pair forward, the partial sum backward
+        shape = (n_rows, 1 if backward else 2, chunks_pow2)
+        partials = torch.empty(shape, device=tensors[0].device)
+        counters = torch.zeros(n_rows, device=partials.device, dtype=torch.int32)
+        kernel = softmax_backward_split_kernel if backward else softmax_split_kernel
+        kernel[(n_rows * n_chunks,)](
+            *tensors, partials, counters, n_cols, n_chunks, *strides,
             CHUNKS_POW2=chunks_pow2, MAX_POLLS=MAX_POLLS, **meta,
         )  # fmt: skip
-    elif launch.kernel == "looped" and backward:
-        grid = (min(n_rows, launch.programs_per_sm * sm_count()),)
-        softmax_backward_looped_kernel[grid](
-            *tensors, n_rows, n_cols, *strides, NUM_STAGES=launch.num_stages, **meta
-        )
     elif launch.kernel == "fused" and launch.block_n >= n_cols:
         kernel = softmax_backward_kernel if backward else softmax_kernel
         grid = (triton.cdiv(n_rows, launch.rows),)
@@ -491,7 +478,7 @@ tutorial.show_refusals("softmax()", bad_calls)
 # ----------
 # GPU time of each call (a CUDA graph replayed by ``do_bench``, L2 emptied before each), for
 # 2 M N x (bytes per element) forward, 5 M N forward and backward, against the copy bandwidth
-# (dashed). M = 4,096 rows up to N = 32,768, then 2^26 / N.
+# (dashed) and a copy of the same bytes. M = 4,096 rows up to N = 32,768, then 2^26 / N.
 
 
 def rows_for(n_cols: int) -> int:
@@ -533,7 +520,7 @@ def compare(results, x: int, others=("torch", "torch.compile", "naive")) -> None
               f"{ahead} of {len(xs)} sizes")  # fmt: skip
 
 
-PROVIDERS = ["triton", "torch", "torch.compile", "naive"]
+PROVIDERS = ["triton", "torch", "torch.compile", "naive", bench.COPY_PROVIDER]
 forward = bench.run(
     softmax_benchmark(
         "softmax-forward",
@@ -574,10 +561,10 @@ if forward_backward:
     print(forward_backward.as_called("triton", "torch", 4096, "float16"))
 
 # %%
-# From N = 32,768 the backward takes its looped kernel, which reads y and dy twice: our rate
-# drops there, and ``torch.compile`` can pull ahead; a split-row backward is the fix
-# (exercise 3). The forward's split kernel, reading x once, is timed against a looped one
-# in ``tools/experiments/softmax_long_rows.py``. Dotted lines time the call from Python
+# From N = 32,768 both directions split each row across programs, so every tensor is read
+# once; a looped backward, which reads y and dy twice, is timed against the split one in
+# ``tools/experiments/softmax_split_backward.py``, a looped forward against the split one in
+# ``tools/experiments/softmax_long_rows.py``. Dotted lines time the call from Python
 # (do_bench flushes L2 between calls, which hides that much CPU time); the summaries add a
 # call's CPU time. Through autograd ours needs more CPU than GPU: the CPU sets the pace.
 #
@@ -594,6 +581,6 @@ if forward_backward:
 #    the core of attention. How many bytes does the mask add?
 # 2. Fuse the cross-entropy loss: log_softmax(x)[target] for a target index per row,
 #    without writing the log-softmax out. What is the traffic now?
-# 3. Write a split-row backward: each program holds a chunk of y and dy, publishes its part
-#    of sum(y * dy) and waits for the row's total. How many bytes does it save at
-#    N = 131,072? (``tools/experiments/softmax_split_backward.py`` has one.)
+# 3. Write the long-row backward the other way: one program walks its row twice (the sum,
+#    then dx), reading y and dy twice. Count its bytes at N = 131,072 and time it against
+#    the split kernel. (``tools/experiments/softmax_split_backward.py`` has one.)

@@ -4,8 +4,9 @@ For each row length N (M = 4,096 rows), dtype and direction, it times every tile
 values (up to 64 rows) with 2 to 32 warps through the package's fused kernels, and for the
 forward also on a persistent grid of 4 programs per SM with a two-stage pipeline (the kernel of
 softmax_steps.py), and prints the four fastest next to torch and the package's default. Then
-the looped backward for long rows (chunk, warps, stages, programs per SM). The split forward's
-sweep is softmax_split_rows.py. About four minutes on an H100:
+the split backward for long rows (chunk, warps; until 2026-11-25 the package's backward for
+long rows was a looped kernel, swept here over stages and programs per SM as well). The split
+forward's sweep is softmax_split_rows.py. About four minutes on an H100:
 
     python tools/experiments/softmax_launch_sweep.py [seconds]
 """
@@ -83,15 +84,13 @@ def sweep_long_rows():
         dy = torch.randn_like(y)
         nbytes = 3 * x.numel() * x.element_size()
         results = []
-        for chunk, warps, stages, programs in itertools.product(
-            (2048, 4096, 8192, 16384), (4, 8, 16), (1, 2, 3), (1, 2)
-        ):
+        for chunk, warps in itertools.product((2048, 4096, 8192, 16384), (4, 8, 16)):
             if not 4 <= chunk // (32 * warps) <= 64:
                 continue
-            launch = Launch("looped", chunk, num_warps=warps, num_stages=stages, programs_per_sm=programs)
-            results.append((gb_per_s(call(launch, x, y, dy, True), nbytes), chunk, warps, stages, programs))
+            launch = Launch("split", chunk, num_warps=warps)
+            results.append((gb_per_s(call(launch, x, y, dy, True), nbytes), chunk, warps))
         results.sort(key=lambda result: result[0], reverse=True)
-        best = "  ".join(f"{g:5.0f} chunk={c} warps={w} stages={s} per_sm={p}" for g, c, w, s, p in results[:4])
+        best = "  ".join(f"{g:5.0f} chunk={c} warps={w}" for g, c, w in results[:4])
         print(f"long bwd {dtype_name(dtype):8} N={n:6} | {best}", flush=True)
 
 
