@@ -157,6 +157,7 @@ def matmul_tma_kernel(
 # %%
 # The configs are chapter 04's minus its smallest tiles: this kernel only runs when the
 # output has a 128 × 128 tile for every SM (fp8 excepted), where small tiles do not win.
+# For tf32, deeper pipelines of thin K steps (``tools/experiments/linear_tiles.py``).
 
 # @save matmul_hopper
 TMA_CONFIGS = [
@@ -171,6 +172,9 @@ TMA_CONFIGS = [
     tile_config(64, 128, 128, 4, 4, itemsize=1),
     tile_config(128, 128, 32, 3, 8, itemsize=4),
     tile_config(128, 64, 32, 4, 4, itemsize=4),
+    tile_config(128, 128, 32, 5, 8, itemsize=4),
+    tile_config(128, 128, 32, 4, 8, itemsize=4),
+    tile_config(64, 256, 32, 4, 8, itemsize=4),
 ]
 matmul_tma_tuned = lean(  # cheap repeated launches: chapter 08
     triton.autotune(

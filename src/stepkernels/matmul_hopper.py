@@ -103,6 +103,9 @@ TMA_CONFIGS = [
     tile_config(64, 128, 128, 4, 4, itemsize=1),
     tile_config(128, 128, 32, 3, 8, itemsize=4),
     tile_config(128, 64, 32, 4, 4, itemsize=4),
+    tile_config(128, 128, 32, 5, 8, itemsize=4),
+    tile_config(128, 128, 32, 4, 8, itemsize=4),
+    tile_config(64, 256, 32, 4, 8, itemsize=4),
 ]
 matmul_tma_tuned = lean(  # cheap repeated launches: chapter 08
     triton.autotune(
