@@ -576,11 +576,11 @@ for name, backward, per_activation in [
             print(results.as_called("triton", "torch", 1024, "float16"))
 
 # %%
-# In fp16 the fused layer runs close to eager PyTorch but not past it with GELU: its ``erf`` costs
-# our epilogue what PyTorch's separate kernel costs (the persistent kernel loads its next tile only
+# In fp16 the fused layer runs about level with eager PyTorch with GELU: its ``erf`` costs our
+# epilogue what PyTorch's separate kernel costs (the persistent kernel loads its next tile only
 # after this tile's epilogue). Cheap activations are nearly free in the epilogue, where PyTorch
 # runs extra kernels: fusion wins, most for squared ReLU. Recomputing Z costs a fourth product.
-# fp32 trails from the product (chapter 04: tf32, K-major copies on Hopper). Dotted lines are the
+# fp32 trails from the product (tf32: K-major copies, tiles of chapter 07). Dotted lines are the
 # calls from Python: through autograd the CPU takes longer than small products on the GPU.
 #
 # What we learned
