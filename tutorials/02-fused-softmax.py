@@ -181,7 +181,8 @@ def softmax_split_kernel(
     x = tl.load(x_row + cols, mask=in_row, other=-float("inf")).to(tl.float32)
     chunk_max = tl.max(x, axis=0)
     chunk_shift = tl.where(chunk_max == -float("inf"), 0.0, chunk_max)
-    chunk_sum = tl.sum(tl.exp(x - chunk_shift), axis=0)
+    numerator = tl.exp(x - chunk_shift)  # kept: y needs only a factor per chunk
+    chunk_sum = tl.sum(numerator, axis=0)
     # stats holds, per row, CHUNKS_POW2 maxima and then CHUNKS_POW2 sums.
     row_stats = stats_ptr + row * 2 * CHUNKS_POW2
     tl.store(row_stats + chunk, chunk_max)
@@ -203,8 +204,8 @@ def softmax_split_kernel(
         row_shift = tl.where(row_max == -float("inf"), 0.0, row_max)
     if LOG:
         y = (x - row_max) - tl.log(row_sum)
-    else:
-        y = tl.exp(x - row_shift) / row_sum
+    else:  # exp(x - row_shift) / row_sum, without a second exp and a division per value
+        y = numerator * (tl.exp(chunk_shift - row_shift) / row_sum)
     y_row = y_ptr + row * y_row_stride
     tl.store(y_row + cols, y.to(y_ptr.dtype.element_ty), mask=in_row)
 
@@ -304,7 +305,7 @@ MAX_FUSED_BLOCK = 32768  # longest row kept whole in registers (forward)
 MAX_FUSED_BLOCK_BACKWARD = 16384  # the backward holds two tensors, y and dy
 TILE_ELEMENTS = 4096  # values per tile for short rows
 ELEMENTS_PER_WARP = 1024
-SPLIT_CHUNK = {4: 8192, 2: 4096}  # split forward: values per program, by element size
+SPLIT_FORWARD = 8192, 8  # split forward: values per program, warps (fp32 and fp16)
 SPLIT_BACKWARD = 8192, 4  # split backward: values per program, warps (fp32 and fp16)
 MAX_POLLS = 100_000 if ON_GPU else 2  # split kernels: tries before it reads the row
 
@@ -321,7 +322,7 @@ class Launch:
 def default_launch(n_cols: int, element_size: int, backward: bool = False) -> Launch:
     block_n = max(16, triton.next_power_of_2(n_cols))
     if block_n > MAX_FUSED_BLOCK and not backward:
-        return Launch("split", SPLIT_CHUNK[element_size], num_warps=8)
+        return Launch("split", *SPLIT_FORWARD)
     if block_n > MAX_FUSED_BLOCK_BACKWARD and backward:
         return Launch("split", *SPLIT_BACKWARD)
     rows = max(1, TILE_ELEMENTS // block_n)
