@@ -319,7 +319,7 @@ class Launch:
 
 
 @functools.cache  # called on every softmax: keep it off the launch's critical path
-def default_launch(n_cols: int, element_size: int, backward: bool = False) -> Launch:
+def default_launch(n_cols: int, backward: bool = False) -> Launch:
     block_n = max(16, triton.next_power_of_2(n_cols))
     if block_n > MAX_FUSED_BLOCK and not backward:
         return Launch("split", *SPLIT_FORWARD)
@@ -373,7 +373,7 @@ def softmax_forward(x, log: bool = False, launch: Launch | None = None):
     y = torch.empty_like(x, memory_format=torch.contiguous_format)
     if x.numel() > 0:
         x_rows = as_rows(x)
-        launch = launch or default_launch(x.shape[-1], x.element_size())
+        launch = launch or default_launch(x.shape[-1])
         with quiet():
             launch_rows((x_rows, y.view(x_rows.shape)), log, launch, backward=False)
     return y
@@ -384,7 +384,7 @@ def softmax_backward(y, dy, log: bool = False, launch: Launch | None = None):
     dx = torch.empty_like(y, memory_format=torch.contiguous_format)
     if y.numel() > 0:
         rows = (as_rows(y), as_rows(dy.to(y.dtype)), as_rows(dx))
-        launch = launch or default_launch(y.shape[-1], y.element_size(), backward=True)
+        launch = launch or default_launch(y.shape[-1], backward=True)
         with quiet():
             launch_rows(rows, log, launch, backward=True)
     return dx

@@ -47,7 +47,7 @@ def short_rows(dtype, n_cols, n_rows=4096):
     x = torch.randn(n_rows, n_cols, device="cuda", dtype=dtype)
     y = torch.empty_like(x)
     size = x.numel() * x.element_size()
-    launch = default_launch(n_cols, x.element_size())
+    launch = default_launch(n_cols)
     grid = (triton.cdiv(n_rows, launch.rows),)
 
     def bare():

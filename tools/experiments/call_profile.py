@@ -115,7 +115,7 @@ def softmax_calls(rows=4096, cols=1024, dtype=torch.float16):
     with torch.no_grad():
         line("softmax(x) under no_grad", lambda: softmax(x))
     line("softmax_forward(x) (wrapper, no autograd)", lambda: softmax_module.softmax_forward(x))
-    launch = softmax_module.default_launch(cols, 2)
+    launch = softmax_module.default_launch(cols)
     grid = (triton.cdiv(rows, launch.rows),)
     kernel_args = (x, y, rows, cols, cols, cols)
     meta = dict(ROWS=launch.rows, BLOCK_N=launch.block_n, LOG=False, num_warps=launch.num_warps)

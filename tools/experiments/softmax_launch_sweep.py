@@ -66,7 +66,7 @@ def sweep_short_rows():
             torch_rate = gb_per_s(lambda: torch.ops.aten._softmax_backward_data(dy, y, -1, dtype), nbytes)  # noqa: B023
         else:
             torch_rate = gb_per_s(lambda: torch.softmax(x, -1), nbytes)  # noqa: B023
-        default_rate = gb_per_s(call(default_launch(n, x.element_size(), backward), x, y, dy, backward), nbytes)
+        default_rate = gb_per_s(call(default_launch(n, backward), x, y, dy, backward), nbytes)
         best = "  ".join(f"{g:5.0f} rows={r} warps={w} persistent={p}" for g, r, w, p in results[:4])
         print(
             f"{'bwd' if backward else 'fwd'} {dtype_name(dtype):8} N={n:6} "

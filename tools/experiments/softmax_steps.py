@@ -53,7 +53,7 @@ def softmax_persistent(x, launch: Launch, programs_per_sm=4, num_stages=2):
 
 def make_steps(provider, n_cols, dtype):
     x = torch.randn(tutorial.choose(gpu=4096, cpu=3), n_cols, device=DEVICE, dtype=dtype)
-    final = default_launch(n_cols, dtype.itemsize)
+    final = default_launch(n_cols)
     if provider == "triton (persistent, 2 stages)":
         return lambda: softmax_persistent(x, final)
     launch = {
@@ -65,7 +65,7 @@ def make_steps(provider, n_cols, dtype):
 
 if __name__ == "__main__":
     x = torch.randn(37, 100, device=DEVICE)
-    torch.testing.assert_close(softmax_persistent(x, default_launch(100, 4)), torch.softmax(x, dim=-1))
+    torch.testing.assert_close(softmax_persistent(x, default_launch(100)), torch.softmax(x, dim=-1))
     steps = bench.run(
         bench.Benchmark(
             name="softmax-steps",
