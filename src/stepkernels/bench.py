@@ -382,9 +382,8 @@ def gpu_state(interval_ms: int = 100):
     if not ON_GPU:
         yield state
         return
-    uuid = torch.cuda.get_device_properties(
-        DEVICE
-    ).uuid  # this process's GPU among several
+    # --id: this process's GPU among several
+    uuid = torch.cuda.get_device_properties(DEVICE).uuid
     command = ["nvidia-smi", f"--query-gpu={GPU_STATE_QUERY}", "--format=csv,noheader,nounits",
                f"--loop-ms={interval_ms}", f"--id=GPU-{uuid}"]  # fmt: skip
     with tempfile.TemporaryFile("w+") as log:
