@@ -59,7 +59,7 @@ def check(shape, dtype, n_dims=1, reduction="two-stage", block_size=None, view=N
         dict(shape=(37, 1)),  # one column: x_hat is 0
         dict(shape=(3, 7, 33)),
         dict(shape=(2, 3, 5, 6), n_dims=3),
-        dict(shape=(9, 300), block_size=32),  # rows walked over 10 blocks
+        dict(shape=(9, 300), block_size=32),  # rows split over 10 programs (chapter 13)
         dict(shape=(30, 48), view=lambda t: t[::3, 5:40]),  # rows 144 apart, offset start
         dict(shape=(24, 40), view=lambda t: t.t()),  # transposed: copied
         dict(shape=(17, 40), affine=(True, False)),
@@ -188,6 +188,15 @@ def test_module_is_a_drop_in_for_torch(reduction):
 def test_bad_input_is_refused_with_a_message(call, error, match):
     with pytest.raises(error, match=match):
         call(random_tensor((8, 64), torch.float32))
+
+
+@pytest.mark.skipif(not ON_GPU, reason="under the interpreter, block_size caps test the split")
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+@pytest.mark.parametrize("shape, n_dims", [((300, 40000), 1), ((5, 70000), 1), ((1, 262144), 1), ((130, 2, 8193), 2)])
+def test_long_rows_split_over_programs_on_the_gpu(shape, n_dims, reduction):
+    """Rows past one program's limits (chapter 13): the row's programs meet on a GPU."""
+    for dtype in (torch.float32, torch.float16):
+        check(shape, dtype, n_dims=n_dims, reduction=reduction)
 
 
 @pytest.mark.skipif(not ON_GPU, reason="races show only on a GPU, where programs run at once")

@@ -156,8 +156,18 @@ def online_max_and_sum(x_row, n_cols, BLOCK_N: tl.constexpr, NUM_STAGES: tl.cons
 def publish_and_wait(counter_ptr, row, n_chunks, MAX_POLLS: tl.constexpr):
     """Announce this program's stores to the other programs of its row, then wait (at most
     MAX_POLLS tries) until all ``n_chunks`` have announced theirs. True if they all did."""
+    publish(counter_ptr, row)
+    return wait_for(counter_ptr, row, n_chunks, MAX_POLLS)
+
+
+@triton.jit
+def publish(counter_ptr, row):
     tl.debug_barrier()  # every thread of this program has stored
     tl.atomic_add(counter_ptr + row, 1, sem="release")
+
+
+@triton.jit
+def wait_for(counter_ptr, row, n_chunks, MAX_POLLS: tl.constexpr):
     published = tl.atomic_add(counter_ptr + row, 0, sem="acquire")
     polls = 0
     while (published < n_chunks) & (polls < MAX_POLLS):

@@ -7,7 +7,8 @@ right."""
 import functools
 import math
 
-from stepkernels._core import INTERPRET, check_tensor, refuse_double_backward, sm_count
+from stepkernels._core import INTERPRET, refuse_double_backward, sm_count
+from stepkernels.arguments import layer_norm_arguments  # checks, raising what to do
 from stepkernels.launch import lean  # cheap repeated launches: chapter 08
 import torch
 import triton
@@ -18,65 +19,35 @@ import triton.language as tl
 @triton.jit
 def layer_norm_forward_kernel(x_ptr, y_ptr, weight_ptr, bias_ptr, mean_ptr, rstd_ptr,
         x_row_stride, y_row_stride, M, N, eps, BLOCK_N: tl.constexpr,
-        ROWS_PER_PROGRAM: tl.constexpr, SINGLE_BLOCK: tl.constexpr,
-        HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, NUM_STAGES: tl.constexpr):  # fmt: skip
-    program_id = tl.program_id(axis=0)
-    if SINGLE_BLOCK:
-        # Row blocks p, p + grid size, ...: NUM_STAGES > 1 loads the next during this one's math
-        n_blocks, grid_size = tl.cdiv(M, ROWS_PER_PROGRAM), tl.num_programs(axis=0)
-        for block in tl.range(program_id, n_blocks, grid_size, num_stages=NUM_STAGES):
-            rows = block * ROWS_PER_PROGRAM + tl.arange(0, ROWS_PER_PROGRAM)
-            cols = tl.arange(0, BLOCK_N)
-            row_mask, col_mask = rows < M, cols < N
-            mask = row_mask[:, None] & col_mask[None, :]
-            rows64 = rows.to(tl.int64)  # row * stride can pass 2**31
-            x_ptrs = x_ptr + rows64[:, None] * x_row_stride + cols[None, :]
-            x = tl.load(x_ptrs, mask=mask, other=0.0).to(tl.float32)
-            mean = tl.sum(x, axis=1) / N
-            centered = tl.where(mask, x - mean[:, None], 0.0)  # 0 on masked-off lanes
-            rstd = 1.0 / tl.sqrt(tl.sum(centered * centered, axis=1) / N + eps)
-            y = centered * rstd[:, None]
-            if HAS_WEIGHT:
-                y *= tl.load(weight_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
-            if HAS_BIAS:
-                y += tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
-            y_ptrs = y_ptr + rows64[:, None] * y_row_stride + cols[None, :]
-            tl.store(y_ptrs, y.to(y_ptr.dtype.element_ty), mask=mask)
-            tl.store(mean_ptr + rows, mean, mask=row_mask)
-            tl.store(rstd_ptr + rows, rstd, mask=row_mask)
-    else:  # one row per program, walked in blocks; Chan's merge of each block's statistics
-        row = program_id.to(tl.int64)
-        x_row, y_row = x_ptr + row * x_row_stride, y_ptr + row * y_row_stride
-        count, mean, m2 = 0.0, 0.0, 0.0
-        for start in range(0, N, BLOCK_N):
-            cols = start + tl.arange(0, BLOCK_N)
-            mask = cols < N
-            x = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
-            block_count = tl.minimum(N - start, BLOCK_N).to(tl.float32)
-            block_mean = tl.sum(x, axis=0) / block_count
-            deviation = tl.where(mask, x - block_mean, 0.0)
-            block_m2 = tl.sum(deviation * deviation, axis=0)
-            total, delta = count + block_count, block_mean - mean
-            mean = mean + delta * (block_count / total)
-            m2 = m2 + block_m2 + delta * delta * (count * block_count / total)
-            count = total
-        rstd = 1.0 / tl.sqrt(m2 / N + eps)
-        for start in range(0, N, BLOCK_N):
-            cols = start + tl.arange(0, BLOCK_N)
-            mask = cols < N
-            x = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
-            y = (x - mean) * rstd
-            if HAS_WEIGHT:
-                y *= tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-            if HAS_BIAS:
-                y += tl.load(bias_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-            tl.store(y_row + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
-        tl.store(mean_ptr + row, mean)
-        tl.store(rstd_ptr + row, rstd)
+        ROWS_PER_PROGRAM: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
+        NUM_STAGES: tl.constexpr):  # fmt: skip
+    # Row blocks p, p + grid size, ...: NUM_STAGES > 1 loads the next during this one's math
+    program_id, grid_size = tl.program_id(axis=0), tl.num_programs(axis=0)
+    n_blocks = tl.cdiv(M, ROWS_PER_PROGRAM)
+    for block in tl.range(program_id, n_blocks, grid_size, num_stages=NUM_STAGES):
+        rows = block * ROWS_PER_PROGRAM + tl.arange(0, ROWS_PER_PROGRAM)
+        cols = tl.arange(0, BLOCK_N)
+        row_mask, col_mask = rows < M, cols < N
+        mask = row_mask[:, None] & col_mask[None, :]
+        rows64 = rows.to(tl.int64)  # row * stride can pass 2**31
+        x_ptrs = x_ptr + rows64[:, None] * x_row_stride + cols[None, :]
+        x = tl.load(x_ptrs, mask=mask, other=0.0).to(tl.float32)
+        mean = tl.sum(x, axis=1) / N
+        centered = tl.where(mask, x - mean[:, None], 0.0)  # 0 on masked-off lanes
+        rstd = 1.0 / tl.sqrt(tl.sum(centered * centered, axis=1) / N + eps)
+        y = centered * rstd[:, None]
+        if HAS_WEIGHT:
+            y *= tl.load(weight_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
+        if HAS_BIAS:
+            y += tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
+        y_ptrs = y_ptr + rows64[:, None] * y_row_stride + cols[None, :]
+        tl.store(y_ptrs, y.to(y_ptr.dtype.element_ty), mask=mask)
+        tl.store(mean_ptr + rows, mean, mask=row_mask)
+        tl.store(rstd_ptr + rows, rstd, mask=row_mask)
 
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-FORWARD_MAX_BLOCK, FORWARD_LOOP_BLOCK = 32768, 4096  # longer rows are walked
+FORWARD_MAX_BLOCK, SPLIT_CHUNK_BYTES = 32768, 16 * 1024  # longer rows: split
 FORWARD_TILE, FORWARD_SHORT_TILE, FORWARD_SHORT_ROW = 8192, 4096, 2048
 FORWARD_PROGRAMS_PER_SM = 8
 FORWARD_STAGES, FORWARD_STAGE_BYTES = 2, 128 * 1024  # loads in flight, in shared memory
@@ -86,14 +57,18 @@ FORWARD_STAGES, FORWARD_STAGE_BYTES = 2, 128 * 1024  # loads in flight, in share
 def forward_config(n_cols, n_rows, block_size=None, itemsize=4) -> dict:
     max_block = block_size or FORWARD_MAX_BLOCK  # block_size: a cap, for tests
     block = triton.next_power_of_2(n_cols)
-    if block > max_block:
-        return dict(BLOCK_N=min(max_block, FORWARD_LOOP_BLOCK), ROWS_PER_PROGRAM=1,
-                    SINGLE_BLOCK=False, NUM_STAGES=1, num_warps=8)  # fmt: skip
+    if block > max_block:  # too long for a program: chunks of 16 KB, chapter 13
+        chunk = min(max_block, SPLIT_CHUNK_BYTES // itemsize)
+        return dict(SPLIT=True, BLOCK_N=chunk, num_warps=4)
+    row_bytes = block * itemsize
+    if block > FORWARD_SHORT_ROW and row_bytes != 32 * 1024:  # a row a program, no cap
+        return dict(SPLIT=False, BLOCK_N=block, ROWS_PER_PROGRAM=1, NUM_STAGES=1,
+                    num_warps=8 if row_bytes < 32 * 1024 else 32)  # fmt: skip
     tile = FORWARD_SHORT_TILE if block <= FORWARD_SHORT_ROW else FORWARD_TILE
     rows = max(1, min(tile // block, triton.next_power_of_2(n_rows)))
     per_stage = rows * block * itemsize
     stages = max(1, min(FORWARD_STAGES, FORWARD_STAGE_BYTES // per_stage))
-    return dict(BLOCK_N=block, ROWS_PER_PROGRAM=rows, SINGLE_BLOCK=True, NUM_STAGES=stages,
+    return dict(SPLIT=False, BLOCK_N=block, ROWS_PER_PROGRAM=rows, NUM_STAGES=stages,
                 num_warps=max(1, min(16, rows * block // 1024)),
                 programs=FORWARD_PROGRAMS_PER_SM * sm_count())  # fmt: skip
 
@@ -107,14 +82,19 @@ def layer_norm_forward(x2d, weight, bias, eps, block_size=None, config=None):
         return y, mean, rstd
     size = x2d.element_size()
     config = dict(config or forward_config(n_cols, n_rows, block_size, size))
-    if not config["SINGLE_BLOCK"] and config["ROWS_PER_PROGRAM"] != 1:
-        raise ValueError("the walking forward takes one row per program")
+    tensors = (x2d, y, x2d if weight is None else weight, x2d if bias is None else bias, mean,
+               rstd)  # fmt: skip
+    affine = dict(HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None)
+    strides = (x2d.stride(0), y.stride(0))
+    if config.pop("SPLIT"):
+        from stepkernels import long_rows  # chapter 13's kernels, built on this module
+
+        long_rows.split_forward(tensors, strides, affine, n_rows, n_cols, eps, config)
+        return y, mean, rstd
     grid = triton.cdiv(n_rows, config["ROWS_PER_PROGRAM"])
-    programs = config.pop("programs", 0)  # a cap on the grid
-    grid = min(grid, programs) if config["SINGLE_BLOCK"] and programs else grid
-    layer_norm_forward_kernel[(grid,)](x2d, y, x2d if weight is None else weight,
-        x2d if bias is None else bias, mean, rstd, x2d.stride(0), y.stride(0), n_rows, n_cols,
-        eps, HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None, **config)  # fmt: skip
+    grid = min(grid, config.pop("programs", None) or grid)  # a cap on the grid
+    layer_norm_forward_kernel[(grid,)](*tensors, *strides, n_rows, n_cols, eps, **affine,
+                                       **config)  # fmt: skip
     return y, mean, rstd
 
 
@@ -144,87 +124,34 @@ def flush_partials(partial_ptr, lock_ptr, dw, db, cols, col_mask, N, slot, lock_
 @triton.jit
 def layer_norm_backward_kernel(x_ptr, dy_ptr, dx_ptr, weight_ptr, mean_ptr, rstd_ptr,
         partial_ptr, lock_ptr, x_row_stride, dy_row_stride, dx_row_stride, M, N, num_locks,
-        BLOCK_N: tl.constexpr, ROWS_PER_PROGRAM: tl.constexpr, SINGLE_BLOCK: tl.constexpr,
-        HAS_WEIGHT: tl.constexpr, REDUCTION: tl.constexpr, GROUP_SIZE_M: tl.constexpr,
-        NUM_STAGES: tl.constexpr):  # fmt: skip
+        BLOCK_N: tl.constexpr, ROWS_PER_PROGRAM: tl.constexpr, HAS_WEIGHT: tl.constexpr,
+        REDUCTION: tl.constexpr, GROUP_SIZE_M: tl.constexpr, NUM_STAGES: tl.constexpr):  # fmt: skip
     program_id = tl.program_id(axis=0)
     first_row = program_id * ROWS_PER_PROGRAM
     slot = program_id % GROUP_SIZE_M if REDUCTION == "lock" else program_id
-    if SINGLE_BLOCK:
-        cols = tl.arange(0, BLOCK_N)
-        col_mask = cols < N
-        if HAS_WEIGHT:
-            w = tl.load(weight_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
-        dw, db = tl.zeros([BLOCK_N], tl.float32), tl.zeros([BLOCK_N], tl.float32)
-        # NUM_STAGES > 1: the next rows' loads are issued before this row's arithmetic
-        for i in tl.range(ROWS_PER_PROGRAM, num_stages=NUM_STAGES):
-            row = first_row + i
-            mask, row64 = cols < tl.where(row < M, N, 0), row.to(tl.int64)
-            x = tl.load(x_ptr + row64 * x_row_stride + cols, mask=mask, other=0.0)
-            dy = tl.load(dy_ptr + row64 * dy_row_stride + cols, mask=mask, other=0.0)
-            x, dy = x.to(tl.float32), dy.to(tl.float32)
-            safe_row = tl.minimum(row, M - 1)  # rows past M read row M - 1, add nothing
-            mean, rstd = tl.load(mean_ptr + safe_row), tl.load(rstd_ptr + safe_row)
-            x_hat, wdy = (x - mean) * rstd, w * dy if HAS_WEIGHT else dy
-            c1, c2 = tl.sum(x_hat * wdy, axis=0) / N, tl.sum(wdy, axis=0) / N
-            dx = (wdy - (x_hat * c1 + c2)) * rstd
-            dx_ptrs = dx_ptr + row64 * dx_row_stride + cols
-            tl.store(dx_ptrs, dx.to(dx_ptr.dtype.element_ty), mask=mask)
-            dw, db = dw + dy * x_hat, db + dy  # masked lanes: dy = 0
-        if REDUCTION != "none":
-            flush_partials(partial_ptr, lock_ptr, dw, db, cols, col_mask, N, slot, slot,
-                           num_locks, REDUCTION)  # fmt: skip
-    else:
-        # First walk: c1 and c2 of each of this program's rows.
-        row_ids = tl.arange(0, ROWS_PER_PROGRAM)
-        c1s = tl.zeros([ROWS_PER_PROGRAM], tl.float32)
-        c2s = tl.zeros([ROWS_PER_PROGRAM], tl.float32)
-        for i in range(ROWS_PER_PROGRAM):
-            row = first_row + i
-            row64, safe_row = row.to(tl.int64), tl.minimum(row, M - 1)
-            mean, rstd = tl.load(mean_ptr + safe_row), tl.load(rstd_ptr + safe_row)
-            sum_1 = tl.zeros([BLOCK_N], tl.float32)
-            sum_2 = tl.zeros([BLOCK_N], tl.float32)
-            for start in range(0, N, BLOCK_N):
-                cols = start + tl.arange(0, BLOCK_N)
-                mask = cols < tl.where(row < M, N, 0)
-                x = tl.load(x_ptr + row64 * x_row_stride + cols, mask=mask, other=0.0)
-                dy_ptrs = dy_ptr + row64 * dy_row_stride + cols
-                dy = tl.load(dy_ptrs, mask=mask, other=0.0)
-                x_hat, wdy = (x.to(tl.float32) - mean) * rstd, dy.to(tl.float32)
-                if HAS_WEIGHT:
-                    w = tl.load(weight_ptr + cols, mask=mask, other=0.0)
-                    wdy *= w.to(tl.float32)
-                sum_1, sum_2 = sum_1 + x_hat * wdy, sum_2 + wdy
-            c1s = tl.where(row_ids == i, tl.sum(sum_1, axis=0) / N, c1s)
-            c2s = tl.where(row_ids == i, tl.sum(sum_2, axis=0) / N, c2s)
-        # Second walk, block by block: dx, and this block's share of dW and dB.
-        for start in range(0, N, BLOCK_N):
-            cols = start + tl.arange(0, BLOCK_N)
-            col_mask = cols < N
-            if HAS_WEIGHT:
-                w = tl.load(weight_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
-            dw, db = tl.zeros([BLOCK_N], tl.float32), tl.zeros([BLOCK_N], tl.float32)
-            for i in range(ROWS_PER_PROGRAM):
-                row = first_row + i
-                mask = cols < tl.where(row < M, N, 0)
-                row64, safe_row = row.to(tl.int64), tl.minimum(row, M - 1)
-                mean, rstd = tl.load(mean_ptr + safe_row), tl.load(rstd_ptr + safe_row)
-                c1 = tl.sum(tl.where(row_ids == i, c1s, 0.0), axis=0)
-                c2 = tl.sum(tl.where(row_ids == i, c2s, 0.0), axis=0)
-                x = tl.load(x_ptr + row64 * x_row_stride + cols, mask=mask, other=0.0)
-                dy_ptrs = dy_ptr + row64 * dy_row_stride + cols
-                dy = tl.load(dy_ptrs, mask=mask, other=0.0)
-                x_hat, dy = (x.to(tl.float32) - mean) * rstd, dy.to(tl.float32)
-                wdy = w * dy if HAS_WEIGHT else dy
-                dx = (wdy - (x_hat * c1 + c2)) * rstd
-                dx_ptrs = dx_ptr + row64 * dx_row_stride + cols
-                tl.store(dx_ptrs, dx.to(dx_ptr.dtype.element_ty), mask=mask)
-                dw, db = dw + dy * x_hat, db + dy
-            if REDUCTION != "none":
-                lock_index = (start // BLOCK_N) * GROUP_SIZE_M + slot
-                flush_partials(partial_ptr, lock_ptr, dw, db, cols, col_mask, N, slot,
-                               lock_index, num_locks, REDUCTION)  # fmt: skip
+    cols = tl.arange(0, BLOCK_N)
+    col_mask = cols < N
+    if HAS_WEIGHT:
+        w = tl.load(weight_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
+    dw, db = tl.zeros([BLOCK_N], tl.float32), tl.zeros([BLOCK_N], tl.float32)
+    # NUM_STAGES > 1: the next rows' loads are issued before this row's arithmetic
+    for i in tl.range(ROWS_PER_PROGRAM, num_stages=NUM_STAGES):
+        row = first_row + i
+        mask, row64 = cols < tl.where(row < M, N, 0), row.to(tl.int64)
+        x = tl.load(x_ptr + row64 * x_row_stride + cols, mask=mask, other=0.0)
+        dy = tl.load(dy_ptr + row64 * dy_row_stride + cols, mask=mask, other=0.0)
+        x, dy = x.to(tl.float32), dy.to(tl.float32)
+        safe_row = tl.minimum(row, M - 1)  # rows past M read row M - 1, add nothing
+        mean, rstd = tl.load(mean_ptr + safe_row), tl.load(rstd_ptr + safe_row)
+        x_hat, wdy = (x - mean) * rstd, w * dy if HAS_WEIGHT else dy
+        c1, c2 = tl.sum(x_hat * wdy, axis=0) / N, tl.sum(wdy, axis=0) / N
+        dx = (wdy - (x_hat * c1 + c2)) * rstd
+        dx_ptrs = dx_ptr + row64 * dx_row_stride + cols
+        tl.store(dx_ptrs, dx.to(dx_ptr.dtype.element_ty), mask=mask)
+        dw, db = dw + dy * x_hat, db + dy  # masked lanes: dy = 0
+    if REDUCTION != "none":
+        flush_partials(partial_ptr, lock_ptr, dw, db, cols, col_mask, N, slot, slot,
+                       num_locks, REDUCTION)  # fmt: skip
 
 
 @lean
@@ -256,7 +183,7 @@ def sum_partials_kernel(partial_ptr, visits_ptr, dw_ptr, db_ptr, num_partials, N
 
 
 REDUCTIONS = ("two-stage", "lock")
-BACKWARD_MAX_BLOCK, BACKWARD_LOOP_BLOCK = 16384, 2048
+BACKWARD_MAX_BLOCK = 8192  # longer rows are split over programs
 BACKWARD_STAGES, BACKWARD_STAGE_BYTES = 3, 96 * 1024  # pipelined loads of x and dy
 GROUP_SIZE_M = 64
 
@@ -265,17 +192,24 @@ GROUP_SIZE_M = 64
 def backward_config(n_cols, n_rows, block_size=None, rows_per_program=None, itemsize=4):
     max_block = block_size or BACKWARD_MAX_BLOCK
     block = triton.next_power_of_2(n_cols)
-    single = block <= max_block
-    block = block if single else min(max_block, BACKWARD_LOOP_BLOCK)
+    if block > max_block:  # split (chapter 13): 4 rows of 1,024 columns at a time
+        chunk = min(
+            max_block, max(1024, triton.next_power_of_2(triton.cdiv(n_cols, 64)))
+        )
+        batch = max(1, min(4, 4096 // chunk, triton.next_power_of_2(n_rows)))
+        groups = 4 if INTERPRET else 32  # of up to 128 rows; CPU: few
+        rows = rows_per_program or triton.next_power_of_2(triton.cdiv(n_rows, groups))
+        rows = min(128, max(batch, rows))
+        return dict(SPLIT=True, BLOCK_N=chunk, ROWS_PER_PROGRAM=rows,
+                    BATCH=batch if rows % batch == 0 else 1, num_warps=4)  # fmt: skip
     if rows_per_program is None:
         programs = 4 if INTERPRET else max(1, 4096 // block) * sm_count()  # CPU: few
         wanted = triton.cdiv(n_rows, programs)
         rows_per_program = min(64, triton.next_power_of_2(wanted))
     per_stage = 2 * block * itemsize  # a row of x and one of dy
     stages = max(1, min(BACKWARD_STAGES, BACKWARD_STAGE_BYTES // per_stage))
-    return dict(BLOCK_N=block, ROWS_PER_PROGRAM=rows_per_program, SINGLE_BLOCK=single,
-                NUM_STAGES=stages if single else 1,  # only the one-block loop is pipelined
-                num_warps=max(4, min(16, block // 1024)))  # fmt: skip
+    return dict(SPLIT=False, BLOCK_N=block, ROWS_PER_PROGRAM=rows_per_program,
+                NUM_STAGES=stages, num_warps=max(4, min(16, block // 1024)))  # fmt: skip
 
 
 def layer_norm_backward(dy2d, x2d, weight, mean, rstd, want_dw=True, want_db=True,
@@ -290,8 +224,10 @@ def layer_norm_backward(dy2d, x2d, weight, mean, rstd, want_dw=True, want_db=Tru
     if n_rows == 0:  # sums over no rows
         return dx, *(None if grad is None else grad.zero_() for grad in (dw, db))
     size, per_program = x2d.element_size(), rows_per_program
-    config = config or backward_config(n_cols, n_rows, block_size, per_program, size)
-    n_programs = triton.cdiv(n_rows, config["ROWS_PER_PROGRAM"])
+    config = dict(
+        config or backward_config(n_cols, n_rows, block_size, per_program, size)
+    )
+    n_programs = triton.cdiv(n_rows, config["ROWS_PER_PROGRAM"])  # or groups of rows
     mode = reduction if (want_dw or want_db) else "none"
     group = group_size_m or GROUP_SIZE_M
     num_locks, locks, partials = 0, dx, dx  # "none": never touched
@@ -303,10 +239,19 @@ def layer_norm_backward(dy2d, x2d, weight, mean, rstd, want_dw=True, want_db=Tru
     elif mode == "two-stage":
         shape = (n_programs, 2, n_cols)
         partials = locks = torch.empty(shape, device=device, dtype=torch.float32)
-    layer_norm_backward_kernel[(n_programs,)](x2d, dy2d, dx, x2d if weight is None else weight,
-        mean, rstd, partials, locks, x2d.stride(0), dy2d.stride(0), dx.stride(0), n_rows,
-        n_cols, num_locks, HAS_WEIGHT=weight is not None, REDUCTION=mode, GROUP_SIZE_M=group,
-        **config)  # fmt: skip
+    tensors = (x2d, dy2d, dx, x2d if weight is None else weight, mean, rstd, partials,
+               locks)  # fmt: skip
+    strides = (x2d.stride(0), dy2d.stride(0), dx.stride(0))
+    options = dict(HAS_WEIGHT=weight is not None, REDUCTION=mode, GROUP_SIZE_M=group)
+    if config.pop("SPLIT"):
+        from stepkernels import long_rows  # chapter 13
+
+        long_rows.split_backward(
+            tensors, strides, options, n_rows, n_cols, num_locks, config
+        )
+    else:
+        layer_norm_backward_kernel[(n_programs,)](*tensors, *strides, n_rows, n_cols,
+                                                  num_locks, **options, **config)  # fmt: skip
     if mode != "none":  # narrow column blocks: two programs per SM whenever N allows
         block_n = triton.next_power_of_2(triton.cdiv(n_cols, 2 * sm_count()))
         block_n = min(128, max(16, block_n))
@@ -321,33 +266,6 @@ def rows_of(tensor, n_cols):
     """A 2-D view of ``tensor`` with contiguous rows; copies only when there is none."""
     rows = tensor.reshape(-1, n_cols)
     return rows.contiguous() if rows.stride(1) != 1 and n_cols > 1 else rows
-
-
-def check_arguments(x, normalized_shape, weight, bias, eps, reduction, block_size):
-    for name, tensor in (("x", x), ("weight", weight), ("bias", bias)):
-        if tensor is not None:
-            check_tensor(tensor, name, SUPPORTED_DTYPES)
-    shape = normalized_shape
-    shape = tuple(shape) if isinstance(shape, (tuple, list, torch.Size)) else (shape,)
-    if not all(isinstance(size, int) for size in shape):
-        raise TypeError(f"normalized_shape must be ints, got {normalized_shape!r}")
-    if not shape or len(shape) > x.dim() or x.shape[x.dim() - len(shape) :] != shape:
-        raise ValueError(f"normalized_shape {shape} must be the trailing dimensions of "
-                         f"x {tuple(x.shape)}: pass x.shape[-k:] for k dimensions")  # fmt: skip
-    if math.prod(shape) == 0:
-        raise ValueError("normalized_shape has a zero dimension: nothing to normalize")
-    for name, param in (("weight", weight), ("bias", bias)):
-        if param is not None and param.shape != shape:
-            raise ValueError(f"{name} must have normalized_shape {shape}")
-        if param is not None and param.dtype != x.dtype:
-            raise TypeError(f"{name} is {param.dtype} but x is {x.dtype}: convert it")
-    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps >= 0:
-        raise ValueError(f"eps must be a non-negative number, got {eps!r}")
-    if reduction not in REDUCTIONS:
-        raise ValueError(f"reduction {reduction!r} unknown: choose one of {REDUCTIONS}")
-    if block_size is not None and (block_size < 1 or block_size & (block_size - 1)):
-        raise ValueError(f"block_size must be a power of two, got {block_size}")
-    return shape
 
 
 class LayerNormFunction(torch.autograd.Function):
@@ -379,8 +297,8 @@ def layer_norm(x, normalized_shape, weight=None, bias=None, eps=1e-5, *,
         reduction="two-stage", block_size=None):  # fmt: skip
     """``torch.nn.functional.layer_norm`` in Triton. ``reduction``: "two-stage" (the same bits
     every run) or "lock"; ``block_size``: a power of two, the most of a row loaded at once."""
-    shape = check_arguments(x, normalized_shape, weight, bias, eps, reduction,
-                            block_size)  # fmt: skip
+    shape = layer_norm_arguments(x, normalized_shape, weight, bias, eps, reduction, block_size,
+                                 SUPPORTED_DTYPES, REDUCTIONS)  # fmt: skip
     args = (x, weight, bias, shape, float(eps), reduction, block_size)
     grads = any(t is not None and t.requires_grad for t in (x, weight, bias))
     if grads and torch.is_grad_enabled():

@@ -16,6 +16,10 @@ It prints the four fastest launches next to the chapter's default:
     python tools/experiments/layer_norm_launch_sweep.py [seconds] [--long]
 
 ``--long`` instead tries holding rows of 16,384 whole in the backward.
+
+It ran against the package as of commit de7a9f1, whose layer norm walked long rows (a
+``SINGLE_BLOCK`` switch in its configs); chapter 13 replaced those kernels, so to rerun it,
+check that commit out.
 """
 
 import itertools

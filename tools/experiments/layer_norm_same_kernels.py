@@ -10,6 +10,9 @@ value names (taken from variable names) and the order in which constants are hoi
 normalized away; anything else that differs, such as an operation moved or added, counts.
 
     python tools/experiments/layer_norm_same_kernels.py [commit]
+
+It answered that question up to commit de7a9f1; since then the kernels themselves changed (long
+rows split over programs, chapter 13) and were re-recorded, so there is no longer one to ask.
 """
 
 import ast

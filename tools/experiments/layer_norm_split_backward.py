@@ -11,7 +11,11 @@ second stage. If a sibling chunk never publishes (after MAX_POLLS tries) the pro
 row itself: slower, same answer. Under the interpreter, which runs programs one by one, every
 chunk but the last takes that path.
 
-    python tools/experiments/layer_norm_split_backward.py [--quick]
+    python tools/experiments/layer_norm_split_backward.py [--quick | --batched]
+
+``--batched`` times ``layer_norm_backward_batched_kernel`` instead: a program takes its group's
+rows R at a time (one publication and one wait per R rows) and, with PREFETCH, loads the next
+R rows before it waits.
 
 Under the interpreter it checks against torch.autograd; on a GPU it also times it over rows
 per group, chunk and warps, next to the package's backward and a copy of the same bytes.
@@ -114,6 +118,108 @@ def layer_norm_backward_split(dy, x, weight, mean, rstd, rows=16, chunk=4096, nu
     return dx, dw, db
 
 
+@triton.jit
+def load_batch(x_ptr, dy_ptr, rows, cols, row_ok, in_row, row_stride):
+    offsets = rows.to(tl.int64)[:, None] * row_stride + cols[None, :]
+    mask = row_ok[:, None] & in_row[None, :]
+    return tl.load(x_ptr + offsets, mask=mask, other=0.0), tl.load(dy_ptr + offsets, mask=mask, other=0.0)
+
+
+@triton.jit
+def layer_norm_backward_batched_kernel(
+    x_ptr, dy_ptr, dx_ptr, w_ptr, mean_ptr, rstd_ptr, sums_ptr, counter_ptr, partial_ptr,
+    n_rows, n_cols, n_chunks, row_stride, rows_per_group,
+    R: tl.constexpr, BLOCK_N: tl.constexpr, CHUNKS_POW2: tl.constexpr,
+    MAX_POLLS: tl.constexpr, PREFETCH: tl.constexpr,
+):  # fmt: skip
+    """The split backward over batches of R rows: one publication and one wait per batch, and
+    with PREFETCH the next batch's x and dy are loaded before the wait."""
+    group = tl.program_id(0) // n_chunks
+    chunk = tl.program_id(0) % n_chunks
+    cols = chunk * BLOCK_N + tl.arange(0, BLOCK_N)
+    in_row = cols < n_cols
+    w = tl.load(w_ptr + cols, mask=in_row, other=0.0).to(tl.float32)
+    dw, db = tl.zeros([BLOCK_N], tl.float32), tl.zeros([BLOCK_N], tl.float32)
+    first = group * rows_per_group
+    last = tl.minimum(first + rows_per_group, n_rows)
+    batch_rows = tl.arange(0, R)
+    chunks = tl.arange(0, CHUNKS_POW2)
+    x_next, dy_next = load_batch(x_ptr, dy_ptr, first + batch_rows, cols, first + batch_rows < last,
+                                 in_row, row_stride)  # fmt: skip
+    for start in range(first, last, R):
+        rows = start + batch_rows
+        row_ok = rows < last
+        if PREFETCH:
+            x, dy = x_next, dy_next
+        else:
+            x, dy = load_batch(x_ptr, dy_ptr, rows, cols, row_ok, in_row, row_stride)
+        x, dy = x.to(tl.float32), dy.to(tl.float32)
+        mean = tl.load(mean_ptr + rows, mask=row_ok, other=0.0)
+        rstd = tl.load(rstd_ptr + rows, mask=row_ok, other=0.0)
+        x_hat = (x - mean[:, None]) * rstd[:, None]
+        wdy = w[None, :] * dy
+        row_sums_ptr = sums_ptr + rows.to(tl.int64) * 2 * CHUNKS_POW2
+        tl.store(row_sums_ptr + chunk, tl.sum(x_hat * wdy, axis=1), mask=row_ok)
+        tl.store(row_sums_ptr + CHUNKS_POW2 + chunk, tl.sum(wdy, axis=1), mask=row_ok)
+        tl.debug_barrier()  # every thread of this program has stored
+        batch = start // R
+        tl.atomic_add(counter_ptr + batch, 1, sem="release")
+        if PREFETCH:  # issued before the wait: in flight while the siblings catch up
+            x_next, dy_next = load_batch(x_ptr, dy_ptr, rows + R, cols, rows + R < last, in_row,
+                                         row_stride)  # fmt: skip
+        published = tl.atomic_add(counter_ptr + batch, 0, sem="acquire")
+        polls = 0
+        while (published < n_chunks) & (polls < MAX_POLLS):
+            published = tl.atomic_add(counter_ptr + batch, 0, sem="acquire")
+            polls += 1
+        if published >= n_chunks:
+            present = row_ok[:, None] & (chunks < n_chunks)[None, :]
+            parts = row_sums_ptr[:, None] + chunks[None, :]
+            sum_1 = tl.sum(tl.load(parts, mask=present, other=0.0, volatile=True), axis=1)
+            sum_2 = tl.sum(tl.load(parts + CHUNKS_POW2, mask=present, other=0.0, volatile=True), axis=1)
+        else:  # the siblings are not running: walk each row ourselves
+            sum_1, sum_2 = tl.zeros([R], tl.float32), tl.zeros([R], tl.float32)
+            for i in tl.static_range(R):
+                row = tl.minimum(start + i, n_rows - 1)
+                row64 = row.to(tl.int64)
+                s1, s2 = row_sums(x_ptr + row64 * row_stride, dy_ptr + row64 * row_stride, w_ptr,
+                                  tl.load(mean_ptr + row), tl.load(rstd_ptr + row), n_cols, BLOCK_N)  # fmt: skip
+                sum_1, sum_2 = tl.where(batch_rows == i, s1, sum_1), tl.where(batch_rows == i, s2, sum_2)
+        dx = (wdy - (x_hat * (sum_1 / n_cols)[:, None] + (sum_2 / n_cols)[:, None])) * rstd[:, None]
+        offsets = rows.to(tl.int64)[:, None] * row_stride + cols[None, :]
+        tl.store(dx_ptr + offsets, dx.to(dx_ptr.dtype.element_ty), mask=row_ok[:, None] & in_row[None, :])
+        dw += tl.sum(dy * x_hat, axis=0)  # rows past the group: dy = 0
+        db += tl.sum(dy, axis=0)
+    partial = partial_ptr + group.to(tl.int64) * 2 * n_cols
+    tl.store(partial + cols, dw, mask=in_row)
+    tl.store(partial + n_cols + cols, db, mask=in_row)
+
+
+def layer_norm_backward_batched(dy, x, weight, mean, rstd, rows=64, batch=2, chunk=2048, num_warps=8,
+                                prefetch=True):  # fmt: skip
+    """The batched split backward; ``rows`` per group must be a multiple of ``batch``."""
+    n_rows, n_cols = x.shape
+    n_chunks = triton.cdiv(n_cols, chunk)
+    chunks_pow2 = triton.next_power_of_2(n_chunks)
+    n_groups = triton.cdiv(n_rows, rows)
+    sums = torch.empty(n_rows, 2, chunks_pow2, device=x.device)
+    counters = torch.zeros(triton.cdiv(n_rows, batch), device=x.device, dtype=torch.int32)
+    partials = torch.empty(n_groups, 2, n_cols, device=x.device)
+    dx = torch.empty_like(x)
+    dw, db = torch.empty_like(weight), torch.empty_like(weight)
+    layer_norm_backward_batched_kernel[(n_groups * n_chunks,)](
+        x, dy, dx, weight, mean, rstd, sums, counters, partials, n_rows, n_cols, n_chunks,
+        x.stride(0), rows, R=batch, BLOCK_N=chunk, CHUNKS_POW2=chunks_pow2, MAX_POLLS=MAX_POLLS,
+        PREFETCH=prefetch, num_warps=num_warps,
+    )  # fmt: skip
+    block_n = min(128, max(16, triton.next_power_of_2(triton.cdiv(n_cols, 2 * sm_count()))))
+    sum_partials_kernel[(triton.cdiv(n_cols, block_n),)](
+        partials, partials, dw, db, n_groups, n_cols, HAS_COUNTS=False, HAS_DW=True,
+        HAS_DB=True, BLOCK_P=32, BLOCK_N=block_n, num_warps=4,
+    )  # fmt: skip
+    return dx, dw, db
+
+
 def inputs(n_rows, n_cols, dtype, generator=None):
     x = torch.randn(n_rows, n_cols, generator=generator).to(DEVICE, dtype)
     w = (torch.rand(n_cols, generator=generator) + 0.5).to(DEVICE, dtype)
@@ -127,13 +233,19 @@ def check():
     generator = torch.Generator().manual_seed(0)
     for n_rows, n_cols, rows, chunk in [(5, 100, 2, 32), (3, 64, 4, 64), (7, 33, 3, 16)]:
         x, w, b, dy, mean, rstd = inputs(n_rows, n_cols, torch.float32, generator)
-        got = layer_norm_backward_split(dy, x, w, mean, rstd, rows=rows, chunk=chunk)
         leaves = [t.double().requires_grad_() for t in (x, w, b)]
         y = torch.nn.functional.layer_norm(leaves[0], (n_cols,), leaves[1], leaves[2], 1e-5)
         expected = torch.autograd.grad(y, leaves, dy.double())
-        for name, a, e in zip(("dx", "dw", "db"), got, expected, strict=True):
-            torch.testing.assert_close(a, e.float(), rtol=1e-4, atol=1e-4, msg=name)
-    print("split-row layer-norm backward matches torch.autograd (dx, dW, dB; fp32)")
+        for got in (
+            layer_norm_backward_split(dy, x, w, mean, rstd, rows=rows, chunk=chunk),
+            layer_norm_backward_batched(dy, x, w, mean, rstd, rows=2 * rows, batch=2, chunk=chunk),
+            layer_norm_backward_batched(
+                dy, x, w, mean, rstd, rows=4, batch=4, chunk=chunk, prefetch=False
+            ),  # fmt: skip
+        ):
+            for name, a, e in zip(("dx", "dw", "db"), got, expected, strict=True):
+                torch.testing.assert_close(a, e.float(), rtol=1e-4, atol=1e-4, msg=name)
+    print("split-row layer-norm backwards (per row, batched) match torch.autograd (fp32)")
 
 
 def sweep(dtype, n_cols, n_rows=4096, grid=((8, 16, 32), (2048, 4096, 8192), (4, 8))):
@@ -159,8 +271,46 @@ def sweep(dtype, n_cols, n_rows=4096, grid=((8, 16, 32), (2048, 4096, 8192), (4,
           f"{rates['package']:.0f} | {shown}", flush=True)  # fmt: skip
 
 
+BATCHED = (
+    (1, 4096, 8),
+    (2, 2048, 8),
+    (2, 4096, 8),
+    (2, 4096, 16),
+    (4, 1024, 4),
+    (4, 2048, 8),
+    (8, 1024, 8),
+)  # rows per batch, chunk, warps
+
+
+def sweep_batched(dtype, n_cols, n_rows=4096):
+    x, w, _, dy, mean, rstd = inputs(n_rows, n_cols, dtype)
+    nbytes = 3 * x.numel() * x.element_size()
+    calls = {"copy": bench.copy_of(nbytes), "package": lambda: layer_norm_backward(dy, x, w, mean, rstd)}
+    for (batch, chunk, warps), rows, prefetch in itertools.product(BATCHED, (32, 64, 128), (True, False)):
+        if chunk <= triton.next_power_of_2(n_cols):
+            name = f"{rows}r/{batch}b/{chunk}/{warps}w{' prefetch' if prefetch else ''}"
+            calls[name] = lambda k=(rows, batch, chunk, warps, prefetch): layer_norm_backward_batched(
+                dy, x, w, mean, rstd, *k
+            )
+    rates = {}
+    for name, fn in calls.items():
+        try:
+            rates[name] = bench.rate(nbytes, fn)
+        except Exception as error:
+            print(f"  {name}: {type(error).__name__} {str(error).splitlines()[0][:80]}")
+    best = sorted((r, n) for n, r in rates.items() if n not in ("copy", "package"))[::-1][:6]
+    shown = "  ".join(f"{n} {r:.0f}" for r, n in best)
+    print(f"{dtype_name(dtype):8} N={n_cols:6}: copy {rates['copy']:.0f} package "
+          f"{rates['package']:.0f} | {shown}", flush=True)  # fmt: skip
+
+
 if __name__ == "__main__":
     check()
+    if ON_GPU and "--batched" in sys.argv:
+        with bench.side_stream():
+            for dtype, n_cols in itertools.product((torch.float16, torch.float32), (4096, 16384, 65536)):
+                sweep_batched(dtype, n_cols)
+        sys.exit()
     if ON_GPU and "--quick" in sys.argv:  # a first look: fp16, two sizes, four launches
         for n_cols in (16384, 65536):
             sweep(torch.float16, n_cols, grid=((16,), (4096, 8192), (4, 8)))
