@@ -5,7 +5,7 @@ Long rows: a layer norm split over programs
 Chapter 03 holds a row of layer normalization in one program's registers: up to 32,768 values
 in the forward, 8,192 in the backward. Here longer rows are split over several programs that
 share their partial sums through memory, as chapter 02's split softmax does, so each value is
-read once. What you will learn:
+read from memory once. What you will learn:
 
 * why a long row cannot stay in one program, and what walking it instead costs;
 * merging per-chunk means and variances exactly (Chan's rule);
@@ -119,6 +119,8 @@ def layer_norm_forward_split_kernel(x_ptr, y_ptr, weight_ptr, bias_ptr, mean_ptr
     else:  # the row's other programs are not running
         mean, m2 = walked_statistics(x_row, N, BLOCK_N)
     rstd = 1.0 / tl.sqrt(m2 / N + eps)
+    # Read the chunk again: it comes from L2, and registers no longer hold it while we wait
+    x = tl.load(x_row + cols, mask=in_row, other=0.0).to(tl.float32)
     y = (x - mean) * rstd
     if HAS_WEIGHT:
         y *= tl.load(weight_ptr + cols, mask=in_row, other=0.0).to(tl.float32)
@@ -145,9 +147,14 @@ def split_forward(tensors, strides, affine, n_rows, n_cols, eps, config):
 
 
 # %%
-# Chapter 03's launch rule gives each program 16 KB of the row (8,192 fp16 values, 4,096 fp32)
-# and 4 warps: the best of chunks of 4,096 to 16,384 values and 4 to 16 warps in
-# ``tools/experiments/layer_norm_forward_variants.py``, whose log has the figures.
+# Why read the chunk twice? Held in registers across the wait, a chunk of 8,192 values took 168
+# registers a thread in fp16 (Nsight Compute), which left room for 3 programs of 4 warps an SM:
+# too few loads in flight, 67% of the memory's throughput. Read again after the wait, from L2
+# (it left memory microseconds before), the kernel takes 122 registers and ran 8 to 14% faster
+# in fp16 and up to 8% in fp32 (``experiments/layer_norm_forward_reload.log``). Memory still
+# sees each value once; L2 serves the second read. Chapter 03's launch rule gives each program
+# 8,192 values of a row and 4 warps, the best of 4,096 to 16,384 values and 4 to 16 warps
+# (``tools/experiments/layer_norm_forward_variants.py``).
 #
 # The backward: batches of rows, loads issued before the wait
 # -----------------------------------------------------------
@@ -340,26 +347,30 @@ if results is not None:
 
 # %%
 # Ours leads every peer measured at every N (Liger-Kernel refuses rows past 65,536, with an
-# error that names its block size). But the shares of a copy
-# printed above fall short of 90%, in fp16 by far. An fp16 value is half the bytes, so a kernel
+# error that names its block size). But the shares of a copy printed above are mostly short
+# of 90%, in fp16 by far. An fp16 value is half the bytes, so a kernel
 # bound by memory would handle twice as many a second as in fp32; ours handles fewer (printed),
-# as chapter 02's split softmax does: time goes to the work per value and to the waits. Which of
-# the two is an exercise below, and an open question for us (the results' ``NOTES.md``).
+# as chapter 02's split softmax does. Nsight Compute names one cause: registers. The backward
+# holds two batches of x and dy and its sums, 224 registers a thread in fp16, so only 2 programs
+# of 4 warps fit an SM, too few loads in flight (the results' ``NOTES.md``; exercise 2).
 #
 # What we learned
 # ---------------
 # * A row too long for one program is split; its programs exchange a few partial sums through
-#   memory, and each value of the row is read once.
+#   memory, and each value of the row leaves memory once (L2 can serve a second read).
 # * Means and variances of chunks merge exactly by Chan's rule, whatever their sizes.
 # * Programs that wait for each other need a bounded wait and a way out; the order in which a
 #   GPU starts programs makes the way out rare, but nothing promises it.
 # * A wait is cheap when something else is in flight: batch the rows, load the next batch first.
+# * What a program holds across a wait costs registers, and registers set how many programs
+#   share an SM: reading a chunk again from L2 can beat keeping it.
 #
 # Exercises
 # ---------
 # 1. Set ``MAX_POLLS`` to 1 (``stepkernels.softmax``) and time the forward at N = 65,536. How
 #    often does a program take the way out, and what does each time cost?
-# 2. In the backward, load the next batch after ``wait_for`` instead of before. What happens to
-#    the bandwidth, and why does the wait then cost more?
+# 2. The backward holds the next batch and the current one at once. Read the current one again
+#    after the wait instead, as the forward does, or take 2 rows a batch: how many registers
+#    (``kernel[grid](...).n_regs``), programs per SM and GB/s does each give, fp16 and fp32?
 # 3. The forward waits once per row. Give each program two rows (a 2-D tile, as the backward's
 #    batches): does one wait per two rows pay for the registers it takes?

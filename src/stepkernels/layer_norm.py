@@ -47,7 +47,7 @@ def layer_norm_forward_kernel(x_ptr, y_ptr, weight_ptr, bias_ptr, mean_ptr, rstd
 
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-FORWARD_MAX_BLOCK, SPLIT_CHUNK_BYTES = 32768, 16 * 1024  # longer rows: split
+FORWARD_MAX_BLOCK, SPLIT_CHUNK = 32768, 8192  # longer rows: split in chunks
 FORWARD_TILE, FORWARD_SHORT_TILE, FORWARD_SHORT_ROW = 8192, 4096, 2048
 FORWARD_PROGRAMS_PER_SM = 8
 FORWARD_STAGES, FORWARD_STAGE_BYTES = 2, 128 * 1024  # loads in flight, in shared memory
@@ -57,9 +57,8 @@ FORWARD_STAGES, FORWARD_STAGE_BYTES = 2, 128 * 1024  # loads in flight, in share
 def forward_config(n_cols, n_rows, block_size=None, itemsize=4) -> dict:
     max_block = block_size or FORWARD_MAX_BLOCK  # block_size: a cap, for tests
     block = triton.next_power_of_2(n_cols)
-    if block > max_block:  # too long for a program: chunks of 16 KB, chapter 13
-        chunk = min(max_block, SPLIT_CHUNK_BYTES // itemsize)
-        return dict(SPLIT=True, BLOCK_N=chunk, num_warps=4)
+    if block > max_block:  # too long for a program: split over several, chapter 13
+        return dict(SPLIT=True, BLOCK_N=min(max_block, SPLIT_CHUNK), num_warps=4)
     row_bytes = block * itemsize
     if block > FORWARD_SHORT_ROW and row_bytes != 32 * 1024:  # a row a program, no cap
         return dict(SPLIT=False, BLOCK_N=block, ROWS_PER_PROGRAM=1, NUM_STAGES=1,

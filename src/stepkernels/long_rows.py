@@ -60,6 +60,8 @@ def layer_norm_forward_split_kernel(x_ptr, y_ptr, weight_ptr, bias_ptr, mean_ptr
     else:  # the row's other programs are not running
         mean, m2 = walked_statistics(x_row, N, BLOCK_N)
     rstd = 1.0 / tl.sqrt(m2 / N + eps)
+    # Read the chunk again: it comes from L2, and registers no longer hold it while we wait
+    x = tl.load(x_row + cols, mask=in_row, other=0.0).to(tl.float32)
     y = (x - mean) * rstd
     if HAS_WEIGHT:
         y *= tl.load(weight_ptr + cols, mask=in_row, other=0.0).to(tl.float32)

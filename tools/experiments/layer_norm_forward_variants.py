@@ -12,14 +12,20 @@ past 32,768 twice (65% of a copy at 65,536). Two suspects, one at a time, at M =
   other chunks (``publish_and_wait``), merges the pairs by Chan's rule and writes its chunk of y
   from registers, so x is read once. If a sibling never publishes it walks the row itself.
 
-    python tools/experiments/layer_norm_forward_variants.py
+    python tools/experiments/layer_norm_forward_variants.py [--reload]
+
+``--reload`` times only the split forward at M x N = 2^26, holding its chunk in registers
+across the wait or reading it again (from L2) after it, which frees registers for more
+programs per SM (Nsight Compute: 168 registers a thread in fp16, 3 programs an SM).
 
 Under the interpreter it checks both kernels against torch; on a GPU it prints, per dtype and N,
 the best launches of each kernel next to the package's, torch.compile, Liger-Kernel (when
 installed) and a copy of the same bytes.
 """
 
+import functools
 import itertools
+import sys
 
 from stepkernels import _core, bench
 from stepkernels.layer_norm import layer_norm_forward
@@ -77,7 +83,8 @@ def walked_statistics(x_row, N, BLOCK_N: tl.constexpr):
 @triton.jit
 def split_kernel(x_ptr, y_ptr, w_ptr, b_ptr, mean_ptr, rstd_ptr, stats_ptr, counter_ptr, N,
         n_chunks, eps, BLOCK_N: tl.constexpr, CHUNKS_POW2: tl.constexpr,
-        MAX_POLLS: tl.constexpr, X_EVICT: tl.constexpr, W_EVICT: tl.constexpr):  # fmt: skip
+        MAX_POLLS: tl.constexpr, X_EVICT: tl.constexpr, W_EVICT: tl.constexpr,
+        RELOAD: tl.constexpr = False):  # fmt: skip
     row = (tl.program_id(0) // n_chunks).to(tl.int64)
     chunk = tl.program_id(0) % n_chunks
     cols = chunk * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -104,6 +111,8 @@ def split_kernel(x_ptr, y_ptr, w_ptr, b_ptr, mean_ptr, rstd_ptr, stats_ptr, coun
     rstd = 1.0 / tl.sqrt(m2 / N + eps)
     w = tl.load(w_ptr + cols, mask=in_row, other=0.0, eviction_policy=W_EVICT).to(tl.float32)
     b = tl.load(b_ptr + cols, mask=in_row, other=0.0, eviction_policy=W_EVICT).to(tl.float32)
+    if RELOAD:  # read the chunk again, from L2, rather than hold it across the wait
+        x = tl.load(x_row + cols, mask=in_row, other=0.0).to(tl.float32)
     y = (x - mean) * rstd * w + b
     tl.store(y_ptr + row * N + cols, y.to(y_ptr.dtype.element_ty), mask=in_row)
     if chunk == 0:
@@ -125,17 +134,35 @@ def forward_rows(x, w, b, rows=1, warps=8, programs=None, stages=1, hints="no hi
     return y, mean, rstd
 
 
-def forward_split(x, w, b, chunk=8192, warps=8, hints="no hints"):
+REGISTERS = {}  # launch name -> registers per thread, from the compiled kernel
+
+
+def forward_split(x, w, b, chunk=8192, warps=8, hints="no hints", reload=False):
     n_rows, n_cols = x.shape
     n_chunks = triton.cdiv(n_cols, chunk)
     chunks_pow2 = triton.next_power_of_2(n_chunks)
     y, mean, rstd = torch.empty_like(x), torch.empty(n_rows, device=x.device), torch.empty(n_rows, device=x.device)
     stats = torch.empty(n_rows, 2, chunks_pow2, device=x.device)
     counters = torch.zeros(n_rows, device=x.device, dtype=torch.int32)
-    split_kernel[(n_rows * n_chunks,)](x, y, w, b, mean, rstd, stats, counters, n_cols, n_chunks,
-        1e-5, BLOCK_N=chunk, CHUNKS_POW2=chunks_pow2, MAX_POLLS=MAX_POLLS,
-        X_EVICT=HINTS[hints][0], W_EVICT=HINTS[hints][1], num_warps=warps)  # fmt: skip
+    compiled = split_kernel[(n_rows * n_chunks,)](x, y, w, b, mean, rstd, stats, counters, n_cols,
+        n_chunks, 1e-5, BLOCK_N=chunk, CHUNKS_POW2=chunks_pow2, MAX_POLLS=MAX_POLLS,
+        X_EVICT=HINTS[hints][0], W_EVICT=HINTS[hints][1], RELOAD=reload, num_warps=warps)  # fmt: skip
+    REGISTERS[(x.dtype, chunk, warps, reload)] = getattr(compiled, "n_regs", None)
     return y, mean, rstd
+
+
+def reload_sweep():
+    """The split forward holding its chunk across the wait, or reading it again from L2."""
+    for dtype, n_cols in itertools.product((torch.float16, torch.float32), (65536, 262144)):
+        x = torch.randn(2**26 // n_cols, n_cols, device="cuda", dtype=dtype)
+        w, b = torch.rand(n_cols, device="cuda", dtype=dtype) + 0.5, torch.randn_like(x[0])
+        nbytes = 2 * x.numel() * x.element_size()
+        shown = [f"copy {bench.rate(nbytes, bench.copy_of(nbytes)):,.0f}"]
+        for chunk, warps, reload in itertools.product((4096, 8192), (4, 8), (False, True)):
+            rate = bench.rate(nbytes, functools.partial(forward_split, x, w, b, chunk, warps, reload=reload))
+            regs = REGISTERS.get((dtype, chunk, warps, reload))
+            shown.append(f"{chunk}/{warps}w{' reload' if reload else ''} {rate:,.0f} ({regs} regs)")
+        print(f"{_core.dtype_name(dtype)}, N = {n_cols:,}: " + "  ".join(shown), flush=True)
 
 
 def check():
@@ -145,7 +172,8 @@ def check():
         w = torch.rand(n_cols, generator=generator).to(_core.DEVICE)
         b = torch.randn(n_cols, generator=generator).to(_core.DEVICE)
         expected = torch.nn.functional.layer_norm(x.double(), (n_cols,), w.double(), b.double())
-        for got in (forward_rows(x, w, b, rows=2, hints="hints"), forward_split(x, w, b, chunk)):
+        for got in (forward_rows(x, w, b, rows=2, hints="hints"), forward_split(x, w, b, chunk),
+                    forward_split(x, w, b, chunk, reload=True)):  # fmt: skip
             torch.testing.assert_close(got[0], expected.float(), rtol=1e-4, atol=1e-4)
             torch.testing.assert_close(got[1], x.mean(1))
     print("one-block (with hints) and split forwards match torch (fp32, mean 100, spread 3)")
@@ -202,6 +230,8 @@ def main():
     except ImportError:
         liger = None
     with bench.side_stream():
+        if "--reload" in sys.argv:
+            return reload_sweep()
         for dtype, n_cols in itertools.product((torch.float16, torch.float32),
                                                (4096, 8192, 16384, 32768, 65536)):  # fmt: skip
             time_one_size(dtype, n_cols, liger)

@@ -21,6 +21,7 @@ Under the interpreter it checks against torch.autograd; on a GPU it also times i
 per group, chunk and warps, next to the package's backward and a copy of the same bytes.
 """
 
+import functools
 import itertools
 import sys
 
@@ -130,7 +131,7 @@ def layer_norm_backward_batched_kernel(
     x_ptr, dy_ptr, dx_ptr, w_ptr, mean_ptr, rstd_ptr, sums_ptr, counter_ptr, partial_ptr,
     n_rows, n_cols, n_chunks, row_stride, rows_per_group,
     R: tl.constexpr, BLOCK_N: tl.constexpr, CHUNKS_POW2: tl.constexpr,
-    MAX_POLLS: tl.constexpr, PREFETCH: tl.constexpr,
+    MAX_POLLS: tl.constexpr, PREFETCH: tl.constexpr, RELOAD: tl.constexpr = False,
 ):  # fmt: skip
     """The split backward over batches of R rows: one publication and one wait per batch, and
     with PREFETCH the next batch's x and dy are loaded before the wait."""
@@ -185,6 +186,10 @@ def layer_norm_backward_batched_kernel(
                 s1, s2 = row_sums(x_ptr + row64 * row_stride, dy_ptr + row64 * row_stride, w_ptr,
                                   tl.load(mean_ptr + row), tl.load(rstd_ptr + row), n_cols, BLOCK_N)  # fmt: skip
                 sum_1, sum_2 = tl.where(batch_rows == i, s1, sum_1), tl.where(batch_rows == i, s2, sum_2)
+        if RELOAD:  # read the batch again, from L2, rather than hold it across the wait
+            x, dy = load_batch(x_ptr, dy_ptr, rows, cols, row_ok, in_row, row_stride)
+            x, dy = x.to(tl.float32), dy.to(tl.float32)
+            x_hat, wdy = (x - mean[:, None]) * rstd[:, None], w[None, :] * dy
         dx = (wdy - (x_hat * (sum_1 / n_cols)[:, None] + (sum_2 / n_cols)[:, None])) * rstd[:, None]
         offsets = rows.to(tl.int64)[:, None] * row_stride + cols[None, :]
         tl.store(dx_ptr + offsets, dx.to(dx_ptr.dtype.element_ty), mask=row_ok[:, None] & in_row[None, :])
@@ -195,8 +200,11 @@ def layer_norm_backward_batched_kernel(
     tl.store(partial + n_cols + cols, db, mask=in_row)
 
 
+REGISTERS = {}  # launch -> registers per thread
+
+
 def layer_norm_backward_batched(dy, x, weight, mean, rstd, rows=64, batch=2, chunk=2048, num_warps=8,
-                                prefetch=True):  # fmt: skip
+                                prefetch=True, reload=False):  # fmt: skip
     """The batched split backward; ``rows`` per group must be a multiple of ``batch``."""
     n_rows, n_cols = x.shape
     n_chunks = triton.cdiv(n_cols, chunk)
@@ -207,11 +215,12 @@ def layer_norm_backward_batched(dy, x, weight, mean, rstd, rows=64, batch=2, chu
     partials = torch.empty(n_groups, 2, n_cols, device=x.device)
     dx = torch.empty_like(x)
     dw, db = torch.empty_like(weight), torch.empty_like(weight)
-    layer_norm_backward_batched_kernel[(n_groups * n_chunks,)](
+    compiled = layer_norm_backward_batched_kernel[(n_groups * n_chunks,)](
         x, dy, dx, weight, mean, rstd, sums, counters, partials, n_rows, n_cols, n_chunks,
         x.stride(0), rows, R=batch, BLOCK_N=chunk, CHUNKS_POW2=chunks_pow2, MAX_POLLS=MAX_POLLS,
-        PREFETCH=prefetch, num_warps=num_warps,
+        PREFETCH=prefetch, RELOAD=reload, num_warps=num_warps,
     )  # fmt: skip
+    REGISTERS[(x.dtype, batch, chunk, num_warps, prefetch, reload)] = getattr(compiled, "n_regs", None)
     block_n = min(128, max(16, triton.next_power_of_2(triton.cdiv(n_cols, 2 * sm_count()))))
     sum_partials_kernel[(triton.cdiv(n_cols, block_n),)](
         partials, partials, dw, db, n_groups, n_cols, HAS_COUNTS=False, HAS_DW=True,
@@ -242,6 +251,7 @@ def check():
             layer_norm_backward_batched(
                 dy, x, w, mean, rstd, rows=4, batch=4, chunk=chunk, prefetch=False
             ),  # fmt: skip
+            layer_norm_backward_batched(dy, x, w, mean, rstd, rows=4, batch=2, chunk=chunk, reload=True),
         ):
             for name, a, e in zip(("dx", "dw", "db"), got, expected, strict=True):
                 torch.testing.assert_close(a, e.float(), rtol=1e-4, atol=1e-4, msg=name)
@@ -304,8 +314,31 @@ def sweep_batched(dtype, n_cols, n_rows=4096):
           f"{rates['package']:.0f} | {shown}", flush=True)  # fmt: skip
 
 
+RELOAD_LAUNCHES = ((4, 1024, 4), (2, 1024, 4), (4, 1024, 8), (8, 1024, 8))  # batch, chunk, warps
+
+
+def sweep_reload(dtype, n_cols, n_rows=4096):
+    """Batches held across the wait, or read again from L2 after it (fewer registers)."""
+    x, w, _, dy, mean, rstd = inputs(n_rows, n_cols, dtype)
+    nbytes = 3 * x.numel() * x.element_size()
+    shown = [f"copy {bench.rate(nbytes, bench.copy_of(nbytes)):.0f}"]
+    for (batch, chunk, warps), reload in itertools.product(RELOAD_LAUNCHES, (False, True)):
+        call = functools.partial(
+            layer_norm_backward_batched, dy, x, w, mean, rstd, 128, batch, chunk, warps, True, reload
+        )
+        rate = bench.rate(nbytes, call)
+        regs = REGISTERS.get((x.dtype, batch, chunk, warps, True, reload))
+        shown.append(f"{batch}b/{chunk}/{warps}w{' reload' if reload else ''} {rate:.0f} ({regs} regs)")
+    print(f"{dtype_name(dtype):8} N={n_cols:6}: " + "  ".join(shown), flush=True)
+
+
 if __name__ == "__main__":
     check()
+    if ON_GPU and "--reload" in sys.argv:
+        with bench.side_stream():
+            for dtype, n_cols in itertools.product((torch.float16, torch.float32), (16384, 65536)):
+                sweep_reload(dtype, n_cols)
+        sys.exit()
     if ON_GPU and "--batched" in sys.argv:
         with bench.side_stream():
             for dtype, n_cols in itertools.product((torch.float16, torch.float32), (4096, 16384, 65536)):
