@@ -12,8 +12,10 @@ past 32,768 twice (65% of a copy at 65,536). Two suspects, one at a time, at M =
   other chunks (``publish_and_wait``), merges the pairs by Chan's rule and writes its chunk of y
   from registers, so x is read once. If a sibling never publishes it walks the row itself.
 
-    python tools/experiments/layer_norm_forward_variants.py [--reload]
+    python tools/experiments/layer_norm_forward_variants.py [--reload | --walked]
 
+``--walked`` times rows that fit one program read twice, as torch.compile's kernels do: a
+first walk loading ``evict_last`` (x stays in L2), a second loading ``evict_first``.
 ``--reload`` times only the split forward at M x N = 2^26, holding its chunk in registers
 across the wait or reading it again (from L2) after it, which frees registers for more
 programs per SM (Nsight Compute: 168 registers a thread in fp16, 3 programs an SM).
@@ -78,6 +80,68 @@ def walked_statistics(x_row, N, BLOCK_N: tl.constexpr):
         m2 = m2 + tl.sum(deviation * deviation, axis=0) + delta * delta * (count * block_count / total)
         count = total
     return mean, m2
+
+
+@triton.jit
+def walked_kernel(x_ptr, y_ptr, w_ptr, b_ptr, mean_ptr, rstd_ptr, N, eps, BLOCK_N: tl.constexpr,
+        FIRST: tl.constexpr, SECOND: tl.constexpr):  # fmt: skip
+    """A row a program, read twice: Chan's walk for the statistics, loading with ``FIRST``'s
+    eviction policy, then a walk writing y, loading with ``SECOND``'s (torch.compile's
+    kernels load evict_last, then evict_first: the second read comes from L2)."""
+    row = tl.program_id(0).to(tl.int64)
+    x_row, y_row = x_ptr + row * N, y_ptr + row * N
+    count, mean, m2 = 0.0, 0.0, 0.0
+    for start in range(0, N, BLOCK_N):
+        cols = start + tl.arange(0, BLOCK_N)
+        x = tl.load(x_row + cols, mask=cols < N, other=0.0, eviction_policy=FIRST).to(tl.float32)
+        block_count = tl.minimum(N - start, BLOCK_N).to(tl.float32)
+        block_mean = tl.sum(x, axis=0) / block_count
+        deviation = tl.where(cols < N, x - block_mean, 0.0)
+        total, delta = count + block_count, block_mean - mean
+        mean = mean + delta * (block_count / total)
+        m2 = m2 + tl.sum(deviation * deviation, axis=0) + delta * delta * count * block_count / total
+        count = total
+    rstd = 1.0 / tl.sqrt(m2 / N + eps)
+    for start in range(0, N, BLOCK_N):
+        cols = start + tl.arange(0, BLOCK_N)
+        mask = cols < N
+        x = tl.load(x_row + cols, mask=mask, other=0.0, eviction_policy=SECOND).to(tl.float32)
+        w = tl.load(w_ptr + cols, mask=mask, other=0.0, eviction_policy="evict_last").to(tl.float32)
+        b = tl.load(b_ptr + cols, mask=mask, other=0.0, eviction_policy="evict_last").to(tl.float32)
+        tl.store(y_row + cols, ((x - mean) * rstd * w + b).to(y_ptr.dtype.element_ty), mask=mask)
+    tl.store(mean_ptr + row, mean)
+    tl.store(rstd_ptr + row, rstd)
+
+
+def forward_walked(x, w, b, block=2048, warps=8, first="evict_last", second="evict_first"):
+    n_rows, n_cols = x.shape
+    y, mean, rstd = torch.empty_like(x), torch.empty(n_rows, device=x.device), torch.empty(n_rows, device=x.device)
+    walked_kernel[(n_rows,)](x, y, w, b, mean, rstd, n_cols, 1e-5, BLOCK_N=block, FIRST=first, SECOND=second,
+                             num_warps=warps)  # fmt: skip
+    return y, mean, rstd
+
+
+def walked_sweep():
+    """Rows that fit one program, read twice as torch.compile does, against ours (M = 4,096)."""
+    for dtype, n_cols in itertools.product((torch.float16, torch.float32), (4096, 8192, 16384, 32768)):
+        x = torch.randn(4096, n_cols, device="cuda", dtype=dtype)
+        w, b = torch.rand(n_cols, device="cuda", dtype=dtype) + 0.5, torch.randn_like(x[0])
+        nbytes = 2 * x.numel() * x.element_size()
+        compiled = bench.compile_static(torch.nn.functional.layer_norm)
+        rated = {"copy": bench.rate(nbytes, bench.copy_of(nbytes)),
+                 "torch.compile": bench.rate(nbytes, functools.partial(compiled, x, (n_cols,), w, b)),
+                 "package": bench.rate(nbytes, functools.partial(layer_norm_forward, x, w, b, 1e-5))}  # fmt: skip
+        for block, warps, hints in itertools.product((1024, 2048, 4096), (4, 8, 16), (True, False)):
+            if block <= n_cols and block // (32 * warps) >= 4:
+                policies = ("evict_last", "evict_first") if hints else ("", "")
+                call = functools.partial(forward_walked, x, w, b, block, warps, *policies)
+                rated[f"walked {block}/{warps}w{' hints' if hints else ''}"] = bench.rate(nbytes, call)
+        fixed = "  ".join(f"{n} {rated.pop(n):,.0f}" for n in ("copy", "torch.compile", "package"))
+        best = sorted(((r, n) for n, r in rated.items()), reverse=True)[:5]
+        print(
+            f"{_core.dtype_name(dtype)}, N = {n_cols:,}: {fixed} | " + "  ".join(f"{n} {r:,.0f}" for r, n in best),
+            flush=True,
+        )
 
 
 @triton.jit
@@ -173,10 +237,11 @@ def check():
         b = torch.randn(n_cols, generator=generator).to(_core.DEVICE)
         expected = torch.nn.functional.layer_norm(x.double(), (n_cols,), w.double(), b.double())
         for got in (forward_rows(x, w, b, rows=2, hints="hints"), forward_split(x, w, b, chunk),
+                    forward_walked(x, w, b, chunk), forward_walked(x, w, b, chunk, 4, "", ""),
                     forward_split(x, w, b, chunk, reload=True)):  # fmt: skip
             torch.testing.assert_close(got[0], expected.float(), rtol=1e-4, atol=1e-4)
             torch.testing.assert_close(got[1], x.mean(1))
-    print("one-block (with hints) and split forwards match torch (fp32, mean 100, spread 3)")
+    print("one-block (with hints), walked and split forwards match torch (fp32, mean 100, spread 3)")
 
 
 def launches(n_cols):
@@ -232,6 +297,8 @@ def main():
     with bench.side_stream():
         if "--reload" in sys.argv:
             return reload_sweep()
+        if "--walked" in sys.argv:
+            return walked_sweep()
         for dtype, n_cols in itertools.product((torch.float16, torch.float32),
                                                (4096, 8192, 16384, 32768, 65536)):  # fmt: skip
             time_one_size(dtype, n_cols, liger)
