@@ -276,7 +276,8 @@ def split_backward(tensors, strides, options, n_rows, n_cols, num_locks, config)
 # limits, or longer than ``block_size``, which caps them for tests: below, rows of 300 values
 # split into chunks of 64, one row, a row that ends inside a chunk, and strided rows. Under the
 # interpreter, which runs one program at a time, every chunk but a row's last takes the way out;
-# on a GPU they meet, and the GPU also runs rows of 40,000 and 70,000 values.
+# on a GPU they meet, and the GPU also runs rows of 40,000 and 70,000 values, in every dtype
+# (on the CPU fp32 only: ``tests/test_layer_norm.py`` checks the others there).
 
 keep = lambda t: t
 cases = [((7, 300), 1, keep, 64), ((1, 300), 1, keep, 64), ((5, 2, 65), 2, keep, 32),
@@ -284,7 +285,10 @@ cases = [((7, 300), 1, keep, 64), ((1, 300), 1, keep, 64), ((5, 2, 65), 2, keep,
 cases += bench.choose(
     gpu=[((64, 40000), 1, keep, None), ((9, 70000), 1, keep, None)], cpu=[]
 )
-check_layer_norm.check(layer_norm, cases)
+dtypes = bench.choose(
+    gpu=(torch.float16, torch.bfloat16, torch.float32), cpu=(torch.float32,)
+)
+check_layer_norm.check(layer_norm, cases, dtypes=dtypes)
 
 # %%
 # Benchmark
