@@ -1,9 +1,10 @@
 """A split-row layer-norm backward for long rows (issue 19's next step), checked and timed.
 
-Chapter 03's backward holds a whole row per program up to 16,384 columns (x, dy, and the dW,
-dB accumulators in registers: 58 to 63% of a copy at N = 16,384) and walks longer rows twice
-(47 to 57%). Here, as in chapter 02's split kernels, a row's columns are split into chunks:
-program (g, c) owns chunk c of the rows of group g. For each of its rows it loads its chunk of
+Written when chapter 03's backward held a whole row per program up to 16,384 columns (x, dy,
+and the dW, dB accumulators in registers: 58 to 63% of a copy at N = 16,384) and walked longer
+rows twice (47 to 57%); the batched kernel below became chapter 13's. Here, as in chapter 02's
+split kernels, a row's columns are split into chunks: program (g, c) owns chunk c of the rows
+of group g. For each of its rows it loads its chunk of
 x and dy once, publishes its part of the two row sums (of x_hat * w * dy and of w * dy) with
 ``publish_and_wait``, reads the row's totals, writes its chunk of dx, and adds the row to its
 chunk's dW and dB in registers; at the end the group's partial dW, dB go to the package's
@@ -11,11 +12,12 @@ second stage. If a sibling chunk never publishes (after MAX_POLLS tries) the pro
 row itself: slower, same answer. Under the interpreter, which runs programs one by one, every
 chunk but the last takes that path.
 
-    python tools/experiments/layer_norm_split_backward.py [--quick | --batched]
+    python tools/experiments/layer_norm_split_backward.py [--quick | --batched | --reload]
 
 ``--batched`` times ``layer_norm_backward_batched_kernel`` instead: a program takes its group's
 rows R at a time (one publication and one wait per R rows) and, with PREFETCH, loads the next
-R rows before it waits.
+R rows before it waits. ``--reload`` times the batched kernel holding its batch across the
+wait or, with RELOAD, reading it again from L2 after the wait (fewer registers).
 
 Under the interpreter it checks against torch.autograd; on a GPU it also times it over rows
 per group, chunk and warps, next to the package's backward and a copy of the same bytes.
