@@ -4,13 +4,12 @@ Written when chapter 03's backward held a whole row per program up to 16,384 col
 and the dW, dB accumulators in registers: 58 to 63% of a copy at N = 16,384) and walked longer
 rows twice (47 to 57%); the batched kernel below became chapter 13's. Here, as in chapter 02's
 split kernels, a row's columns are split into chunks: program (g, c) owns chunk c of the rows
-of group g. For each of its rows it loads its chunk of
-x and dy once, publishes its part of the two row sums (of x_hat * w * dy and of w * dy) with
-``publish_and_wait``, reads the row's totals, writes its chunk of dx, and adds the row to its
-chunk's dW and dB in registers; at the end the group's partial dW, dB go to the package's
-second stage. If a sibling chunk never publishes (after MAX_POLLS tries) the program walks the
-row itself: slower, same answer. Under the interpreter, which runs programs one by one, every
-chunk but the last takes that path.
+of group g. For each of its rows it loads its chunk of x and dy once, publishes its part of the
+two row sums (of x_hat * w * dy and of w * dy) with ``publish_and_wait``, reads the row's
+totals, writes its chunk of dx, and adds the row to its chunk's dW and dB in registers; at the
+end the group's partial dW, dB go to the package's second stage. If a sibling chunk never
+publishes (after MAX_POLLS tries) the program walks the row itself: slower, same answer. Under
+the interpreter, which runs programs one by one, every chunk but the last takes that path.
 
     python tools/experiments/layer_norm_split_backward.py [--quick | --batched | --reload]
 
