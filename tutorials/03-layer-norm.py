@@ -112,16 +112,16 @@ def forward_config(n_cols, n_rows, block_size=None, itemsize=4) -> dict:
     max_block = block_size or FORWARD_MAX_BLOCK  # block_size: a cap, for tests
     block = triton.next_power_of_2(n_cols)
     if block > max_block:  # too long for a program: split over several, chapter 13
-        return dict(SPLIT=True, BLOCK_N=min(max_block, SPLIT_CHUNK), num_warps=4)
+        return dict(BLOCK_N=min(max_block, SPLIT_CHUNK), num_warps=4)
     row_bytes = block * itemsize
     if block > FORWARD_SHORT_ROW and row_bytes != 32 * 1024:  # a row a program, no cap
-        return dict(SPLIT=False, BLOCK_N=block, ROWS_PER_PROGRAM=1, NUM_STAGES=1,
+        return dict(BLOCK_N=block, ROWS_PER_PROGRAM=1, NUM_STAGES=1,
                     num_warps=8 if row_bytes < 32 * 1024 else 32)  # fmt: skip
     tile = FORWARD_SHORT_TILE if block <= FORWARD_SHORT_ROW else FORWARD_TILE
     rows = max(1, min(tile // block, triton.next_power_of_2(n_rows)))
     per_stage = rows * block * itemsize
     stages = max(1, min(FORWARD_STAGES, FORWARD_STAGE_BYTES // per_stage))
-    return dict(SPLIT=False, BLOCK_N=block, ROWS_PER_PROGRAM=rows, NUM_STAGES=stages,
+    return dict(BLOCK_N=block, ROWS_PER_PROGRAM=rows, NUM_STAGES=stages,
                 num_warps=max(1, min(16, rows * block // 1024)),
                 programs=FORWARD_PROGRAMS_PER_SM * sm_count())  # fmt: skip
 
@@ -139,7 +139,7 @@ def layer_norm_forward(x2d, weight, bias, eps, block_size=None, config=None):
                rstd)  # fmt: skip
     affine = dict(HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None)
     strides = (x2d.stride(0), y.stride(0))
-    if config.pop("SPLIT"):
+    if config["BLOCK_N"] < triton.next_power_of_2(n_cols):  # a row in chunks: split
         from stepkernels import long_rows  # chapter 13's kernels, built on this module
 
         long_rows.split_forward(tensors, strides, affine, n_rows, n_cols, eps, config)
@@ -281,7 +281,7 @@ def backward_config(n_cols, n_rows, block_size=None, rows_per_program=None, item
         groups = 4 if INTERPRET else 32  # of up to 128 rows; CPU: few
         rows = rows_per_program or triton.next_power_of_2(triton.cdiv(n_rows, groups))
         rows = min(128, max(batch, rows))
-        return dict(SPLIT=True, BLOCK_N=chunk, ROWS_PER_PROGRAM=rows,
+        return dict(BLOCK_N=chunk, ROWS_PER_PROGRAM=rows,
                     BATCH=batch if rows % batch == 0 else 1, num_warps=4)  # fmt: skip
     if rows_per_program is None:
         programs = 4 if INTERPRET else max(1, 4096 // block) * sm_count()  # CPU: few
@@ -289,7 +289,7 @@ def backward_config(n_cols, n_rows, block_size=None, rows_per_program=None, item
         rows_per_program = min(64, triton.next_power_of_2(wanted))
     per_stage = 2 * block * itemsize  # a row of x and one of dy
     stages = max(1, min(BACKWARD_STAGES, BACKWARD_STAGE_BYTES // per_stage))
-    return dict(SPLIT=False, BLOCK_N=block, ROWS_PER_PROGRAM=rows_per_program,
+    return dict(BLOCK_N=block, ROWS_PER_PROGRAM=rows_per_program,
                 NUM_STAGES=stages, num_warps=max(4, min(16, block // 1024)))  # fmt: skip
 
 
@@ -305,9 +305,7 @@ def layer_norm_backward(dy2d, x2d, weight, mean, rstd, want_dw=True, want_db=Tru
     if n_rows == 0:  # sums over no rows
         return dx, *(None if grad is None else grad.zero_() for grad in (dw, db))
     size, per_program = x2d.element_size(), rows_per_program
-    config = dict(
-        config or backward_config(n_cols, n_rows, block_size, per_program, size)
-    )
+    config = config or backward_config(n_cols, n_rows, block_size, per_program, size)
     n_programs = triton.cdiv(n_rows, config["ROWS_PER_PROGRAM"])  # or groups of rows
     mode = reduction if (want_dw or want_db) else "none"
     group = group_size_m or GROUP_SIZE_M
@@ -324,7 +322,7 @@ def layer_norm_backward(dy2d, x2d, weight, mean, rstd, want_dw=True, want_db=Tru
                locks)  # fmt: skip
     strides = (x2d.stride(0), dy2d.stride(0), dx.stride(0))
     options = dict(HAS_WEIGHT=weight is not None, REDUCTION=mode, GROUP_SIZE_M=group)
-    if config.pop("SPLIT"):
+    if config["BLOCK_N"] < triton.next_power_of_2(n_cols):  # a row in chunks: split
         from stepkernels import long_rows  # chapter 13
 
         long_rows.split_backward(
