@@ -149,12 +149,12 @@ def split_forward(tensors, strides, affine, n_rows, n_cols, eps, config):
 # %%
 # Why read the chunk twice? Held in registers across the wait, a chunk of 8,192 values took 168
 # registers a thread in fp16 (Nsight Compute), which left room for 3 programs of 4 warps an SM:
-# too few loads in flight, 67% of the memory's throughput. Read again after the wait, from L2
-# (it left memory microseconds before), the kernel takes 122 registers and ran 8 to 14% faster
-# in fp16; in fp32, chunks of 8,192 read again beat chunks of 4,096 held by 4 to 8%
-# (``experiments/layer_norm_forward_reload.log``). Memory still sees each value once; L2
-# serves the second read. Chapter 03's launch rule gives each program
-# 8,192 values of a row and 4 warps, the best of 4,096 to 16,384 values and 4 to 16 warps
+# too few loads in flight, 67% of the memory's throughput. Read again after the wait, from L2 (it
+# left memory microseconds before), the kernel takes 122 registers and ran 8 to 14% faster in
+# fp16; in fp32, chunks of 8,192 read again beat chunks of 4,096 held by 4 to 8%
+# (``experiments/layer_norm_forward_reload.log``). Memory still sees each value once; L2 serves
+# the second read. Chapter 03's launch rule gives each program 8,192 values of a row and 4 warps,
+# the best of 4,096 to 16,384 values and 4 to 16 warps
 # (``tools/experiments/layer_norm_forward_variants.py``).
 #
 # The backward: batches of rows, loads issued before the wait
@@ -351,13 +351,13 @@ if results is not None:
           f"the best peer {best_peer:,.0f}")  # fmt: skip
 
 # %%
-# Ours leads every peer measured at every N (Liger-Kernel refuses rows past 65,536, with an
-# error that names its block size). But the shares of a copy printed above are mostly short
-# of 90%, in fp16 by far. An fp16 value is half the bytes, so a kernel
-# bound by memory would handle twice as many a second as in fp32; ours handles fewer (printed),
-# as chapter 02's split softmax does. Nsight Compute names one cause: registers. The backward
-# holds two batches of x and dy and its sums, 224 registers a thread in fp16, so only 2 programs
-# of 4 warps fit an SM, too few loads in flight (the results' ``NOTES.md``; exercise 2).
+# Ours leads every peer measured at every N (Liger-Kernel refuses rows past 65,536, with an error
+# that names its block size). But the shares of a copy printed above are mostly short of 90%, in
+# fp16 by far. An fp16 value is half the bytes, so a kernel bound by memory would handle twice as
+# many a second as in fp32; ours handles fewer (printed), as chapter 02's split softmax does.
+# Nsight Compute names one cause: registers. The backward holds two batches of x and dy and its
+# sums, 224 registers a thread in fp16, so only 2 programs of 4 warps fit an SM, too few loads in
+# flight (the results' ``NOTES.md``; exercise 2).
 #
 # What we learned
 # ---------------
