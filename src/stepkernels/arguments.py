@@ -1,4 +1,4 @@
-"""Argument checks of public functions whose chapters leave them out of the lesson.
+"""Argument checks of public functions whose chapters leave them out of the lesson (03, 06).
 
 Each raises with what to do instead; the chapter's function calls it before any kernel runs.
 """
@@ -36,3 +36,53 @@ def layer_norm_arguments(x, normalized_shape, weight, bias, eps, reduction, bloc
     if block_size is not None and (block_size < 1 or block_size & (block_size - 1)):
         raise ValueError(f"block_size must be a power of two, got {block_size}")
     return shape
+
+
+def dropout_p(p) -> float:
+    """Chapter 06: the probability of dropping, as a float in [0, 1]."""
+    if isinstance(p, bool) or not isinstance(p, (int, float)):
+        raise TypeError(f"p must be a Python float in [0, 1], got {type(p).__name__}")
+    if not 0.0 <= p <= 1.0:  # also refuses nan
+        raise ValueError(f"p is the probability of dropping: 0 <= p <= 1, got {p}")
+    return float(p)
+
+
+def dropout_seed(seed, x: torch.Tensor):
+    """Chapter 06: an int in [0, 2**63), or a one-element int64 tensor on x's device."""
+    if isinstance(seed, torch.Tensor):
+        if seed.dtype != torch.int64 or seed.numel() != 1 or seed.device != x.device:
+            raise ValueError(
+                f"pass a seed tensor of one int64 on x's device ({x.device}), not "
+                f"{seed.dtype} of shape {tuple(seed.shape)} on {seed.device}"
+            )
+        return seed  # its value unchecked: reading it would wait for the GPU
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise TypeError(
+            f"seed must be a Python int or a one-element int64 tensor, got "
+            f"{type(seed).__name__}: draw one with int(torch.randint(2**63 - 1, ()))"
+        )
+    if not 0 <= seed < 2**63:
+        raise ValueError(f"seed must lie in [0, 2**63), got {seed}")
+    return seed
+
+
+def dropout_input(x: torch.Tensor, max_elements: int, dtypes, name: str = "x") -> None:
+    """Chapter 06: a float tensor with fewer elements than its 32-bit counters cover."""
+    check_tensor(x, name, dtypes)
+    if x.numel() >= max_elements:
+        raise ValueError(
+            f"{name} has {x.numel():,} elements; the 32-bit counter covers fewer than "
+            f"2**{max_elements.bit_length() - 1}: split the tensor and give each part its "
+            "own seed"
+        )
+
+
+def dropout_bias(x: torch.Tensor, bias: torch.Tensor, dtypes) -> None:
+    """Chapter 06's fused layer: one bias value per feature, in x's dtype."""
+    check_tensor(bias, "bias", dtypes)
+    if x.dim() == 0 or bias.shape != x.shape[-1:] or bias.dtype != x.dtype:
+        raise ValueError(
+            f"bias must be 1-D with one value per feature (x.shape[-1]) and x's dtype: "
+            f"got x {tuple(x.shape)} {x.dtype}, bias {tuple(bias.shape)} {bias.dtype}; "
+            "reshape or convert the bias with .to(x.dtype)"
+        )

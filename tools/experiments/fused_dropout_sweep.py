@@ -10,8 +10,8 @@ kernel that this sweep led to; run today, "package" below is that kernel. On the
 * the package's fused forward (``stepkernels.dropout_bias_act``) for each activation, so that
   GELU's ``erf`` is separated from the rest;
 * a flat variant, tiled like plain dropout (one block of consecutive elements), which finds
-  each element's bias with ``offset % n_cols``. When n_cols is a multiple of 4 its Philox
-  counters are the package's (row * n_cols / 4 + column / 4 = offset / 4), so its output must
+  each element's bias with ``offset % n_cols``. When n_cols is a multiple of 8 its Philox
+  counters are the package's (row * n_cols / 8 + column / 8 = offset / 8), so its output must
   equal the package's bit for bit: ``check()``, which tests/test_dropout.py also runs;
 * plain seeded dropout, for the ceiling of the generator and the bytes;
 * plain seeded dropout at 2^24 elements over blocks and warps, next to a plain copy of the
@@ -22,8 +22,8 @@ kernel that this sweep led to; run today, "package" below is that kernel. On the
 
 from stepkernels import bench, dropout, dropout_bias_act
 from stepkernels._core import DEVICE, ON_GPU, dtype_name
-from stepkernels.activations import ACTIVATIONS, apply_activation
-from stepkernels.dropout import dropout_kernel, group_offsets, keep_mask, scale_for
+from stepkernels.activations import ACTIVATIONS
+from stepkernels.dropout import activate, dropout_kernel, keep_eight, scale_for
 import torch
 import triton
 import triton.language as tl
@@ -34,25 +34,26 @@ SEED = 1234
 
 @triton.jit(do_not_specialize=["seed"])
 def flat_bias_act_dropout_kernel(
-    x_ptr, bias_ptr, out_ptr, n_elements, n_cols, p, scale, seed,
+    x_ptr, bias_ptr, out_ptr, n_elements, n_cols, threshold, scale, seed,
     ACTIVATION: tl.constexpr, BLOCK_SIZE: tl.constexpr,
 ):  # fmt: skip
-    groups, offsets = group_offsets(BLOCK_SIZE)
+    groups = tl.program_id(0).to(tl.int64) * (BLOCK_SIZE // 8) + tl.arange(0, BLOCK_SIZE // 8)
+    offsets = groups[:, None] * 8 + tl.arange(0, 8)[None, :]  # groups of eight, as the package's
     in_bounds = offsets < n_elements
     bias = tl.load(bias_ptr + offsets % n_cols, mask=in_bounds).to(tl.float32)
     x = tl.load(x_ptr + offsets, mask=in_bounds).to(tl.float32)
-    activated = apply_activation(x + bias, ACTIVATION)
-    keep = keep_mask(seed, p, groups)
+    activated = activate(x + bias, ACTIVATION, False, out_ptr.dtype.element_ty)
+    keep = keep_eight(seed, threshold, groups)
     out = tl.where(keep, activated * scale, 0.0)
     tl.store(out_ptr + offsets, out.to(out_ptr.dtype.element_ty), mask=in_bounds)
 
 
 def flat_forward(x2d, bias, activation, block_size=4096, num_warps=8):
-    assert x2d.shape[1] % 4 == 0, "the flat numbering matches the package's when n_cols % 4 == 0"
+    assert x2d.shape[1] % 8 == 0, "the flat numbering matches the package's when n_cols % 8 == 0"
     out = torch.empty_like(x2d)
     grid = (triton.cdiv(x2d.numel(), block_size),)
     flat_bias_act_dropout_kernel[grid](
-        x2d, bias, out, x2d.numel(), x2d.shape[1], P, scale_for(P), SEED,
+        x2d, bias, out, x2d.numel(), x2d.shape[1], round(P * 2**16), scale_for(P), SEED,
         ACTIVATION=activation, BLOCK_SIZE=block_size, num_warps=num_warps,
     )  # fmt: skip
     return out
@@ -60,7 +61,7 @@ def flat_forward(x2d, bias, activation, block_size=4096, num_warps=8):
 
 def check():
     generator = torch.Generator().manual_seed(0)
-    for n_rows, n_cols in [(3, 8), (5, 4096 // bench.choose(gpu=1, cpu=16)), (7, 100)]:
+    for n_rows, n_cols in [(3, 8), (5, 4096 // bench.choose(gpu=1, cpu=16)), (7, 104)]:
         for dtype in (torch.float32, torch.float16):
             x = torch.randn(n_rows, n_cols, generator=generator).to(DEVICE, dtype)
             bias = torch.randn(n_cols, generator=generator).to(DEVICE, dtype)

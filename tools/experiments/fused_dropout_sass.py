@@ -1,0 +1,108 @@
+"""Instructions per element in the loop of chapter 06's fused kernels, counted without a GPU.
+
+Run from the repository root, on any machine with Triton's NVIDIA backend (its wheel carries
+``ptxas`` and ``nvdisasm``)::
+
+    TRITON_INTERPRET=0 PYTHONPATH=src python tools/experiments/fused_dropout_sass.py
+
+Each kernel is compiled for sm_90 (H100), 1,024 columns a program and 4 warps, so that a thread
+holds 8 elements of a row per iteration; the script disassembles it and counts the SASS
+instructions of the row loop (from the label its closing branch jumps back to), divided by 8.
+IMAD (integer multiply-add) issues at half the rate of FFMA on Hopper, so its count is shown
+apart; MUFU is the special-function unit (``rsqrt``, ``exp2``). The kernels: the package's
+forward and backward with GELU, and ``fused_dropout_cheaper.mixed_kernel`` with the mask of
+four draws a call and libdevice's ``erf`` (the kernels before), and each half of the change.
+"""
+
+import collections
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.dirname(__file__))  # fused_dropout_cheaper, beside this script
+os.environ.setdefault("TRITON_INTERPRET", "0")  # compiled, not interpreted
+
+import fused_dropout_cheaper  # noqa: E402
+from stepkernels.dropout import bias_act_dropout_backward_kernel, bias_act_dropout_kernel  # noqa: E402
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+ELEMENTS_PER_THREAD = 8  # 1,024 columns / (4 warps x 32 threads)
+
+
+def jit_function(kernel):
+    while not isinstance(kernel, triton.runtime.JITFunction):
+        kernel = getattr(kernel, "kernel", None) or kernel.fn
+    return kernel
+
+
+def loop_counts(kernel, signature: dict, constants: dict, aligned: tuple) -> collections.Counter:
+    attrs = {(i,): [["tt.divisibility", 16]] for i in aligned}
+    source = ASTSource(jit_function(kernel), signature, constants, attrs)
+    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+    folder = tempfile.mkdtemp()
+    cubin = os.path.join(folder, "kernel.cubin")
+    with open(cubin, "wb") as f:
+        f.write(compiled.asm["cubin"])
+    nvdisasm = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/nvdisasm")
+    lines = subprocess.run([nvdisasm, "-c", cubin], capture_output=True, text=True,
+                           check=True).stdout.splitlines()  # fmt: skip
+    labels = {m.group(1): i for i, line in enumerate(lines)
+              if (m := re.match(r"^(\.L_x_\d+):", line))}  # fmt: skip
+    for end, line in enumerate(lines):
+        jump = re.search(r"BRA `\((\.L_x_\d+)\)", line)
+        if jump and labels.get(jump.group(1), end) < end:  # a branch back: the loop
+            break
+    counts = collections.Counter()
+    for line in lines[labels[jump.group(1)] : end + 1]:
+        op = re.search(r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]+)", line)
+        if op:
+            counts[op.group(1)] += 1
+    return counts
+
+
+def show(name: str, counts: collections.Counter) -> None:
+    per = {op: counts[op] / ELEMENTS_PER_THREAD for op in ("IMAD", "MUFU")}
+    total = sum(counts.values()) / ELEMENTS_PER_THREAD
+    print(f"  {name:44s} {total:5.1f} per element (IMAD {per['IMAD']:.1f}, "
+          f"MUFU {per['MUFU']:.1f})")  # fmt: skip
+
+
+def main() -> None:
+    common = {"n_rows": "i32", "n_cols": "i32", "rows_per_program": "i32"}
+    for dtype in ("fp16", "fp32"):
+        print(f"{dtype}, GELU, p = 0.1, NUM_STAGES 3:")
+        ptr = f"*{dtype}"
+        forward = {"x_ptr": ptr, "bias_ptr": ptr, "out_ptr": ptr, **common,
+                   "threshold": "i32", "scale": "fp32", "seed": "i64"}  # fmt: skip
+        backward = {"grad_out_ptr": ptr, "x_ptr": ptr, "bias_ptr": ptr, "grad_in_ptr": ptr,
+                    "bias_partial_ptr": "*fp32", **common, "threshold": "i32",
+                    "scale": "fp32", "seed": "i64"}  # fmt: skip
+        launch = {"ACTIVATION": "gelu", "BLOCK_COLS": 1024, "NUM_STAGES": 3}
+        for signature in (forward, backward):
+            signature.update(dict.fromkeys(launch, "constexpr"))
+        show("package forward", loop_counts(
+            bias_act_dropout_kernel, forward, launch, (0, 1, 2, 4)))  # fmt: skip
+        show("package backward", loop_counts(
+            bias_act_dropout_backward_kernel, backward, launch, (0, 1, 2, 3, 4, 6)))  # fmt: skip
+        mixed = {"grad_out_ptr": ptr, "x_ptr": ptr, "bias_ptr": ptr, "out_ptr": ptr, **common,
+                 "p": "fp32", "threshold": "i32", "scale": "fp32", "seed": "i64"}  # fmt: skip
+        for name, mask, cheap, back in (
+            ("before: 4 draws a call, libdevice erf", 4, 0, False),
+            ("8 draws a call, libdevice erf", 8, 0, False),
+            ("4 draws a call, GELU from erfc", 4, 1, False),
+            ("backward before (no db)", 4, 0, True),
+            ("backward, 8 draws a call, libdevice erf (no db)", 8, 0, True),
+        ):
+            constants = {"ACTIVATION": "gelu", "MASK": mask, "CHEAP": cheap, "BACKWARD": back,
+                         "BLOCK_COLS": 1024, "NUM_STAGES": 3}  # fmt: skip
+            signature = {**mixed, **dict.fromkeys(constants, "constexpr")}
+            kernel = fused_dropout_cheaper.mixed_kernel
+            show(name, loop_counts(kernel, signature, constants, (0, 1, 2, 3, 5)))
+
+
+if __name__ == "__main__":
+    main()
