@@ -30,12 +30,13 @@ if not torch.cuda.is_available() and "TRITON_INTERPRET" not in os.environ:
 # The public functions (their modules are written from the chapters by tools/export.py).
 from stepkernels.attention import attention  # noqa: E402
 from stepkernels.cross_entropy import cross_entropy  # noqa: E402
-from stepkernels.dropout import Dropout, DropoutBiasAct, dropout, dropout_bias_act  # noqa: E402
+from stepkernels.dropout import Dropout, dropout, dropout_bias_act  # noqa: E402
 from stepkernels.gpt import GPT  # noqa: E402
 from stepkernels.layer_norm import LayerNorm, layer_norm  # noqa: E402
 from stepkernels.linear import FusedLinear, linear  # noqa: E402
 from stepkernels.linear_cross_entropy import linear_cross_entropy  # noqa: E402
 from stepkernels.matmul import matmul  # noqa: E402
+from stepkernels.modules import DropoutBiasAct  # noqa: E402
 from stepkernels.softmax import log_softmax, softmax  # noqa: E402
 from stepkernels.vector_add import add  # noqa: E402
 

@@ -121,9 +121,24 @@ class Dropout(torch.nn.Module):
 
 
 @triton.jit
+def philox(seed, counters):
+    """Philox-4x32-10, the bits of ``tl.randint4x``, each round's two 32 x 32-bit products
+    taken whole in 64 bits: one multiply gives both halves, where ``umulhi`` takes another."""
+    seed = seed.to(tl.uint64)  # an int32 seed shifted by 32 would be undefined
+    k0, k1 = seed.to(tl.uint32), (seed >> 32).to(tl.uint32)
+    c0, c1, c2, c3 = counters, counters * 0, counters * 0, counters * 0
+    for _ in tl.static_range(10):
+        a, b = c0.to(tl.uint64) * 0xD2511F53, c2.to(tl.uint64) * 0xCD9E8D57
+        c0, c1 = (b >> 32).to(tl.uint32) ^ c1 ^ k0, b.to(tl.uint32)
+        c2, c3 = (a >> 32).to(tl.uint32) ^ c3 ^ k1, a.to(tl.uint32)
+        k0, k1 = k0 + 0x9E3779B9, k1 + 0xBB67AE85
+    return c0, c1, c2, c3
+
+
+@triton.jit
 def keep_eight(seed, threshold, groups):
     """Keep [G, 8]: a Philox call a group gives 4 words, each 2 draws of 16 bits (low first)."""
-    r0, r1, r2, r3 = tl.randint4x(seed, groups.to(tl.uint32))
+    r0, r1, r2, r3 = philox(seed, groups.to(tl.uint32))
     words = tl.reshape(tl.join(tl.join(r0, r2), tl.join(r1, r3)), (groups.shape[0], 4))
     draws = tl.reshape(tl.join(words & 0xFFFF, words >> 16), (groups.shape[0], 8))
     return draws.to(tl.int32) >= threshold
@@ -228,17 +243,21 @@ def bias_act_dropout_backward_kernel(
     tl.store(bias_partial_ptr + partial_row + cols, bias_sum, mask=cols_in)
 
 
-FUSED_BLOCK_COLS = 1024  # the launch rule: at most this many columns per program,
-FUSED_PROGRAMS_PER_SM = 8  # and strips long enough for about this many programs per SM
-FUSED_OPTIONS = {"NUM_STAGES": 3, "num_warps": 4}  # fused_dropout_cheaper.log
+FUSED_COLS = {False: 2048, True: 1024}  # most columns a program: forward, backward
+FUSED_OPTIONS = {False: {"NUM_STAGES": 1, "num_warps": 4},  # fused_dropout_cheaper.log
+                 True: {"NUM_STAGES": 3, "num_warps": 4}}  # fmt: skip
+BACKWARD_PROGRAMS_PER_SM = 8  # the backward's strips: long enough for about this many
 
 
-def fused_launch(n_rows: int, n_cols: int) -> tuple[int, int, tuple[int, int]]:
-    """(BLOCK_COLS, rows per program, grid) for a non-empty n_rows x n_cols input."""
-    block_cols = min(FUSED_BLOCK_COLS, max(8, triton.next_power_of_2(n_cols)))
+def fused_launch(n_rows: int, n_cols: int, backward: bool) -> tuple[int, int, tuple]:
+    """(BLOCK_COLS, rows per program, grid) for a non-empty input: a forward program takes a
+    row block (more rows if they are short), a backward program a strip of rows, for db."""
+    block_cols = min(FUSED_COLS[backward], max(8, triton.next_power_of_2(n_cols)))
     col_blocks = triton.cdiv(n_cols, block_cols)
-    wanted = triton.cdiv(FUSED_PROGRAMS_PER_SM * _core.sm_count(), col_blocks)
-    rows_per_program = triton.cdiv(n_rows, min(n_rows, wanted))
+    rows_per_program = FUSED_COLS[backward] // block_cols
+    if backward:
+        wanted = triton.cdiv(BACKWARD_PROGRAMS_PER_SM * _core.sm_count(), col_blocks)
+        rows_per_program = triton.cdiv(n_rows, min(n_rows, wanted))
     row_blocks = triton.cdiv(n_rows, rows_per_program)
     return block_cols, rows_per_program, (row_blocks, col_blocks)
 
@@ -248,10 +267,10 @@ def bias_act_dropout(x, bias, p, activation, seed):
     x2d = x.view(math.prod(x.shape[:-1]), x.shape[-1])
     out = torch.empty_like(x2d)
     if x2d.numel():  # an empty input launches nothing
-        block_cols, rows_per_program, grid = fused_launch(*x2d.shape)
+        block_cols, rows_per_program, grid = fused_launch(*x2d.shape, backward=False)
         bias_act_dropout_kernel[grid](
             x2d, bias, out, *x2d.shape, rows_per_program, round(p * 2**16), scale_for(p), seed,
-            ACTIVATION=activation, BLOCK_COLS=block_cols, **FUSED_OPTIONS,
+            ACTIVATION=activation, BLOCK_COLS=block_cols, **FUSED_OPTIONS[False],
         )  # fmt: skip
     return out.view(x.shape)
 
@@ -276,12 +295,12 @@ class BiasActDropout(torch.autograd.Function):
         if not grad_out.numel():  # no rows, or no features: nothing to launch
             return torch.empty_like(grad_out), torch.zeros_like(bias), None, None, None
         grad_in = torch.empty_like(grad_2d)
-        block_cols, rows_per_program, grid = fused_launch(*ctx.shape2d)
+        block_cols, rows_per_program, grid = fused_launch(*ctx.shape2d, backward=True)
         partial = torch.empty(grid[0], ctx.shape2d[1], device=grad_2d.device)
         bias_act_dropout_backward_kernel[grid](
             grad_2d, x2d, bias, grad_in, partial, *ctx.shape2d, rows_per_program,
             round(ctx.p * 2**16), scale_for(ctx.p), ctx.seed,
-            ACTIVATION=ctx.activation, BLOCK_COLS=block_cols, **FUSED_OPTIONS,
+            ACTIVATION=ctx.activation, BLOCK_COLS=block_cols, **FUSED_OPTIONS[True],
         )  # fmt: skip
         grad_bias = partial.sum(0).to(bias.dtype)
         return grad_in.view(grad_out.shape), grad_bias, None, None, None
@@ -299,24 +318,3 @@ def dropout_bias_act(x, bias, p: float, activation, seed, training: bool = True)
     if torch.is_grad_enabled() and (x.requires_grad or bias.requires_grad):
         return BiasActDropout.apply(x, bias, p, activation, seed)
     return bias_act_dropout(x, bias, p, activation, seed)  # nothing for autograd
-
-
-class DropoutBiasAct(torch.nn.Module):
-    """``dropout(act(x + bias))`` with a learned bias of ``features`` values, fused; the bias
-    is created on ``device`` (default: where the kernels run) in ``dtype``."""
-
-    def __init__(self, features, p=0.1, activation="gelu", device=None, dtype=None):
-        super().__init__()
-        activations.check_activation(activation)
-        self.p, self.activation = dropout_p(p), activation
-        zeros = torch.zeros(features, device=device or _core.DEVICE, dtype=dtype)
-        self.bias = torch.nn.Parameter(zeros)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        seed = _core.fresh_seed() if self.training else 0
-        bias = self.bias.to(x.dtype)
-        return dropout_bias_act(x, bias, self.p, self.activation, seed, self.training)
-
-    def extra_repr(self) -> str:
-        features, activation = self.bias.numel(), self.activation
-        return f"features={features}, p={self.p}, activation={activation!r}"

@@ -86,7 +86,7 @@ VARIANTS = {  # name: (RNG, GELU, elements per row of the tile)
 
 def launch(x, bias, rng, gelu, lanes=4, p=0.1, seed=1234, warps=4):
     out = torch.empty_like(x)
-    block_cols, rows_per_program, grid = fused_launch(*x.shape)
+    block_cols, rows_per_program, grid = fused_launch(*x.shape, backward=True)  # strips
     variant_kernel[grid](x, bias, out, *x.shape, rows_per_program, p, round(p * 2**16),
                          1 / (1 - p), seed, RNG=rng, GELU=gelu, BLOCK_COLS=block_cols,
                          LANES=lanes, num_warps=warps)  # fmt: skip

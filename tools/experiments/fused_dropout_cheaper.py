@@ -3,6 +3,7 @@
 Run on a GPU from the repository root (``PYTHONPATH=src``)::
 
     python tools/experiments/fused_dropout_cheaper.py
+    python tools/experiments/fused_dropout_cheaper.py --one-row   # the forward, a program a row
 
 ``fused_dropout_arithmetic.py`` found the fp16 layer bound by arithmetic per element: the
 generator (one Philox call per four elements, compared as floats) and GELU's ``erf`` from
@@ -24,6 +25,7 @@ mask equals plain dropout's) and that the variants match the package where they 
 """
 
 import math
+import sys
 
 from stepkernels import _core, activations, bench
 from stepkernels.dropout import (
@@ -110,7 +112,7 @@ def mixed_kernel(grad_out_ptr, x_ptr, bias_ptr, out_ptr, n_rows, n_cols, rows_pe
 
 def mixed(x, bias, mask, cheap, grad_out=None, activation="gelu", stages=2, warps=4):
     out = torch.empty_like(x)
-    block_cols, rows_per_program, grid = fused_launch(*x.shape)
+    block_cols, rows_per_program, grid = fused_launch(*x.shape, backward=True)  # strips
     mixed_kernel[grid](grad_out if grad_out is not None else x, x, bias, out, *x.shape,
                        rows_per_program, P, round(P * 2**16), scale_for(P), SEED,
                        ACTIVATION=activation, MASK=mask, CHEAP=cheap,
@@ -126,9 +128,11 @@ def launch_rule(n_rows, n_cols, block_cols, programs_per_sm=8):
     return rows_per_program, (triton.cdiv(n_rows, rows_per_program), col_blocks)
 
 
-def package_forward(x, bias, block_cols=1024, stages=2, warps=4):
+def package_forward(x, bias, block_cols=1024, stages=2, warps=4, one_row=False):
     out = torch.empty_like(x)
     rows_per_program, grid = launch_rule(*x.shape, block_cols)
+    if one_row:  # a program per row and column block: the loop runs once
+        rows_per_program, grid = 1, (x.shape[0], grid[1])
     bias_act_dropout_kernel[grid](x, bias, out, *x.shape, rows_per_program, round(P * 2**16),
                                   scale_for(P), SEED, ACTIVATION="gelu",
                                   BLOCK_COLS=block_cols, NUM_STAGES=stages,
@@ -160,6 +164,8 @@ def check():
             torch.testing.assert_close(mixed(x, bias, mask, True), new, rtol=0, atol=0)
         torch.testing.assert_close(mixed(x, bias, 8, False), new, **tol)
         torch.testing.assert_close(package_forward(x, bias, 64, 1, 2), new, rtol=0, atol=0)
+        one_row = package_forward(x, bias, 64, 1, 2, one_row=True)
+        torch.testing.assert_close(one_row, new, rtol=0, atol=0)
         want_back = package_backward(grad, x, bias)
         torch.testing.assert_close(mixed(x, bias, 8, True, grad), want_back, **tol)
         # before: the old mask is plain dropout's, applied to the old GELU
@@ -235,7 +241,27 @@ def sweep(dtype, n_rows=16384, n_cols=4096, variants=True):
             print(f"  {what:48s} {gbs:6,.0f} GB/s ({gbs / copy:4.0%})", flush=True)
 
 
-if __name__ == "__main__":
+def one_row_sweep(dtype, n_rows, n_cols=4096):
+    """``--one-row``: the forward with a program per row and column block, no strip to walk."""
+    x = torch.randn(n_rows, n_cols, device="cuda", dtype=dtype)
+    bias = torch.randn(n_cols, device="cuda", dtype=dtype)
+    nbytes = 2 * x.numel() * x.element_size()
+    copy = bench.rate(nbytes, bench.copy_of(nbytes))
+    line = f"{_core.dtype_name(dtype)}, {n_rows} x {n_cols}, forward: copy {copy:,.0f}"
+    package = bench.rate(nbytes, lambda: package_forward(x, bias, 1024, 3, 4))
+    line += f" | strips 1024/3/4w {package:,.0f} ({package / copy:.0%}) | one row:"
+    for cols, warps in ((1024, 4), (2048, 4), (2048, 8), (4096, 8), (4096, 16)):
+        gbs = bench.rate(nbytes, lambda c=cols, w=warps: package_forward(x, bias, c, 1, w, True))
+        line += f"  {cols}/{warps}w {gbs:,.0f} ({gbs / copy:.0%})"
+    print(line, flush=True)
+
+
+if __name__ == "__main__" and "--one-row" in sys.argv:
+    with bench.side_stream():
+        for n_rows in (4096, 16384, 65536):
+            for dtype in (torch.float16, torch.float32):
+                one_row_sweep(dtype, n_rows)
+elif __name__ == "__main__":
     check()
     if _core.ON_GPU:
         gelu_error()

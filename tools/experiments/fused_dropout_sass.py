@@ -5,13 +5,16 @@ Run from the repository root, on any machine with Triton's NVIDIA backend (its w
 
     TRITON_INTERPRET=0 PYTHONPATH=src python tools/experiments/fused_dropout_sass.py
 
-Each kernel is compiled for sm_90 (H100), 1,024 columns a program and 4 warps, so that a thread
-holds 8 elements of a row per iteration; the script disassembles it and counts the SASS
-instructions of the row loop (from the label its closing branch jumps back to), divided by 8.
+Each kernel is compiled for sm_90 (H100) with 4 warps, the package's with its own launch
+(forward 2,048 columns, 1 stage: 16 elements a thread; backward 1,024 columns, 3 stages: 8),
+the variants with 1,024 columns and 3 stages; the script disassembles it and counts the SASS
+instructions of the row loop (from the label its closing branch jumps back to), divided by the
+elements a thread holds.
 IMAD (integer multiply-add) issues at half the rate of FFMA on Hopper, so its count is shown
 apart; MUFU is the special-function unit (``rsqrt``, ``exp2``). The kernels: the package's
-forward and backward with GELU, and ``fused_dropout_cheaper.mixed_kernel`` with the mask of
-four draws a call and libdevice's ``erf`` (the kernels before), and each half of the change.
+forward and backward with GELU; its forward with ``tl.randint4x`` instead of its own Philox
+(``fused_dropout_philox``); and ``fused_dropout_cheaper.mixed_kernel`` with the mask of four
+draws a call and libdevice's ``erf`` (the kernels before), and each half of that change.
 """
 
 import collections
@@ -25,12 +28,18 @@ sys.path.insert(0, os.path.dirname(__file__))  # fused_dropout_cheaper, beside t
 os.environ.setdefault("TRITON_INTERPRET", "0")  # compiled, not interpreted
 
 import fused_dropout_cheaper  # noqa: E402
-from stepkernels.dropout import bias_act_dropout_backward_kernel, bias_act_dropout_kernel  # noqa: E402
+import fused_dropout_philox  # noqa: E402
+from stepkernels.dropout import (  # noqa: E402
+    FUSED_COLS,
+    FUSED_OPTIONS,
+    bias_act_dropout_backward_kernel,
+    bias_act_dropout_kernel,
+)
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-ELEMENTS_PER_THREAD = 8  # 1,024 columns / (4 warps x 32 threads)
+THREADS = 4 * 32  # 4 warps
 
 
 def jit_function(kernel):
@@ -39,7 +48,7 @@ def jit_function(kernel):
     return kernel
 
 
-def loop_counts(kernel, signature: dict, constants: dict, aligned: tuple) -> collections.Counter:
+def loop_counts(kernel, signature: dict, constants: dict, aligned: tuple) -> tuple:
     attrs = {(i,): [["tt.divisibility", 16]] for i in aligned}
     source = ASTSource(jit_function(kernel), signature, constants, attrs)
     compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
@@ -61,12 +70,13 @@ def loop_counts(kernel, signature: dict, constants: dict, aligned: tuple) -> col
         op = re.search(r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]+)", line)
         if op:
             counts[op.group(1)] += 1
-    return counts
+    return counts, constants["BLOCK_COLS"] // THREADS
 
 
-def show(name: str, counts: collections.Counter) -> None:
-    per = {op: counts[op] / ELEMENTS_PER_THREAD for op in ("IMAD", "MUFU")}
-    total = sum(counts.values()) / ELEMENTS_PER_THREAD
+def show(name: str, counted: tuple) -> None:
+    counts, elements = counted
+    per = {op: counts[op] / elements for op in ("IMAD", "MUFU")}
+    total = sum(counts.values()) / elements
     print(f"  {name:44s} {total:5.1f} per element (IMAD {per['IMAD']:.1f}, "
           f"MUFU {per['MUFU']:.1f})")  # fmt: skip
 
@@ -74,20 +84,27 @@ def show(name: str, counts: collections.Counter) -> None:
 def main() -> None:
     common = {"n_rows": "i32", "n_cols": "i32", "rows_per_program": "i32"}
     for dtype in ("fp16", "fp32"):
-        print(f"{dtype}, GELU, p = 0.1, NUM_STAGES 3:")
+        print(f"{dtype}, GELU, p = 0.1:")
         ptr = f"*{dtype}"
         forward = {"x_ptr": ptr, "bias_ptr": ptr, "out_ptr": ptr, **common,
                    "threshold": "i32", "scale": "fp32", "seed": "i64"}  # fmt: skip
         backward = {"grad_out_ptr": ptr, "x_ptr": ptr, "bias_ptr": ptr, "grad_in_ptr": ptr,
                     "bias_partial_ptr": "*fp32", **common, "threshold": "i32",
                     "scale": "fp32", "seed": "i64"}  # fmt: skip
-        launch = {"ACTIVATION": "gelu", "BLOCK_COLS": 1024, "NUM_STAGES": 3}
-        for signature in (forward, backward):
+        for backwards, signature, kernel, aligned in (
+            (False, forward, bias_act_dropout_kernel, (0, 1, 2, 4)),
+            (True, backward, bias_act_dropout_backward_kernel, (0, 1, 2, 3, 4, 6)),
+        ):
+            launch = {"ACTIVATION": "gelu", "BLOCK_COLS": FUSED_COLS[backwards],
+                      "NUM_STAGES": FUSED_OPTIONS[backwards]["NUM_STAGES"]}  # fmt: skip
             signature.update(dict.fromkeys(launch, "constexpr"))
-        show("package forward", loop_counts(
-            bias_act_dropout_kernel, forward, launch, (0, 1, 2, 4)))  # fmt: skip
-        show("package backward", loop_counts(
-            bias_act_dropout_backward_kernel, backward, launch, (0, 1, 2, 3, 4, 6)))  # fmt: skip
+            name = f"package {'backward' if backwards else 'forward'}"
+            show(name, loop_counts(kernel, signature, launch, aligned))
+        philox = {"OURS": 0, "BLOCK_COLS": FUSED_COLS[False], "NUM_STAGES": 1}
+        signature = {**forward, **dict.fromkeys(philox, "constexpr")}
+        del signature["ACTIVATION"]
+        kernel = fused_dropout_philox.forward_kernel
+        show("forward, tl.randint4x's Philox", loop_counts(kernel, signature, philox, (0, 1, 2, 4)))
         mixed = {"grad_out_ptr": ptr, "x_ptr": ptr, "bias_ptr": ptr, "out_ptr": ptr, **common,
                  "p": "fp32", "threshold": "i32", "scale": "fp32", "seed": "i64"}  # fmt: skip
         for name, mask, cheap, back in (
