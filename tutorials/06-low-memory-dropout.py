@@ -259,10 +259,10 @@ tutorial.show_refusals("dropout()", {
 #   16-bit draws, kept if >= round(p * 2^16) (p to 2^-17); counter row * ceil(n_cols/8) + col // 8.
 # * **Whole products in Philox.** Each round takes the high and low halves of two 32 x 32-bit
 #   products; multiplied in 64 bits, one instruction gives both. Same bits as ``tl.randint4x``.
-# * **GELU from erfc**: z Phi(z) = max(z, 0) - |z| Phi(-|z|), Phi(-|z|) = erfc(|z| / sqrt 2) / 2,
-#   erfc(a) = t exp(-a^2 + P(t)), t = 1 / (1 + a / 2), ``rsqrt`` squared for t and ``exp2``: one
-#   MUFU instruction each, no branches. P of degree 9 (Numerical Recipes) keeps a relative error of
-#   1e-7 for fp32; 16-bit outputs take our fit of degree 5.
+# * **GELU from erfc**: with a = abs(z), z Phi(z) = max(z, 0) - a Phi(-a) and 2 Phi(-a) =
+#   erfc(a / sqrt 2); erfc(u) = t exp(-u^2 + P(t)), t = 1 / (1 + u / 2), ``rsqrt`` squared for t
+#   and ``exp2`` for exp: one MUFU instruction each, no branches. P of degree 9 (Numerical Recipes)
+#   keeps a relative error of 1e-7 for fp32; 16-bit outputs take our fit of degree 5.
 
 
 # @save dropout

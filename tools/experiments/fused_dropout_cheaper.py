@@ -4,6 +4,7 @@ Run on a GPU from the repository root (``PYTHONPATH=src``)::
 
     python tools/experiments/fused_dropout_cheaper.py
     python tools/experiments/fused_dropout_cheaper.py --one-row   # the forward, a program a row
+    python tools/experiments/fused_dropout_cheaper.py --backward  # the backward's launches
 
 ``fused_dropout_arithmetic.py`` found the fp16 layer bound by arithmetic per element: the
 generator (one Philox call per four elements, compared as floats) and GELU's ``erf`` from
@@ -140,16 +141,17 @@ def package_forward(x, bias, block_cols=1024, stages=2, warps=4, one_row=False):
     return out
 
 
-def package_backward(grad_out, x, bias, block_cols=1024, stages=2, warps=4):
+def package_backward(grad_out, x, bias, block_cols=1024, stages=2, warps=4, per_sm=8,
+                     db=False):  # fmt: skip
     grad_in = torch.empty_like(x)
-    rows_per_program, grid = launch_rule(*x.shape, block_cols)
+    rows_per_program, grid = launch_rule(*x.shape, block_cols, per_sm)
     partial = torch.empty(grid[0], x.shape[1], device=x.device)
     bias_act_dropout_backward_kernel[grid](
         grad_out, x, bias, grad_in, partial, *x.shape, rows_per_program, round(P * 2**16),
         scale_for(P), SEED, ACTIVATION="gelu", BLOCK_COLS=block_cols, NUM_STAGES=stages,
         num_warps=warps,
     )  # fmt: skip
-    return grad_in
+    return (grad_in, partial.sum(0).to(bias.dtype)) if db else grad_in
 
 
 def check():
@@ -256,7 +258,30 @@ def one_row_sweep(dtype, n_rows, n_cols=4096):
     print(line, flush=True)
 
 
-if __name__ == "__main__" and "--one-row" in sys.argv:
+def backward_sweep(dtype, n_rows, n_cols=4096):
+    """``--backward``: the backward and db's sum, as the layer runs them, over launches."""
+    x = torch.randn(n_rows, n_cols, device="cuda", dtype=dtype)
+    bias = torch.randn(n_cols, device="cuda", dtype=dtype)
+    grad = torch.randn_like(x)
+    nbytes = 3 * x.numel() * x.element_size()
+    copy = bench.rate(nbytes, bench.copy_of(nbytes))
+    print(f"{_core.dtype_name(dtype)}, {n_rows} x {n_cols}, backward + db: copy {copy:,.0f}")
+    for per_sm in (8, 16):
+        line = f"  {per_sm:2d} programs an SM:"
+        for cols, stages, warps in ((1024, 3, 4), (1024, 2, 4), (1024, 4, 4), (2048, 3, 8),
+                                    (2048, 2, 8), (2048, 3, 4), (512, 3, 2)):  # fmt: skip
+            gbs = bench.rate(nbytes, lambda c=cols, s=stages, w=warps, m=per_sm:
+                             package_backward(grad, x, bias, c, s, w, m, True))  # fmt: skip
+            line += f"  {cols}/{stages}/{warps}w {gbs:,.0f} ({gbs / copy:.0%})"
+        print(line, flush=True)
+
+
+if __name__ == "__main__" and "--backward" in sys.argv:
+    with bench.side_stream():
+        for n_rows in (4096, 16384, 32768, 65536):
+            for dtype in (torch.float16, torch.float32):
+                backward_sweep(dtype, n_rows)
+elif __name__ == "__main__" and "--one-row" in sys.argv:
     with bench.side_stream():
         for n_rows in (4096, 16384, 65536):
             for dtype in (torch.float16, torch.float32):
