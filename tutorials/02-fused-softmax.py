@@ -332,9 +332,9 @@ class Launch:
 def default_launch(n_cols: int, backward: bool = False) -> Launch:
     block_n = max(16, triton.next_power_of_2(n_cols))
     if block_n > MAX_FUSED_BLOCK and not backward:
-        return Launch("split", *SPLIT_FORWARD)
+        return Launch("split", SPLIT_FORWARD[0], num_warps=SPLIT_FORWARD[1])
     if block_n > MAX_FUSED_BLOCK_BACKWARD and backward:
-        return Launch("split", *SPLIT_BACKWARD)
+        return Launch("split", SPLIT_BACKWARD[0], num_warps=SPLIT_BACKWARD[1])
     rows = max(1, TILE_ELEMENTS // block_n)
     num_warps = min(32, max(4, rows * block_n // ELEMENTS_PER_WARP))
     return Launch("fused", block_n, rows, num_warps)
