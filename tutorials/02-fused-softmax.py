@@ -103,10 +103,9 @@ def softmax_kernel(
 # raises the maximum to m', rescale: s' = s exp(m - m') + sum exp(x - m'). (While the row
 # has shown only -inf we shift by 0, since exp(-inf - (-inf)) is NaN.)
 #
-# A looped kernel would then read the row again to write exp(x - m) / s: 3 M N of traffic,
-# not 2 M N (``tools/experiments/softmax_long_rows.py`` has one, walking the second pass
-# backwards to catch the chunks still in L2, and times it). The online pass itself is
-# still needed, for the split kernel below.
+# A looped kernel would then read the row again to write exp(x - m) / s: 3 M N of traffic, not
+# 2 M N (``tools/experiments/softmax_long_rows.py`` has one and times it). The online pass is
+# still needed: it is the split kernel's way out.
 
 # @save softmax
 
@@ -136,9 +135,11 @@ def online_max_and_sum(x_row, n_cols, BLOCK_N: tl.constexpr, NUM_STAGES: tl.cons
 # %%
 # Reading a long row once: split it across programs
 # -------------------------------------------------
-# To read x once, we give each row to several programs, one chunk each, held in registers. Each
-# reduces its chunk to a pair (maximum m_c, sum s_c of exp(x - m_c)) and publishes it; once its
-# row's pairs are all there, each combines them into m = max m_c and S = sum s_c exp(m_c - m).
+# To read x once from memory, we give each row to several programs, one chunk each. Each reduces
+# its chunk to a pair (maximum m_c, sum s_c of exp(x - m_c)) and publishes it; once its row's
+# pairs are all there, each combines them into m = max m_c and S = sum s_c exp(m_c - m), then
+# reads its chunk again from L2 (loaded ``evict_last``) to write y: held in registers through
+# the wait, the chunk would keep other programs, and their loads, off the SM.
 #
 # Publishing: store the pair; ``tl.debug_barrier()``, so that every thread has stored; then
 # ``tl.atomic_add`` on the row's counter with ``sem="release"``, which orders the stores
@@ -176,6 +177,11 @@ def wait_for(counter_ptr, row, n_chunks, MAX_POLLS: tl.constexpr):
     return published >= n_chunks
 
 
+@triton.jit
+def load_f32(ptrs, mask, other, HINT: tl.constexpr):  # HINT: the L2 eviction policy
+    return tl.load(ptrs, mask=mask, other=other, eviction_policy=HINT).to(tl.float32)
+
+
 @lean
 @triton.jit
 def softmax_split_kernel(
@@ -188,11 +194,10 @@ def softmax_split_kernel(
     cols = chunk * BLOCK_N + tl.arange(0, BLOCK_N)
     in_row = cols < n_cols
     x_row = x_ptr + row * x_row_stride
-    x = tl.load(x_row + cols, mask=in_row, other=-float("inf")).to(tl.float32)
+    x = load_f32(x_row + cols, in_row, -float("inf"), "evict_last")
     chunk_max = tl.max(x, axis=0)
     chunk_shift = tl.where(chunk_max == -float("inf"), 0.0, chunk_max)
-    numerator = tl.exp(x - chunk_shift)  # kept: y needs only a factor per chunk
-    chunk_sum = tl.sum(numerator, axis=0)
+    chunk_sum = tl.sum(tl.exp(x - chunk_shift), axis=0)
     # stats holds, per row, CHUNKS_POW2 maxima and then CHUNKS_POW2 sums.
     row_stats = stats_ptr + row * 2 * CHUNKS_POW2
     tl.store(row_stats + chunk, chunk_max)
@@ -212,10 +217,11 @@ def softmax_split_kernel(
     else:  # the siblings are not running: read the row ourselves, online
         row_max, row_sum = online_max_and_sum(x_row, n_cols, BLOCK_N, 1)
         row_shift = tl.where(row_max == -float("inf"), 0.0, row_max)
+    x = load_f32(x_row + cols, in_row, -float("inf"), "evict_first")  # again, from L2
     if LOG:
         y = (x - row_max) - tl.log(row_sum)
-    else:  # exp(x - row_shift) / row_sum, without a second exp and a division per value
-        y = numerator * (tl.exp(chunk_shift - row_shift) / row_sum)
+    else:
+        y = tl.exp(x - row_shift) * (1.0 / row_sum)
     y_row = y_ptr + row * y_row_stride
     tl.store(y_row + cols, y.to(y_ptr.dtype.element_ty), mask=in_row)
 
@@ -227,9 +233,9 @@ def softmax_split_kernel(
 # collapses to one dot product per row: dx = y * (dy - sum(dy * y)). For log-softmax,
 # dy_i/dx_j = delta_ij - softmax(x)_j gives dx = dy - exp(y) * sum(dy). Both are a row reduction
 # and an elementwise step on the saved *output* y and dy: 3 M N elements of traffic. A fused
-# kernel takes rows of up to half the forward's block (it holds two tensors); longer rows are
-# split as in the forward: each program publishes its chunk's part of the sum, waits for the
-# row's, and writes its chunk of dx, so y and dy are read once.
+# kernel takes rows of up to half the forward's block (it holds two tensors); longer rows split
+# as in the forward, each program publishing its chunk's part of the sum. It holds y and dy
+# through the wait: read again from L2, they were slower in fp32 (``softmax_split_reread.py``).
 
 # @save softmax
 
@@ -244,9 +250,8 @@ def softmax_backward_kernel(
     cols = tl.arange(0, BLOCK_N)[None, :]
     in_bounds = (rows < n_rows)[:, None] & (cols < n_cols)
     rows = rows.to(tl.int64)[:, None]
-    y = tl.load(y_ptr + rows * y_row_stride + cols, mask=in_bounds, other=0.0)
-    dy = tl.load(dy_ptr + rows * dy_row_stride + cols, mask=in_bounds, other=0.0)
-    y, dy = y.to(tl.float32), dy.to(tl.float32)
+    y = load_f32(y_ptr + rows * y_row_stride + cols, in_bounds, 0.0, "")
+    dy = load_f32(dy_ptr + rows * dy_row_stride + cols, in_bounds, 0.0, "")
     if LOG:
         dx = dy - tl.exp(y) * tl.sum(dy, axis=1)[:, None]
     else:
@@ -315,7 +320,7 @@ MAX_FUSED_BLOCK = 32768  # longest row kept whole in registers (forward)
 MAX_FUSED_BLOCK_BACKWARD = 16384  # the backward holds two tensors, y and dy
 TILE_ELEMENTS = 4096  # values per tile for short rows
 ELEMENTS_PER_WARP = 1024
-SPLIT_FORWARD = 8192, 8  # split forward: values per program, warps (fp32 and fp16)
+SPLIT_FORWARD = 4096, 4  # split forward: values per program, warps (fp32 and fp16)
 SPLIT_BACKWARD = 8192, 4  # split backward: values per program, warps (fp32 and fp16)
 MAX_POLLS = 100_000 if ON_GPU else 2  # split kernels: tries before it reads the row
 
@@ -572,12 +577,10 @@ if forward_backward:
     print(forward_backward.as_called("triton", "torch", 4096, "float16"))
 
 # %%
-# From N = 32,768 both directions split each row across programs, so every tensor is read
-# once; a looped backward, which reads y and dy twice, is timed against the split one in
-# ``tools/experiments/softmax_split_backward.py``, a looped forward against the split one in
-# ``tools/experiments/softmax_long_rows.py``. Dotted lines time the call from Python
-# (do_bench flushes L2 between calls, which hides that much CPU time); the summaries add a
-# call's CPU time. Through autograd ours needs more CPU than GPU: the CPU sets the pace.
+# Past N = 32,768 both directions split rows over programs, reading every tensor once from memory
+# (``tools/experiments/softmax_split_backward.py`` and ``softmax_long_rows.py`` time kernels that
+# read twice). Dotted lines time the call from Python (do_bench flushes L2 between calls, hiding
+# that much CPU time); the summaries add a call's CPU time. Through autograd, the CPU paces ours.
 #
 # What we learned
 # ---------------

@@ -85,6 +85,11 @@ def wait_for(counter_ptr, row, n_chunks, MAX_POLLS: tl.constexpr):
     return published >= n_chunks
 
 
+@triton.jit
+def load_f32(ptrs, mask, other, HINT: tl.constexpr):  # HINT: the L2 eviction policy
+    return tl.load(ptrs, mask=mask, other=other, eviction_policy=HINT).to(tl.float32)
+
+
 @lean
 @triton.jit
 def softmax_split_kernel(
@@ -97,11 +102,10 @@ def softmax_split_kernel(
     cols = chunk * BLOCK_N + tl.arange(0, BLOCK_N)
     in_row = cols < n_cols
     x_row = x_ptr + row * x_row_stride
-    x = tl.load(x_row + cols, mask=in_row, other=-float("inf")).to(tl.float32)
+    x = load_f32(x_row + cols, in_row, -float("inf"), "evict_last")
     chunk_max = tl.max(x, axis=0)
     chunk_shift = tl.where(chunk_max == -float("inf"), 0.0, chunk_max)
-    numerator = tl.exp(x - chunk_shift)  # kept: y needs only a factor per chunk
-    chunk_sum = tl.sum(numerator, axis=0)
+    chunk_sum = tl.sum(tl.exp(x - chunk_shift), axis=0)
     # stats holds, per row, CHUNKS_POW2 maxima and then CHUNKS_POW2 sums.
     row_stats = stats_ptr + row * 2 * CHUNKS_POW2
     tl.store(row_stats + chunk, chunk_max)
@@ -121,10 +125,11 @@ def softmax_split_kernel(
     else:  # the siblings are not running: read the row ourselves, online
         row_max, row_sum = online_max_and_sum(x_row, n_cols, BLOCK_N, 1)
         row_shift = tl.where(row_max == -float("inf"), 0.0, row_max)
+    x = load_f32(x_row + cols, in_row, -float("inf"), "evict_first")  # again, from L2
     if LOG:
         y = (x - row_max) - tl.log(row_sum)
-    else:  # exp(x - row_shift) / row_sum, without a second exp and a division per value
-        y = numerator * (tl.exp(chunk_shift - row_shift) / row_sum)
+    else:
+        y = tl.exp(x - row_shift) * (1.0 / row_sum)
     y_row = y_ptr + row * y_row_stride
     tl.store(y_row + cols, y.to(y_ptr.dtype.element_ty), mask=in_row)
 
@@ -139,9 +144,8 @@ def softmax_backward_kernel(
     cols = tl.arange(0, BLOCK_N)[None, :]
     in_bounds = (rows < n_rows)[:, None] & (cols < n_cols)
     rows = rows.to(tl.int64)[:, None]
-    y = tl.load(y_ptr + rows * y_row_stride + cols, mask=in_bounds, other=0.0)
-    dy = tl.load(dy_ptr + rows * dy_row_stride + cols, mask=in_bounds, other=0.0)
-    y, dy = y.to(tl.float32), dy.to(tl.float32)
+    y = load_f32(y_ptr + rows * y_row_stride + cols, in_bounds, 0.0, "")
+    dy = load_f32(dy_ptr + rows * dy_row_stride + cols, in_bounds, 0.0, "")
     if LOG:
         dx = dy - tl.exp(y) * tl.sum(dy, axis=1)[:, None]
     else:
@@ -198,7 +202,7 @@ MAX_FUSED_BLOCK = 32768  # longest row kept whole in registers (forward)
 MAX_FUSED_BLOCK_BACKWARD = 16384  # the backward holds two tensors, y and dy
 TILE_ELEMENTS = 4096  # values per tile for short rows
 ELEMENTS_PER_WARP = 1024
-SPLIT_FORWARD = 8192, 8  # split forward: values per program, warps (fp32 and fp16)
+SPLIT_FORWARD = 4096, 4  # split forward: values per program, warps (fp32 and fp16)
 SPLIT_BACKWARD = 8192, 4  # split backward: values per program, warps (fp32 and fp16)
 MAX_POLLS = 100_000 if ON_GPU else 2  # split kernels: tries before it reads the row
 

@@ -1,0 +1,180 @@
+"""Chapter 02's split kernels on long rows: hold the chunk through the wait, or read it again.
+
+A split program loads its chunk of a row, publishes its part of the row's statistics and waits
+for its siblings. Until this script, both split kernels held their chunk in registers through
+the wait (the forward its exponentials, the backward y and dy): registers held by a waiting
+program keep other programs, and their loads, off the SM (``softmax_split_ncu.log``: 2
+programs an SM, DRAM 42% busy, in the fp16 forward with 4 warps). The package's forward now
+loads its chunk again after the wait, from L2 (first load ``evict_last``, second
+``evict_first``); its backward still holds y and dy (read again, fp32 lost 14 to 17% on the
+H100: ``softmax_split_reread.log``). At M = 2^26 / N this times, next to torch and a copy of
+the same bytes, in GB/s of GPU time (CUDA-graph replays):
+
+* forward: the package, the held kernel it replaced (below, softmax only, at its launch of
+  8,192 values and 8 warps) and the package's kernel over chunks and warps;
+* backward: the package against a kernel that reads y and dy again (below, softmax only),
+  over chunks and warps.
+
+    python tools/experiments/softmax_split_reread.py
+
+Without a GPU it checks both kernels here against torch under the interpreter and stops.
+"""
+
+from stepkernels import bench
+from stepkernels._core import DEVICE, ON_GPU, dtype_name
+from stepkernels.softmax import (
+    MAX_POLLS,
+    Launch,
+    load_f32,
+    online_max_and_sum,
+    publish_and_wait,
+    softmax_backward,
+    softmax_forward,
+)
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def softmax_split_held_kernel(
+    x_ptr, y_ptr, stats_ptr, counter_ptr, n_cols, n_chunks, x_row_stride, y_row_stride,
+    BLOCK_N: tl.constexpr, CHUNKS_POW2: tl.constexpr, MAX_POLLS: tl.constexpr,
+):  # fmt: skip
+    """The split forward as it was (softmax only): exponentials held through the wait."""
+    row = (tl.program_id(0) // n_chunks).to(tl.int64)
+    chunk = tl.program_id(0) % n_chunks
+    cols = chunk * BLOCK_N + tl.arange(0, BLOCK_N)
+    in_row = cols < n_cols
+    x_row = x_ptr + row * x_row_stride
+    x = tl.load(x_row + cols, mask=in_row, other=-float("inf")).to(tl.float32)
+    chunk_max = tl.max(x, axis=0)
+    chunk_shift = tl.where(chunk_max == -float("inf"), 0.0, chunk_max)
+    numerator = tl.exp(x - chunk_shift)  # held: y needs only a factor per chunk
+    chunk_sum = tl.sum(numerator, axis=0)
+    row_stats = stats_ptr + row * 2 * CHUNKS_POW2
+    tl.store(row_stats + chunk, chunk_max)
+    tl.store(row_stats + CHUNKS_POW2 + chunk, chunk_sum)
+    if publish_and_wait(counter_ptr, row, n_chunks, MAX_POLLS):
+        chunks = tl.arange(0, CHUNKS_POW2)
+        present = chunks < n_chunks
+        maxima = tl.load(row_stats + chunks, mask=present, other=-float("inf"), volatile=True)
+        sums = tl.load(row_stats + CHUNKS_POW2 + chunks, mask=present, volatile=True)
+        row_max = tl.max(maxima, axis=0)
+        row_shift = tl.where(row_max == -float("inf"), 0.0, row_max)
+        row_sum = tl.sum(tl.where(present, sums * tl.exp(maxima - row_shift), 0.0))
+    else:
+        row_max, row_sum = online_max_and_sum(x_row, n_cols, BLOCK_N, 1)
+        row_shift = tl.where(row_max == -float("inf"), 0.0, row_max)
+    y = numerator * (tl.exp(chunk_shift - row_shift) / row_sum)
+    tl.store(y_ptr + row * y_row_stride + cols, y.to(y_ptr.dtype.element_ty), mask=in_row)
+
+
+@triton.jit
+def softmax_backward_split_reread_kernel(
+    y_ptr, dy_ptr, dx_ptr, partial_ptr, counter_ptr, n_cols, n_chunks,
+    y_row_stride, dy_row_stride, dx_row_stride,
+    BLOCK_N: tl.constexpr, CHUNKS_POW2: tl.constexpr, MAX_POLLS: tl.constexpr,
+):  # fmt: skip
+    """The package's split backward (softmax only) loading y and dy again after the wait."""
+    row = (tl.program_id(0) // n_chunks).to(tl.int64)
+    chunk = tl.program_id(0) % n_chunks
+    cols = chunk * BLOCK_N + tl.arange(0, BLOCK_N)
+    in_row = cols < n_cols
+    y_row, dy_row = y_ptr + row * y_row_stride, dy_ptr + row * dy_row_stride
+    y = load_f32(y_row + cols, in_row, 0.0, "evict_last")
+    dy = load_f32(dy_row + cols, in_row, 0.0, "evict_last")
+    parts = partial_ptr + row * CHUNKS_POW2
+    tl.store(parts + chunk, tl.sum(dy * y, axis=0))
+    if publish_and_wait(counter_ptr, row, n_chunks, MAX_POLLS):
+        chunks = tl.arange(0, CHUNKS_POW2)
+        partials = tl.load(parts + chunks, mask=chunks < n_chunks, other=0.0, volatile=True)
+        total = tl.sum(partials, axis=0)
+    else:
+        lanes = tl.zeros([BLOCK_N], tl.float32)
+        for start in range(0, n_cols, BLOCK_N):
+            offsets = start + tl.arange(0, BLOCK_N)
+            y_part = load_f32(y_row + offsets, offsets < n_cols, 0.0, "")
+            lanes += y_part * load_f32(dy_row + offsets, offsets < n_cols, 0.0, "")
+        total = tl.sum(lanes, axis=0)
+    y = load_f32(y_row + cols, in_row, 0.0, "evict_first")  # again, from L2
+    dy = load_f32(dy_row + cols, in_row, 0.0, "evict_first")
+    dx = y * (dy - total)
+    tl.store(dx_ptr + row * dx_row_stride + cols, dx.to(dx_ptr.dtype.element_ty), mask=in_row)
+
+
+def split_call(kernel, tensors, block_n, num_warps, statistics):
+    """Launch a split kernel over contiguous rows, as the package's ``launch_rows`` does."""
+    n_rows, n_cols = tensors[0].shape
+    n_chunks = triton.cdiv(n_cols, block_n)
+    chunks_pow2 = triton.next_power_of_2(n_chunks)
+    partials = torch.empty((n_rows, statistics, chunks_pow2), device=tensors[0].device)
+    counters = torch.zeros(n_rows, device=partials.device, dtype=torch.int32)
+    strides = [t.stride(0) for t in tensors]
+    kernel[(n_rows * n_chunks,)](
+        *tensors, partials, counters, n_cols, n_chunks, *strides,
+        BLOCK_N=block_n, CHUNKS_POW2=chunks_pow2, MAX_POLLS=MAX_POLLS, num_warps=num_warps,
+    )  # fmt: skip
+
+
+def held_forward(x, block_n=8192, num_warps=8):
+    y = torch.empty_like(x)
+    split_call(softmax_split_held_kernel, (x, y), block_n, num_warps, 2)
+    return y
+
+
+def reread_backward(y, dy, block_n=8192, num_warps=4):
+    dx = torch.empty_like(y)
+    split_call(softmax_backward_split_reread_kernel, (y, dy, dx), block_n, num_warps, 1)
+    return dx
+
+
+def check(n_rows=3, n_cols=40_000, block_n=8192):
+    """Both kernels here against torch (fp32; under the interpreter only a row's last chunk
+    finds its siblings' statistics, the others take the way out)."""
+    x = torch.randn(n_rows, n_cols, device=DEVICE) * 4
+    y = torch.softmax(x, dim=-1)
+    dy = torch.randn_like(x)
+    torch.testing.assert_close(held_forward(x, block_n), y)
+    expected = y * (dy - (dy * y).sum(-1, keepdim=True))
+    torch.testing.assert_close(reread_backward(y, dy, block_n), expected)
+    print("held forward and reread backward match torch")
+
+
+FORWARD_LAUNCHES = [(2048, 4), (4096, 8), (8192, 4), (8192, 8), (16384, 16)]
+BACKWARD_LAUNCHES = [(4096, 4), (8192, 4), (8192, 8), (16384, 8)]
+
+
+def sweep(dtype, n_cols):
+    x = torch.randn(2**26 // n_cols, n_cols, device=DEVICE, dtype=dtype)
+    y, dy = torch.softmax(x, dim=-1), torch.randn_like(x)
+    size = x.numel() * x.element_size()
+    forward = {
+        "copy": bench.copy_of(2 * size),
+        "torch": lambda: torch.softmax(x, -1),
+        "package": lambda: softmax_forward(x),
+        "held 8192/8w": lambda: held_forward(x),
+    }
+    for block_n, warps in FORWARD_LAUNCHES:
+        launch = Launch("split", block_n, num_warps=warps)
+        forward[f"reread {block_n}/{warps}w"] = lambda launch=launch: softmax_forward(x, launch=launch)
+    backward = {"copy": bench.copy_of(3 * size), "package": lambda: softmax_backward(y, dy)}
+    for block_n, warps in BACKWARD_LAUNCHES:
+        backward[f"reread {block_n}/{warps}w"] = lambda b=block_n, w=warps: reread_backward(y, dy, b, w)
+    torch.testing.assert_close(softmax_forward(x), y)
+    torch.testing.assert_close(held_forward(x), y)
+    tolerance = {"atol": 1e-2, "rtol": 1e-2} if dtype != torch.float32 else {}
+    torch.testing.assert_close(reread_backward(y, dy), softmax_backward(y, dy), **tolerance)
+    for direction, calls, passes in (("forward", forward, 2), ("backward", backward, 3)):
+        line = f"{direction:8} {dtype_name(x.dtype):8} N={n_cols:7}"
+        for name, fn in calls.items():
+            line += f"  {name} {bench.rate(passes * size, fn):5.0f}"
+        print(line, flush=True)
+
+
+if __name__ == "__main__":
+    check()
+    if ON_GPU:
+        for dtype in (torch.float16, torch.float32):
+            for n_cols in (65_536, 131_072, 262_144):
+                sweep(dtype, n_cols)
