@@ -12,20 +12,24 @@ the same bytes, in GB/s of GPU time (CUDA-graph replays):
 
 * forward: the package, the held kernel it replaced (below, softmax only, at its launch of
   8,192 values and 8 warps) and the package's kernel over chunks and warps;
-* backward: the package against a kernel that reads y and dy again (below, softmax only),
-  over chunks and warps.
+* backward: the package against a kernel that reads y and dy again (softmax only:
+  ``softmax_split_way_out.backward_kernel``), over chunks and warps.
 
     python tools/experiments/softmax_split_reread.py
 
 Without a GPU it checks both kernels here against torch under the interpreter and stops.
 """
 
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(__file__))  # softmax_split_way_out, beside this script
+
+from softmax_split_way_out import backward_kernel, split_call  # noqa: E402
 from stepkernels import bench
 from stepkernels._core import DEVICE, ON_GPU, dtype_name
 from stepkernels.softmax import (
-    MAX_POLLS,
     Launch,
-    load_f32,
     online_max_and_sum,
     publish_and_wait,
     softmax_backward,
@@ -70,53 +74,6 @@ def softmax_split_held_kernel(
     tl.store(y_ptr + row * y_row_stride + cols, y.to(y_ptr.dtype.element_ty), mask=in_row)
 
 
-@triton.jit
-def softmax_backward_split_reread_kernel(
-    y_ptr, dy_ptr, dx_ptr, partial_ptr, counter_ptr, n_cols, n_chunks,
-    y_row_stride, dy_row_stride, dx_row_stride,
-    BLOCK_N: tl.constexpr, CHUNKS_POW2: tl.constexpr, MAX_POLLS: tl.constexpr,
-):  # fmt: skip
-    """The package's split backward (softmax only) loading y and dy again after the wait."""
-    row = (tl.program_id(0) // n_chunks).to(tl.int64)
-    chunk = tl.program_id(0) % n_chunks
-    cols = chunk * BLOCK_N + tl.arange(0, BLOCK_N)
-    in_row = cols < n_cols
-    y_row, dy_row = y_ptr + row * y_row_stride, dy_ptr + row * dy_row_stride
-    y = load_f32(y_row + cols, in_row, 0.0, "evict_last")
-    dy = load_f32(dy_row + cols, in_row, 0.0, "evict_last")
-    parts = partial_ptr + row * CHUNKS_POW2
-    tl.store(parts + chunk, tl.sum(dy * y, axis=0))
-    if publish_and_wait(counter_ptr, row, n_chunks, MAX_POLLS):
-        chunks = tl.arange(0, CHUNKS_POW2)
-        partials = tl.load(parts + chunks, mask=chunks < n_chunks, other=0.0, volatile=True)
-        total = tl.sum(partials, axis=0)
-    else:
-        lanes = tl.zeros([BLOCK_N], tl.float32)
-        for start in range(0, n_cols, BLOCK_N):
-            offsets = start + tl.arange(0, BLOCK_N)
-            y_part = load_f32(y_row + offsets, offsets < n_cols, 0.0, "")
-            lanes += y_part * load_f32(dy_row + offsets, offsets < n_cols, 0.0, "")
-        total = tl.sum(lanes, axis=0)
-    y = load_f32(y_row + cols, in_row, 0.0, "evict_first")  # again, from L2
-    dy = load_f32(dy_row + cols, in_row, 0.0, "evict_first")
-    dx = y * (dy - total)
-    tl.store(dx_ptr + row * dx_row_stride + cols, dx.to(dx_ptr.dtype.element_ty), mask=in_row)
-
-
-def split_call(kernel, tensors, block_n, num_warps, statistics):
-    """Launch a split kernel over contiguous rows, as the package's ``launch_rows`` does."""
-    n_rows, n_cols = tensors[0].shape
-    n_chunks = triton.cdiv(n_cols, block_n)
-    chunks_pow2 = triton.next_power_of_2(n_chunks)
-    partials = torch.empty((n_rows, statistics, chunks_pow2), device=tensors[0].device)
-    counters = torch.zeros(n_rows, device=partials.device, dtype=torch.int32)
-    strides = [t.stride(0) for t in tensors]
-    kernel[(n_rows * n_chunks,)](
-        *tensors, partials, counters, n_cols, n_chunks, *strides,
-        BLOCK_N=block_n, CHUNKS_POW2=chunks_pow2, MAX_POLLS=MAX_POLLS, num_warps=num_warps,
-    )  # fmt: skip
-
-
 def held_forward(x, block_n=8192, num_warps=8):
     y = torch.empty_like(x)
     split_call(softmax_split_held_kernel, (x, y), block_n, num_warps, 2)
@@ -124,8 +81,10 @@ def held_forward(x, block_n=8192, num_warps=8):
 
 
 def reread_backward(y, dy, block_n=8192, num_warps=4):
+    """The backward reading y and dy again, its way out walking in blocks of its chunk."""
     dx = torch.empty_like(y)
-    split_call(softmax_backward_split_reread_kernel, (y, dy, dx), block_n, num_warps, 1)
+    constants = {"WAY_OUT_BLOCK": block_n, "REREAD": True}
+    split_call(backward_kernel, (y, dy, dx), block_n, num_warps, 1, **constants)
     return dx
 
 

@@ -1,0 +1,269 @@
+"""Chapter 02's split kernels: does the way out set their registers?
+
+A split program that finds its siblings not running takes a way out: it walks the whole row
+itself (the forward with ``online_max_and_sum``, the backward with a loop of sums) in blocks of
+its own chunk, ``BLOCK_N`` values. That path almost never runs, but registers are given out
+once for the whole kernel: compiled for sm_90 by the Triton of the CPU machine (3.9), the
+package's forward at its launch (4,096 values, 4 warps) takes 168 registers a thread, and 94
+with the walk in blocks of 1,024 values: 5 programs an SM instead of 3
+(``softmax_split_way_out_registers.log``). This script compiles and times kernels whose way
+out walks in blocks of ``WAY_OUT_BLOCK`` values:
+
+    TRITON_INTERPRET=0 PYTHONPATH=src python tools/experiments/softmax_split_way_out.py --registers
+    python tools/experiments/softmax_split_way_out.py          # GPU: time them
+
+``--registers`` needs no GPU (Triton's wheel carries ``ptxas`` and ``cuobjdump``): registers a
+thread (with the stack bytes of spilled ones) and programs an SM (65,536 registers, at most 64
+warps) for the package's split kernels and the variants below, at the launches timed. The
+GPU machine's Triton (3.6) may allocate otherwise: the counts are a lead. Without
+``--registers`` and without a GPU the script checks the variants against torch under the
+interpreter; with a GPU it times, at M = 2^26 / N, the package's forward and backward against
+the variants (softmax only; ``REREAD`` loads y and dy again after the wait), next to a copy of
+the same bytes, in GB/s of GPU time. Not yet run on a GPU.
+"""
+
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+REGISTERS = "--registers" in sys.argv
+if REGISTERS:
+    os.environ["TRITON_INTERPRET"] = "0"  # compiled for sm_90, not interpreted
+
+from stepkernels import bench  # noqa: E402
+from stepkernels._core import DEVICE, ON_GPU, dtype_name  # noqa: E402
+from stepkernels.softmax import (  # noqa: E402
+    MAX_POLLS,
+    Launch,
+    load_f32,
+    online_max_and_sum,
+    publish_and_wait,
+    softmax_backward,
+    softmax_backward_split_kernel,
+    softmax_forward,
+    softmax_split_kernel,
+)
+import torch  # noqa: E402
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+
+@triton.jit
+def forward_kernel(
+    x_ptr, y_ptr, stats_ptr, counter_ptr, n_cols, n_chunks, x_row_stride, y_row_stride,
+    BLOCK_N: tl.constexpr, CHUNKS_POW2: tl.constexpr, MAX_POLLS: tl.constexpr,
+    WAY_OUT_BLOCK: tl.constexpr,
+):  # fmt: skip
+    """The package's split forward (softmax only) with the way out in WAY_OUT_BLOCK values."""
+    row = (tl.program_id(0) // n_chunks).to(tl.int64)
+    chunk = tl.program_id(0) % n_chunks
+    cols = chunk * BLOCK_N + tl.arange(0, BLOCK_N)
+    in_row = cols < n_cols
+    x_row = x_ptr + row * x_row_stride
+    x = load_f32(x_row + cols, in_row, -float("inf"), "evict_last")
+    chunk_max = tl.max(x, axis=0)
+    chunk_shift = tl.where(chunk_max == -float("inf"), 0.0, chunk_max)
+    row_stats = stats_ptr + row * 2 * CHUNKS_POW2
+    tl.store(row_stats + chunk, chunk_max)
+    tl.store(row_stats + CHUNKS_POW2 + chunk, tl.sum(tl.exp(x - chunk_shift), axis=0))
+    if publish_and_wait(counter_ptr, row, n_chunks, MAX_POLLS):
+        chunks = tl.arange(0, CHUNKS_POW2)
+        present = chunks < n_chunks
+        maxima = tl.load(row_stats + chunks, mask=present, other=-float("inf"), volatile=True)
+        sums = tl.load(row_stats + CHUNKS_POW2 + chunks, mask=present, volatile=True)
+        row_max = tl.max(maxima, axis=0)
+        row_shift = tl.where(row_max == -float("inf"), 0.0, row_max)
+        row_sum = tl.sum(tl.where(present, sums * tl.exp(maxima - row_shift), 0.0))
+    else:
+        row_max, row_sum = online_max_and_sum(x_row, n_cols, WAY_OUT_BLOCK, 1)
+        row_shift = tl.where(row_max == -float("inf"), 0.0, row_max)
+    x = load_f32(x_row + cols, in_row, -float("inf"), "evict_first")
+    y = tl.exp(x - row_shift) * (1.0 / row_sum)
+    tl.store(y_ptr + row * y_row_stride + cols, y.to(y_ptr.dtype.element_ty), mask=in_row)
+
+
+@triton.jit
+def backward_kernel(
+    y_ptr, dy_ptr, dx_ptr, partial_ptr, counter_ptr, n_cols, n_chunks,
+    y_row_stride, dy_row_stride, dx_row_stride,
+    BLOCK_N: tl.constexpr, CHUNKS_POW2: tl.constexpr, MAX_POLLS: tl.constexpr,
+    WAY_OUT_BLOCK: tl.constexpr, REREAD: tl.constexpr,
+):  # fmt: skip
+    """The package's split backward (softmax only) with the way out in WAY_OUT_BLOCK values;
+    REREAD loads y and dy again after the wait instead of holding them."""
+    row = (tl.program_id(0) // n_chunks).to(tl.int64)
+    chunk = tl.program_id(0) % n_chunks
+    cols = chunk * BLOCK_N + tl.arange(0, BLOCK_N)
+    in_row = cols < n_cols
+    y_row, dy_row = y_ptr + row * y_row_stride, dy_ptr + row * dy_row_stride
+    y = load_f32(y_row + cols, in_row, 0.0, "evict_last")
+    dy = load_f32(dy_row + cols, in_row, 0.0, "evict_last")
+    parts = partial_ptr + row * CHUNKS_POW2
+    tl.store(parts + chunk, tl.sum(dy * y, axis=0))
+    if publish_and_wait(counter_ptr, row, n_chunks, MAX_POLLS):
+        chunks = tl.arange(0, CHUNKS_POW2)
+        partials = tl.load(parts + chunks, mask=chunks < n_chunks, other=0.0, volatile=True)
+        total = tl.sum(partials, axis=0)
+    else:
+        lanes = tl.zeros([WAY_OUT_BLOCK], tl.float32)
+        for start in range(0, n_cols, WAY_OUT_BLOCK):
+            offsets = start + tl.arange(0, WAY_OUT_BLOCK)
+            y_part = load_f32(y_row + offsets, offsets < n_cols, 0.0, "")
+            lanes += y_part * load_f32(dy_row + offsets, offsets < n_cols, 0.0, "")
+        total = tl.sum(lanes, axis=0)
+    if REREAD:
+        y = load_f32(y_row + cols, in_row, 0.0, "evict_first")
+        dy = load_f32(dy_row + cols, in_row, 0.0, "evict_first")
+    dx = y * (dy - total)
+    tl.store(dx_ptr + row * dx_row_stride + cols, dx.to(dx_ptr.dtype.element_ty), mask=in_row)
+
+
+def split_call(kernel, tensors, block_n, num_warps, statistics, **constants):
+    """Launch a split kernel over contiguous rows, as the package's ``launch_rows`` does."""
+    n_rows, n_cols = tensors[0].shape
+    n_chunks = triton.cdiv(n_cols, block_n)
+    chunks_pow2 = triton.next_power_of_2(n_chunks)
+    partials = torch.empty((n_rows, statistics, chunks_pow2), device=tensors[0].device)
+    counters = torch.zeros(n_rows, device=partials.device, dtype=torch.int32)
+    strides = [t.stride(0) for t in tensors]
+    kernel[(n_rows * n_chunks,)](
+        *tensors, partials, counters, n_cols, n_chunks, *strides,
+        BLOCK_N=block_n, CHUNKS_POW2=chunks_pow2, MAX_POLLS=MAX_POLLS, num_warps=num_warps,
+        **constants,
+    )  # fmt: skip
+
+
+def variant_forward(x, block_n, num_warps, way_out):
+    y = torch.empty_like(x)
+    split_call(forward_kernel, (x, y), block_n, num_warps, 2, WAY_OUT_BLOCK=way_out)
+    return y
+
+
+def variant_backward(y, dy, block_n, num_warps, way_out, reread):
+    dx = torch.empty_like(y)
+    constants = {"WAY_OUT_BLOCK": way_out, "REREAD": reread}
+    split_call(backward_kernel, (y, dy, dx), block_n, num_warps, 1, **constants)
+    return dx
+
+
+WAY_OUT = 1024
+LAUNCHES = [(4096, 4), (8192, 4), (8192, 8), (16384, 8)]
+
+
+# Registers, without a GPU ------------------------------------------------------------------
+def jit_function(kernel):
+    while not isinstance(kernel, triton.runtime.JITFunction):
+        kernel = getattr(kernel, "kernel", None) or kernel.fn
+    return kernel
+
+
+def registers(kernel, arguments: list, dtype: str, constants: dict, num_warps: int) -> tuple:
+    """Registers a thread of ``kernel`` compiled for sm_90 and its stack bytes (spills), read
+    off the cubin."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    signature = {name: (f"*{dtype}" if kind == "data" else kind) for name, kind in arguments}
+    signature.update(dict.fromkeys(constants, "constexpr"))
+    aligned = {(i,): [["tt.divisibility", 16]] for i, (_, kind) in enumerate(arguments) if kind != "i32"}
+    source = ASTSource(jit_function(kernel), signature, constants, aligned)
+    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
+    cubin = os.path.join(tempfile.mkdtemp(), "kernel.cubin")
+    with open(cubin, "wb") as f:
+        f.write(compiled.asm["cubin"])
+    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/cuobjdump")
+    usage = subprocess.run([cuobjdump, "-res-usage", cubin], capture_output=True, text=True, check=True)
+    registers_used = int(re.search(r"REG:(\d+)", usage.stdout).group(1))
+    return registers_used, int(re.search(r"STACK:(\d+)", usage.stdout).group(1))
+
+
+def programs_per_sm(regs: int, num_warps: int) -> int:
+    per_warp = -(-regs * 32 // 256) * 256  # registers are given out per warp, 256 at a time
+    return min(65_536 // (per_warp * num_warps), 64 // num_warps)
+
+
+SCALARS = [("n_cols", "i32"), ("n_chunks", "i32")]
+FORWARD_ARGUMENTS = [("x_ptr", "data"), ("y_ptr", "data"), ("stats_ptr", "*fp32"),
+                     ("counter_ptr", "*i32"), *SCALARS, ("x_row_stride", "i32"),
+                     ("y_row_stride", "i32")]  # fmt: skip
+BACKWARD_ARGUMENTS = [("y_ptr", "data"), ("dy_ptr", "data"), ("dx_ptr", "data"),
+                      ("partial_ptr", "*fp32"), ("counter_ptr", "*i32"), *SCALARS,
+                      ("y_row_stride", "i32"), ("dy_row_stride", "i32"),
+                      ("dx_row_stride", "i32")]  # fmt: skip
+
+
+def count_registers() -> None:
+    kernels = [
+        ("forward, package", softmax_split_kernel, FORWARD_ARGUMENTS, {"LOG": False}),
+        ("forward, way out 1,024", forward_kernel, FORWARD_ARGUMENTS, {"WAY_OUT_BLOCK": WAY_OUT}),
+        ("backward, package (held)", softmax_backward_split_kernel, BACKWARD_ARGUMENTS, {"LOG": False}),
+        ("backward, held, way out 1,024", backward_kernel, BACKWARD_ARGUMENTS,
+         {"WAY_OUT_BLOCK": WAY_OUT, "REREAD": False}),
+        ("backward, read again, way out 1,024", backward_kernel, BACKWARD_ARGUMENTS,
+         {"WAY_OUT_BLOCK": WAY_OUT, "REREAD": True}),
+    ]  # fmt: skip
+    print(f"registers a thread (r) and programs an SM (p), sm_90, triton {triton.__version__}")
+    for dtype in ("fp16", "fp32"):
+        for name, kernel, arguments, extra in kernels:
+            line = f"{dtype} {name:36s}"
+            for block_n, warps in LAUNCHES:
+                constants = {"BLOCK_N": block_n, "CHUNKS_POW2": 8, "MAX_POLLS": 100_000, **extra}
+                regs, stack = registers(kernel, arguments, dtype, constants, warps)
+                spill = f" +{stack} B stack" if stack else ""
+                line += f"  {block_n}/{warps}w {regs:3d} r {programs_per_sm(regs, warps)} p{spill}"
+            print(line, flush=True)
+
+
+# Checks and timings --------------------------------------------------------------------------
+def check(n_rows=3, n_cols=40_000, block_n=8192):
+    """The variants against torch (fp32; under the interpreter only a row's last chunk finds
+    its siblings' statistics, the others take the way out)."""
+    x = torch.randn(n_rows, n_cols, device=DEVICE) * 4
+    y, dy = torch.softmax(x, dim=-1), torch.randn_like(x)
+    torch.testing.assert_close(variant_forward(x, block_n, 4, WAY_OUT), y)
+    expected = y * (dy - (dy * y).sum(-1, keepdim=True))
+    for reread in (False, True):
+        torch.testing.assert_close(variant_backward(y, dy, block_n, 4, WAY_OUT, reread), expected)
+    print("the variants match torch")
+
+
+def sweep(dtype, n_cols):
+    x = torch.randn(2**26 // n_cols, n_cols, device=DEVICE, dtype=dtype)
+    y, dy = torch.softmax(x, dim=-1), torch.randn_like(x)
+    size = x.numel() * x.element_size()
+    forward = {"copy": bench.copy_of(2 * size), "package": lambda: softmax_forward(x)}
+    backward = {"copy": bench.copy_of(3 * size), "package": lambda: softmax_backward(y, dy)}
+    for block_n, warps in LAUNCHES:
+        launch = f"{block_n}/{warps}w"
+        forward[f"package {launch}"] = lambda b=block_n, w=warps: softmax_forward(
+            x, launch=Launch("split", b, num_warps=w)
+        )
+        forward[f"way out {launch}"] = lambda b=block_n, w=warps: variant_forward(x, b, w, WAY_OUT)
+        for reread, name in ((False, "held"), (True, "read again")):
+            backward[f"{name} {launch}"] = lambda b=block_n, w=warps, r=reread: variant_backward(
+                y, dy, b, w, WAY_OUT, r
+            )
+    tolerance = {"atol": 1e-2, "rtol": 1e-2} if dtype != torch.float32 else {}
+    torch.testing.assert_close(variant_forward(x, 4096, 4, WAY_OUT), softmax_forward(x), **tolerance)
+    reference = softmax_backward(y, dy)
+    for reread in (False, True):
+        dx = variant_backward(y, dy, 8192, 4, WAY_OUT, reread)
+        torch.testing.assert_close(dx, reference, **tolerance)
+    for direction, calls, passes in (("forward", forward, 2), ("backward", backward, 3)):
+        line = f"{direction:8} {dtype_name(x.dtype):8} N={n_cols:7}"
+        for name, fn in calls.items():
+            line += f"  {name} {bench.rate(passes * size, fn):5.0f}"
+        print(line, flush=True)
+
+
+if __name__ == "__main__":
+    if REGISTERS:
+        count_registers()
+    else:
+        check()
+        if ON_GPU:
+            for dtype in (torch.float16, torch.float32):
+                for n_cols in (65_536, 131_072, 262_144):
+                    sweep(dtype, n_cols)
