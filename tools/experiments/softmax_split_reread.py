@@ -2,10 +2,11 @@
 
 A split program loads its chunk of a row, publishes its part of the row's statistics and waits
 for its siblings. Until this script, both split kernels held their chunk in registers through
-the wait (the forward its exponentials, the backward y and dy): registers held by a waiting
-program keep other programs, and their loads, off the SM (``softmax_split_ncu.log``: 2
-programs an SM, DRAM 42% busy, in the fp16 forward with 4 warps). The package's forward now
-loads its chunk again after the wait, from L2 (first load ``evict_last``, second
+the wait (the forward its exponentials, the backward y and dy). Reading it again after the
+wait, from L2, was meant to free those registers for other programs' loads
+(``softmax_split_ncu.log``: 2 programs an SM, DRAM 42% busy, in the fp16 forward with 4 warps;
+``softmax_split_way_out.py`` later found the way out, not the held chunk, setting the
+registers). The package's forward now loads its chunk again (first load ``evict_last``, second
 ``evict_first``); its backward still holds y and dy (read again, fp32 lost 14 to 17% on the
 H100: ``softmax_split_reread.log``). At M = 2^26 / N this times, next to torch and a copy of
 the same bytes, in GB/s of GPU time (CUDA-graph replays):
