@@ -26,9 +26,9 @@ import sys
 
 sys.path.insert(0, os.path.dirname(__file__))  # softmax_split_way_out, beside this script
 
-from softmax_split_way_out import backward_kernel, split_call  # noqa: E402
+from softmax_split_way_out import backward_kernel, print_rates, split_call  # noqa: E402
 from stepkernels import bench
-from stepkernels._core import DEVICE, ON_GPU, dtype_name
+from stepkernels._core import DEVICE, ON_GPU
 from stepkernels.softmax import (
     Launch,
     online_max_and_sum,
@@ -125,11 +125,7 @@ def sweep(dtype, n_cols):
     torch.testing.assert_close(held_forward(x), y)
     tolerance = {"atol": 1e-2, "rtol": 1e-2} if dtype != torch.float32 else {}
     torch.testing.assert_close(reread_backward(y, dy), softmax_backward(y, dy), **tolerance)
-    for direction, calls, passes in (("forward", forward, 2), ("backward", backward, 3)):
-        line = f"{direction:8} {dtype_name(x.dtype):8} N={n_cols:7}"
-        for name, fn in calls.items():
-            line += f"  {name} {bench.rate(passes * size, fn):5.0f}"
-        print(line, flush=True)
+    print_rates(x, forward, backward)
 
 
 if __name__ == "__main__":

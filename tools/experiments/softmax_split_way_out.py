@@ -229,6 +229,17 @@ def check(n_rows=3, n_cols=40_000, block_n=8192):
     print("the variants match torch")
 
 
+def print_rates(x, forward: dict, backward: dict) -> None:
+    """One line each for ``forward`` and ``backward`` calls on rows like ``x``: GB/s of GPU
+    time, counting 2 and 3 passes over x's bytes."""
+    size = x.numel() * x.element_size()
+    for direction, calls, passes in (("forward", forward, 2), ("backward", backward, 3)):
+        line = f"{direction:8} {dtype_name(x.dtype):8} N={x.shape[1]:7}"
+        for name, fn in calls.items():
+            line += f"  {name} {bench.rate(passes * size, fn):5.0f}"
+        print(line, flush=True)
+
+
 def sweep(dtype, n_cols):
     x = torch.randn(2**26 // n_cols, n_cols, device=DEVICE, dtype=dtype)
     y, dy = torch.softmax(x, dim=-1), torch.randn_like(x)
@@ -251,11 +262,7 @@ def sweep(dtype, n_cols):
     for reread in (False, True):
         dx = variant_backward(y, dy, 8192, 4, WAY_OUT, reread)
         torch.testing.assert_close(dx, reference, **tolerance)
-    for direction, calls, passes in (("forward", forward, 2), ("backward", backward, 3)):
-        line = f"{direction:8} {dtype_name(x.dtype):8} N={n_cols:7}"
-        for name, fn in calls.items():
-            line += f"  {name} {bench.rate(passes * size, fn):5.0f}"
-        print(line, flush=True)
+    print_rates(x, forward, backward)
 
 
 if __name__ == "__main__":
