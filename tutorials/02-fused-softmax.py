@@ -137,20 +137,22 @@ def online_max_and_sum(x_row, n_cols, BLOCK_N: tl.constexpr, NUM_STAGES: tl.cons
 # -------------------------------------------------
 # To read x once from memory, we give each row to several programs, one chunk each. Each reduces
 # its chunk to a pair (maximum m_c, sum s_c of exp(x - m_c)) and publishes it; once its row's
-# pairs are all there, each combines them into m = max m_c and S = sum s_c exp(m_c - m), then
-# reads its chunk again from L2 (loaded ``evict_last``) to write y: on an H100 a few percent
-# faster than holding it through the wait (``tools/experiments/softmax_split_reread.py``).
+# pairs are all there, each combines them into m = max m_c and S = sum s_c exp(m_c - m) and
+# writes y. On an H100, holding the chunk through the wait was faster in fp32; in 16 bits,
+# reading it again from L2 (loaded ``evict_last``) was (``tools/experiments/softmax_split_*``).
 #
 # Publishing: store the pair; ``tl.debug_barrier()``, so that every thread has stored; then
 # ``tl.atomic_add`` on the row's counter with ``sem="release"``, which orders the stores
 # before the increment for a program that reads the counter with ``sem="acquire"``.
 # Waiting: poll the counter until all chunks have counted, then read the pairs with
 # ``volatile=True``, so no stale cache line answers. CUDA does not promise that a row's
-# programs run at once (in practice they do: programs start in order of their id), so after
-# ``MAX_POLLS`` tries a program makes its own online pass over the row: same result, slower.
-# Under the interpreter, which runs programs one by one, only a row's last chunk finds all pairs.
+# programs run at once: after ``MAX_POLLS`` tries a program walks the row itself (online), in
+# blocks of 1,024 values, not 8,192: registers go to a kernel's hungriest path, run or not, and
+# big blocks left room for fewer programs an SM (fp16 ran 28 to 40% slower). The interpreter runs
+# programs one by one: there, only a row's last chunk finds all pairs.
 
 # @save softmax
+WAY_OUT_BLOCK = tl.constexpr(1024)  # a global a kernel reads must be a constexpr
 
 
 @triton.jit
@@ -215,9 +217,10 @@ def softmax_split_kernel(
         weights = tl.exp(maxima - row_shift)
         row_sum = tl.sum(tl.where(present, sums * weights, 0.0))
     else:  # the siblings are not running: read the row ourselves, online
-        row_max, row_sum = online_max_and_sum(x_row, n_cols, BLOCK_N, 1)
+        row_max, row_sum = online_max_and_sum(x_row, n_cols, WAY_OUT_BLOCK, 1)
         row_shift = tl.where(row_max == -float("inf"), 0.0, row_max)
-    x = load_f32(x_row + cols, in_row, -float("inf"), "evict_first")  # again, from L2
+    if x_ptr.dtype.element_ty != tl.float32:  # 16-bit x: read again, from L2
+        x = load_f32(x_row + cols, in_row, -float("inf"), "evict_first")
     if LOG:
         y = (x - row_max) - tl.log(row_sum)
     else:
@@ -234,8 +237,8 @@ def softmax_split_kernel(
 # dy_i/dx_j = delta_ij - softmax(x)_j gives dx = dy - exp(y) * sum(dy). Both are a row reduction
 # and an elementwise step on the saved *output* y and dy: 3 M N elements of traffic. A fused
 # kernel takes rows of up to half the forward's block (it holds two tensors); longer rows split
-# as in the forward, each program publishing its chunk's part of the sum. It holds y and dy
-# through the wait: read again from L2, they were slower in fp32 (``softmax_split_reread.py``).
+# as in the forward, each program publishing its part of the sum and holding y and dy (read
+# again after the wait, they were slower: ``softmax_split_way_out.py``).
 
 # @save softmax
 
@@ -286,9 +289,9 @@ def softmax_backward_split_kernel(
         partials = tl.load(parts + chunks, mask=present, other=0.0, volatile=True)
         total = tl.sum(partials, axis=0)
     else:  # the siblings are not running: sum the row ourselves
-        lanes = tl.zeros([BLOCK_N], tl.float32)
-        for start in range(0, n_cols, BLOCK_N):
-            offsets = start + tl.arange(0, BLOCK_N)
+        lanes = tl.zeros([WAY_OUT_BLOCK], tl.float32)
+        for start in range(0, n_cols, WAY_OUT_BLOCK):
+            offsets = start + tl.arange(0, WAY_OUT_BLOCK)
             mask = offsets < n_cols
             part = tl.load(dy_row + offsets, mask=mask, other=0.0).to(tl.float32)
             if not LOG:
@@ -306,22 +309,19 @@ def softmax_backward_split_kernel(
 # %%
 # Launch rules and wrappers
 # -------------------------
-# Speed now comes from the launch. A sweep on an H100 gave these rules
-# (``tools/experiments/softmax_launch_sweep.py``; ``softmax_steps.py`` times each step). One row
-# of 256 fp32 values over 4 warps gives each thread two values, too few loads in flight to hide
-# DRAM's latency: a tile holds about 4,096 values, with a warp per 1,024. A persistent, pipelined
-# grid was never faster for the fused kernels. The wrappers see a matrix of rows with unit
-# stride: a slice like ``x[:, :N]`` is read in place, a transposed matrix copied first. The
+# Speed now comes from the launch: sweeps on an H100 (``tools/experiments/softmax_launch_sweep.py``)
+# gave these rules. One row of 256 fp32 values over 4 warps gives each thread two values, too few
+# loads in flight to hide DRAM's latency: a tile holds about 4,096 values, a warp per 1,024. A
+# persistent, pipelined grid was never faster for the fused kernels. The wrappers see rows with
+# unit stride: a slice like ``x[:, :N]`` is read in place, a transposed matrix copied. The
 # backward refuses ``create_graph=True``: autograd cannot differentiate a Triton kernel.
 
 # @save softmax
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_FUSED_BLOCK = 32768  # longest row kept whole in registers (forward)
 MAX_FUSED_BLOCK_BACKWARD = 16384  # the backward holds two tensors, y and dy
-TILE_ELEMENTS = 4096  # values per tile for short rows
-ELEMENTS_PER_WARP = 1024
-SPLIT_FORWARD = 4096, 4  # split forward: values per program, warps (fp32 and fp16)
-SPLIT_BACKWARD = 8192, 4  # split backward: values per program, warps (fp32 and fp16)
+TILE_ELEMENTS, ELEMENTS_PER_WARP = 4096, 1024  # short rows: values a tile, a warp
+SPLIT_FORWARD, SPLIT_BACKWARD = (8192, 8), (8192, 4)  # split: values a program, warps
 MAX_POLLS = 100_000 if ON_GPU else 2  # split kernels: tries before it reads the row
 
 

@@ -354,10 +354,10 @@ if results is not None:
 # Ours leads every peer measured at every N (Liger-Kernel refuses rows past 65,536, with an error
 # that names its block size). But the shares of a copy printed above are mostly short of 90%, in
 # fp16 by far. An fp16 value is half the bytes, so a kernel bound by memory would handle twice as
-# many a second as in fp32; ours handles fewer (printed), as chapter 02's split softmax does.
-# Nsight Compute names one cause: registers. The backward holds two batches of x and dy and its
-# sums, 224 registers a thread in fp16, so only 2 programs of 4 warps fit an SM, too few loads in
-# flight (the results' ``NOTES.md``; exercise 2).
+# many a second as in fp32; ours handles fewer (printed), as chapter 02's split softmax did
+# until its way out walked in small blocks. Nsight Compute names one cause: registers. The
+# backward holds two batches of x and dy and its sums, 224 registers a thread in fp16, so only 2
+# programs of 4 warps fit an SM, too few loads in flight (the results' ``NOTES.md``; exercise 2).
 #
 # What we learned
 # ---------------

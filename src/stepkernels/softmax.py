@@ -61,6 +61,9 @@ def online_max_and_sum(x_row, n_cols, BLOCK_N: tl.constexpr, NUM_STAGES: tl.cons
     return running_max, tl.sum(lane_sum, axis=0)
 
 
+WAY_OUT_BLOCK = tl.constexpr(1024)  # a global a kernel reads must be a constexpr
+
+
 @triton.jit
 def publish_and_wait(counter_ptr, row, n_chunks, MAX_POLLS: tl.constexpr):
     """Announce this program's stores to the other programs of its row, then wait (at most
@@ -123,9 +126,10 @@ def softmax_split_kernel(
         weights = tl.exp(maxima - row_shift)
         row_sum = tl.sum(tl.where(present, sums * weights, 0.0))
     else:  # the siblings are not running: read the row ourselves, online
-        row_max, row_sum = online_max_and_sum(x_row, n_cols, BLOCK_N, 1)
+        row_max, row_sum = online_max_and_sum(x_row, n_cols, WAY_OUT_BLOCK, 1)
         row_shift = tl.where(row_max == -float("inf"), 0.0, row_max)
-    x = load_f32(x_row + cols, in_row, -float("inf"), "evict_first")  # again, from L2
+    if x_ptr.dtype.element_ty != tl.float32:  # 16-bit x: read again, from L2
+        x = load_f32(x_row + cols, in_row, -float("inf"), "evict_first")
     if LOG:
         y = (x - row_max) - tl.log(row_sum)
     else:
@@ -180,9 +184,9 @@ def softmax_backward_split_kernel(
         partials = tl.load(parts + chunks, mask=present, other=0.0, volatile=True)
         total = tl.sum(partials, axis=0)
     else:  # the siblings are not running: sum the row ourselves
-        lanes = tl.zeros([BLOCK_N], tl.float32)
-        for start in range(0, n_cols, BLOCK_N):
-            offsets = start + tl.arange(0, BLOCK_N)
+        lanes = tl.zeros([WAY_OUT_BLOCK], tl.float32)
+        for start in range(0, n_cols, WAY_OUT_BLOCK):
+            offsets = start + tl.arange(0, WAY_OUT_BLOCK)
             mask = offsets < n_cols
             part = tl.load(dy_row + offsets, mask=mask, other=0.0).to(tl.float32)
             if not LOG:
@@ -200,10 +204,8 @@ def softmax_backward_split_kernel(
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_FUSED_BLOCK = 32768  # longest row kept whole in registers (forward)
 MAX_FUSED_BLOCK_BACKWARD = 16384  # the backward holds two tensors, y and dy
-TILE_ELEMENTS = 4096  # values per tile for short rows
-ELEMENTS_PER_WARP = 1024
-SPLIT_FORWARD = 4096, 4  # split forward: values per program, warps (fp32 and fp16)
-SPLIT_BACKWARD = 8192, 4  # split backward: values per program, warps (fp32 and fp16)
+TILE_ELEMENTS, ELEMENTS_PER_WARP = 4096, 1024  # short rows: values a tile, a warp
+SPLIT_FORWARD, SPLIT_BACKWARD = (8192, 8), (8192, 4)  # split: values a program, warps
 MAX_POLLS = 100_000 if ON_GPU else 2  # split kernels: tries before it reads the row
 
 

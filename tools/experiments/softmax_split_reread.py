@@ -6,10 +6,12 @@ the wait (the forward its exponentials, the backward y and dy). Reading it again
 wait, from L2, was meant to free those registers for other programs' loads
 (``softmax_split_ncu.log``: 2 programs an SM, DRAM 42% busy, in the fp16 forward with 4 warps;
 ``softmax_split_way_out.py`` later found the way out, not the held chunk, setting the
-registers). The package's forward now loads its chunk again (first load ``evict_last``, second
-``evict_first``); its backward still holds y and dy (read again, fp32 lost 14 to 17% on the
-H100: ``softmax_split_reread.log``). At M = 2^26 / N this times, next to torch and a copy of
-the same bytes, in GB/s of GPU time (CUDA-graph replays):
+registers). The package's forward then loaded its chunk again (first load ``evict_last``,
+second ``evict_first``); its backward held y and dy (read again, fp32 lost 14 to 17% on the
+H100: ``softmax_split_reread.log``). Since the way out walks in small blocks, the forward reads
+again in 16-bit types only and holds its chunk in fp32 (``softmax_split_hold.log``).
+At M = 2^26 / N this times, next to torch and a copy of the same bytes, in GB/s of GPU time
+(CUDA-graph replays):
 
 * forward: the package, the held kernel it replaced (below, softmax only, at its launch of
   8,192 values and 8 warps) and the package's kernel over chunks and warps;

@@ -1,11 +1,12 @@
 """Chapter 02's split kernels: does the way out set their registers?
 
 A split program that finds its siblings not running takes a way out: it walks the whole row
-itself (the forward with ``online_max_and_sum``, the backward with a loop of sums) in blocks of
-its own chunk, ``BLOCK_N`` values. That path almost never runs, but registers are given out
-once for the whole kernel: compiled for sm_90 by the Triton of the CPU machine (3.9), the
-package's forward at its launch (4,096 values, 4 warps) takes 168 registers a thread, and 94
-with the walk in blocks of 1,024 values: 5 programs an SM instead of 3
+itself (the forward with ``online_max_and_sum``, the backward with a loop of sums), until
+chapter 02 took this script's finding, in blocks of its own chunk, ``BLOCK_N`` values.
+That path almost never runs, but registers are given out once for the whole kernel: compiled
+for sm_90 by the Triton of the CPU machine (3.9), the package's forward at its launch then
+(4,096 values, 4 warps) took 168 registers a thread, 94 with the walk in blocks of 1,024
+values: 5 programs an SM instead of 3
 (``softmax_split_way_out_registers.log``). This script compiles and times kernels whose way
 out walks in blocks of ``WAY_OUT_BLOCK`` values:
 
@@ -19,7 +20,11 @@ GPU machine's Triton (3.6) may allocate otherwise: the counts are a lead. Withou
 ``--registers`` and without a GPU the script checks the variants against torch under the
 interpreter; with a GPU it times, at M = 2^26 / N, the package's forward and backward against
 the variants (softmax only; ``REREAD`` loads y and dy again after the wait), next to a copy of
-the same bytes, in GB/s of GPU time. Not yet run on a GPU.
+the same bytes, in GB/s of GPU time (``softmax_split_way_out.log``: the walk in blocks of
+1,024 won, and chapter 02 took it). ``--hold`` then times the package over launches, its
+forward against one that keeps its chunk as loaded through the wait instead of reading it again:
+
+    python tools/experiments/softmax_split_way_out.py --hold
 """
 
 import os
@@ -54,15 +59,18 @@ import triton.language as tl  # noqa: E402
 def forward_kernel(
     x_ptr, y_ptr, stats_ptr, counter_ptr, n_cols, n_chunks, x_row_stride, y_row_stride,
     BLOCK_N: tl.constexpr, CHUNKS_POW2: tl.constexpr, MAX_POLLS: tl.constexpr,
-    WAY_OUT_BLOCK: tl.constexpr,
+    WAY_OUT_BLOCK: tl.constexpr, HOLD: tl.constexpr = False,
 ):  # fmt: skip
-    """The package's split forward (softmax only) with the way out in WAY_OUT_BLOCK values."""
+    """The package's split forward (softmax only) with the way out in WAY_OUT_BLOCK values;
+    HOLD keeps the chunk as loaded (16-bit values take half the registers of fp32) through the
+    wait instead of reading it again."""
     row = (tl.program_id(0) // n_chunks).to(tl.int64)
     chunk = tl.program_id(0) % n_chunks
     cols = chunk * BLOCK_N + tl.arange(0, BLOCK_N)
     in_row = cols < n_cols
     x_row = x_ptr + row * x_row_stride
-    x = load_f32(x_row + cols, in_row, -float("inf"), "evict_last")
+    x_loaded = tl.load(x_row + cols, mask=in_row, other=-float("inf"), eviction_policy="evict_last")
+    x = x_loaded.to(tl.float32)
     chunk_max = tl.max(x, axis=0)
     chunk_shift = tl.where(chunk_max == -float("inf"), 0.0, chunk_max)
     row_stats = stats_ptr + row * 2 * CHUNKS_POW2
@@ -79,7 +87,10 @@ def forward_kernel(
     else:
         row_max, row_sum = online_max_and_sum(x_row, n_cols, WAY_OUT_BLOCK, 1)
         row_shift = tl.where(row_max == -float("inf"), 0.0, row_max)
-    x = load_f32(x_row + cols, in_row, -float("inf"), "evict_first")
+    if HOLD:
+        x = x_loaded.to(tl.float32)
+    else:
+        x = load_f32(x_row + cols, in_row, -float("inf"), "evict_first")
     y = tl.exp(x - row_shift) * (1.0 / row_sum)
     tl.store(y_ptr + row * y_row_stride + cols, y.to(y_ptr.dtype.element_ty), mask=in_row)
 
@@ -135,9 +146,10 @@ def split_call(kernel, tensors, block_n, num_warps, statistics, **constants):
     )  # fmt: skip
 
 
-def variant_forward(x, block_n, num_warps, way_out):
+def variant_forward(x, block_n, num_warps, way_out, hold=False):
     y = torch.empty_like(x)
-    split_call(forward_kernel, (x, y), block_n, num_warps, 2, WAY_OUT_BLOCK=way_out)
+    constants = {"WAY_OUT_BLOCK": way_out, "HOLD": hold}
+    split_call(forward_kernel, (x, y), block_n, num_warps, 2, **constants)
     return y
 
 
@@ -222,7 +234,8 @@ def check(n_rows=3, n_cols=40_000, block_n=8192):
     its siblings' statistics, the others take the way out)."""
     x = torch.randn(n_rows, n_cols, device=DEVICE) * 4
     y, dy = torch.softmax(x, dim=-1), torch.randn_like(x)
-    torch.testing.assert_close(variant_forward(x, block_n, 4, WAY_OUT), y)
+    for hold in (False, True):
+        torch.testing.assert_close(variant_forward(x, block_n, 4, WAY_OUT, hold), y)
     expected = y * (dy - (dy * y).sum(-1, keepdim=True))
     for reread in (False, True):
         torch.testing.assert_close(variant_backward(y, dy, block_n, 4, WAY_OUT, reread), expected)
@@ -240,12 +253,19 @@ def print_rates(x, forward: dict, backward: dict) -> None:
         print(line, flush=True)
 
 
-def sweep(dtype, n_cols):
+def rows_and_baselines(dtype, n_cols):
+    """M = 2^26 / N rows x, their softmax y, a gradient dy, and the calls every sweep times:
+    a copy of the same bytes and the package, forward and backward."""
     x = torch.randn(2**26 // n_cols, n_cols, device=DEVICE, dtype=dtype)
     y, dy = torch.softmax(x, dim=-1), torch.randn_like(x)
     size = x.numel() * x.element_size()
     forward = {"copy": bench.copy_of(2 * size), "package": lambda: softmax_forward(x)}
     backward = {"copy": bench.copy_of(3 * size), "package": lambda: softmax_backward(y, dy)}
+    return x, y, dy, forward, backward
+
+
+def sweep(dtype, n_cols):
+    x, y, dy, forward, backward = rows_and_baselines(dtype, n_cols)
     for block_n, warps in LAUNCHES:
         launch = f"{block_n}/{warps}w"
         forward[f"package {launch}"] = lambda b=block_n, w=warps: softmax_forward(
@@ -265,9 +285,33 @@ def sweep(dtype, n_cols):
     print_rates(x, forward, backward)
 
 
+HOLD_LAUNCHES = [(4096, 4), (8192, 4), (8192, 8), (16384, 8), (16384, 16)]
+
+
+def hold_sweep(dtype, n_cols):
+    """``--hold``: the package (its way out in blocks of 1,024 since this script's first run)
+    over launches, its forward against one holding its chunk as loaded through the wait."""
+    x, y, dy, forward, backward = rows_and_baselines(dtype, n_cols)
+    for block_n, warps in HOLD_LAUNCHES:
+        launch = Launch("split", block_n, num_warps=warps)
+        name = f"{block_n}/{warps}w"
+        forward[f"read again {name}"] = lambda la=launch: softmax_forward(x, launch=la)
+        forward[f"hold {name}"] = lambda b=block_n, w=warps: variant_forward(x, b, w, WAY_OUT, True)
+        backward[name] = lambda la=launch: softmax_backward(y, dy, launch=la)
+    tolerance = {"atol": 1e-2, "rtol": 1e-2} if dtype != torch.float32 else {}
+    held = variant_forward(x, 8192, 8, WAY_OUT, True)
+    torch.testing.assert_close(held, softmax_forward(x), **tolerance)
+    print_rates(x, forward, backward)
+
+
 if __name__ == "__main__":
     if REGISTERS:
         count_registers()
+    elif "--hold" in sys.argv:
+        check()
+        for dtype in (torch.float16, torch.float32) if ON_GPU else ():
+            for n_cols in (65_536, 131_072, 262_144):
+                hold_sweep(dtype, n_cols)
     else:
         check()
         if ON_GPU:
