@@ -28,7 +28,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(__file__))  # softmax_split_way_out, beside this script
 
-from softmax_split_way_out import backward_kernel, print_rates, split_call  # noqa: E402
+from softmax_split_way_out import backward_kernel, combine_pairs, print_rates, split_call  # noqa: E402
 from stepkernels import bench
 from stepkernels._core import DEVICE, ON_GPU
 from stepkernels.softmax import (
@@ -63,13 +63,7 @@ def softmax_split_held_kernel(
     tl.store(row_stats + chunk, chunk_max)
     tl.store(row_stats + CHUNKS_POW2 + chunk, chunk_sum)
     if publish_and_wait(counter_ptr, row, n_chunks, MAX_POLLS):
-        chunks = tl.arange(0, CHUNKS_POW2)
-        present = chunks < n_chunks
-        maxima = tl.load(row_stats + chunks, mask=present, other=-float("inf"), volatile=True)
-        sums = tl.load(row_stats + CHUNKS_POW2 + chunks, mask=present, volatile=True)
-        row_max = tl.max(maxima, axis=0)
-        row_shift = tl.where(row_max == -float("inf"), 0.0, row_max)
-        row_sum = tl.sum(tl.where(present, sums * tl.exp(maxima - row_shift), 0.0))
+        row_max, row_shift, row_sum = combine_pairs(row_stats, n_chunks, CHUNKS_POW2)
     else:
         row_max, row_sum = online_max_and_sum(x_row, n_cols, BLOCK_N, 1)
         row_shift = tl.where(row_max == -float("inf"), 0.0, row_max)

@@ -56,6 +56,19 @@ import triton.language as tl  # noqa: E402
 
 
 @triton.jit
+def combine_pairs(row_stats, n_chunks, CHUNKS_POW2: tl.constexpr):
+    """The row's maximum, the shift exp takes (0 for a row of -inf) and its sum of
+    exp(x - maximum), from the (max, sum) pairs its chunks published, as the package's kernel."""
+    chunks = tl.arange(0, CHUNKS_POW2)
+    present = chunks < n_chunks
+    maxima = tl.load(row_stats + chunks, mask=present, other=-float("inf"), volatile=True)
+    sums = tl.load(row_stats + CHUNKS_POW2 + chunks, mask=present, volatile=True)
+    row_max = tl.max(maxima, axis=0)
+    row_shift = tl.where(row_max == -float("inf"), 0.0, row_max)
+    return row_max, row_shift, tl.sum(tl.where(present, sums * tl.exp(maxima - row_shift), 0.0))
+
+
+@triton.jit
 def forward_kernel(
     x_ptr, y_ptr, stats_ptr, counter_ptr, n_cols, n_chunks, x_row_stride, y_row_stride,
     BLOCK_N: tl.constexpr, CHUNKS_POW2: tl.constexpr, MAX_POLLS: tl.constexpr,
@@ -77,13 +90,7 @@ def forward_kernel(
     tl.store(row_stats + chunk, chunk_max)
     tl.store(row_stats + CHUNKS_POW2 + chunk, tl.sum(tl.exp(x - chunk_shift), axis=0))
     if publish_and_wait(counter_ptr, row, n_chunks, MAX_POLLS):
-        chunks = tl.arange(0, CHUNKS_POW2)
-        present = chunks < n_chunks
-        maxima = tl.load(row_stats + chunks, mask=present, other=-float("inf"), volatile=True)
-        sums = tl.load(row_stats + CHUNKS_POW2 + chunks, mask=present, volatile=True)
-        row_max = tl.max(maxima, axis=0)
-        row_shift = tl.where(row_max == -float("inf"), 0.0, row_max)
-        row_sum = tl.sum(tl.where(present, sums * tl.exp(maxima - row_shift), 0.0))
+        row_max, row_shift, row_sum = combine_pairs(row_stats, n_chunks, CHUNKS_POW2)
     else:
         row_max, row_sum = online_max_and_sum(x_row, n_cols, WAY_OUT_BLOCK, 1)
         row_shift = tl.where(row_max == -float("inf"), 0.0, row_max)
@@ -247,6 +254,8 @@ def print_rates(x, forward: dict, backward: dict) -> None:
     time, counting 2 and 3 passes over x's bytes."""
     size = x.numel() * x.element_size()
     for direction, calls, passes in (("forward", forward, 2), ("backward", backward, 3)):
+        if not calls:
+            continue
         line = f"{direction:8} {dtype_name(x.dtype):8} N={x.shape[1]:7}"
         for name, fn in calls.items():
             line += f"  {name} {bench.rate(passes * size, fn):5.0f}"
