@@ -183,7 +183,9 @@ def jit_function(kernel):
 MULTIPLES_OF_16 = ("n_cols", "N", "x_row_stride", "y_row_stride", "dy_row_stride", "dx_row_stride")
 
 
-def compile_sm90(kernel, arguments: list, dtype: str, constants: dict, num_warps: int) -> str:
+def compile_sm90(
+    kernel, arguments: list, dtype: str, constants: dict, num_warps: int, maxnreg: int | None = None
+) -> str:
     """``kernel`` compiled for sm_90 (no GPU needed), specialized as a launch at the timed
     sizes would be; the path of its cubin. ``arguments``: (name, kind) pairs, kind "data" for
     a pointer of ``dtype``."""
@@ -198,7 +200,8 @@ def compile_sm90(kernel, arguments: list, dtype: str, constants: dict, num_warps
         if kind != "i32" or name in MULTIPLES_OF_16
     }
     source = ASTSource(jit_function(kernel), signature, constants, aligned)
-    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
+    options = {"num_warps": num_warps, **({"maxnreg": maxnreg} if maxnreg else {})}
+    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
     cubin = os.path.join(tempfile.mkdtemp(), "kernel.cubin")
     with open(cubin, "wb") as f:
         f.write(compiled.asm["cubin"])
@@ -210,10 +213,13 @@ def cuobjdump(*arguments) -> str:
     return subprocess.run([tool, *arguments], capture_output=True, text=True, check=True).stdout
 
 
-def registers(kernel, arguments: list, dtype: str, constants: dict, num_warps: int) -> tuple:
-    """Registers a thread of ``kernel`` compiled for sm_90 and its stack bytes (spills), read
-    off the cubin."""
-    usage = cuobjdump("-res-usage", compile_sm90(kernel, arguments, dtype, constants, num_warps))
+def registers(
+    kernel, arguments: list, dtype: str, constants: dict, num_warps: int, maxnreg: int | None = None
+) -> tuple:
+    """Registers a thread of ``kernel`` compiled for sm_90 (at most ``maxnreg``) and its stack
+    bytes (spills), read off the cubin."""
+    cubin = compile_sm90(kernel, arguments, dtype, constants, num_warps, maxnreg)
+    usage = cuobjdump("-res-usage", cubin)
     registers_used = int(re.search(r"REG:(\d+)", usage).group(1))
     return registers_used, int(re.search(r"STACK:(\d+)", usage).group(1))
 
