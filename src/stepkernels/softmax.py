@@ -250,8 +250,7 @@ def launch_rows(tensors: tuple, log: bool, launch: Launch, backward: bool) -> No
     if launch.kernel == "split":
         n_chunks = triton.cdiv(n_cols, launch.block_n)
         chunks_pow2 = triton.next_power_of_2(n_chunks)
-        # per row and chunk: the (max, sum) pair forward, the partial sum backward
-        shape = (n_rows, 1 if backward else 2, chunks_pow2)
+        shape = (n_rows, 1 if backward else 2, chunks_pow2)  # pairs, or sums
         partials = torch.empty(shape, device=tensors[0].device)
         counters = torch.zeros(n_rows, device=partials.device, dtype=torch.int32)
         kernel = softmax_backward_split_kernel if backward else softmax_split_kernel
