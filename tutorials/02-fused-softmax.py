@@ -148,8 +148,8 @@ def online_max_and_sum(x_row, n_cols, BLOCK_N: tl.constexpr, NUM_STAGES: tl.cons
 # ``volatile=True``, so no stale cache line answers. CUDA does not promise that a row's
 # programs run at once: after ``MAX_POLLS`` tries a program walks the row itself (online), in
 # blocks of 1,024 values, not 8,192: registers go to a kernel's hungriest path, run or not, and
-# big blocks left room for fewer programs an SM (fp16 ran 28 to 40% slower). The interpreter runs
-# programs one by one: there, only a row's last chunk finds all pairs.
+# big blocks left room for fewer programs an SM (small ones made the fp16 forward 28 to 40%
+# faster). The interpreter runs programs one by one: only a row's last chunk finds all pairs.
 
 # @save softmax
 WAY_OUT_BLOCK = tl.constexpr(1024)  # a global a kernel reads must be a constexpr
@@ -578,9 +578,9 @@ if forward_backward:
 # %%
 # Past N = 32,768 both directions split rows over programs, reading every tensor once from memory
 # (``tools/experiments/softmax_split_backward.py`` and ``softmax_long_rows.py`` time kernels that
-# read twice). In fp16 they stay short of a copy (printed): the forward's programs wait with no
-# loads in flight, 4 to an SM as registers allow (the results' ``NOTES.md``). Dotted lines time
-# calls from Python (summaries add their CPU time): through autograd, the CPU paces ours.
+# read twice). In fp16 they stay short of a copy (printed), the forward most: a waiting program
+# has none of its loads in flight (the results' ``NOTES.md``). Dotted lines time calls from
+# Python (summaries add their CPU time): through autograd, the CPU paces ours.
 #
 # What we learned
 # ---------------
