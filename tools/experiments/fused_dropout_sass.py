@@ -20,45 +20,28 @@ draws a call and libdevice's ``erf`` (the kernels before), and each half of that
 import collections
 import os
 import re
-import subprocess
 import sys
-import tempfile
 
-sys.path.insert(0, os.path.dirname(__file__))  # fused_dropout_cheaper, beside this script
+sys.path.insert(0, os.path.dirname(__file__))  # fused_dropout_cheaper and sm90, beside this script
 os.environ.setdefault("TRITON_INTERPRET", "0")  # compiled, not interpreted
 
 import fused_dropout_cheaper  # noqa: E402
 import fused_dropout_philox  # noqa: E402
+import sm90  # noqa: E402
 from stepkernels.dropout import (  # noqa: E402
     FUSED_COLS,
     FUSED_OPTIONS,
     bias_act_dropout_backward_kernel,
     bias_act_dropout_kernel,
 )
-import triton  # noqa: E402
-from triton.backends.compiler import GPUTarget  # noqa: E402
-from triton.compiler import ASTSource  # noqa: E402
 
 THREADS = 4 * 32  # 4 warps
 
 
-def jit_function(kernel):
-    while not isinstance(kernel, triton.runtime.JITFunction):
-        kernel = getattr(kernel, "kernel", None) or kernel.fn
-    return kernel
-
-
 def loop_counts(kernel, signature: dict, constants: dict, aligned: tuple) -> tuple:
-    attrs = {(i,): [["tt.divisibility", 16]] for i in aligned}
-    source = ASTSource(jit_function(kernel), signature, constants, attrs)
-    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
-    folder = tempfile.mkdtemp()
-    cubin = os.path.join(folder, "kernel.cubin")
-    with open(cubin, "wb") as f:
-        f.write(compiled.asm["cubin"])
-    nvdisasm = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/nvdisasm")
-    lines = subprocess.run([nvdisasm, "-c", cubin], capture_output=True, text=True,
-                           check=True).stdout.splitlines()  # fmt: skip
+    names = sm90.jit_function(kernel).arg_names
+    compiled = sm90.compile_sm90(kernel, signature, constants, [names[i] for i in aligned], num_warps=4)
+    lines = sm90.nvidia_tool("nvdisasm", "-c", sm90.cubin_file(compiled)).splitlines()
     labels = {m.group(1): i for i, line in enumerate(lines)
               if (m := re.match(r"^(\.L_x_\d+):", line))}  # fmt: skip
     for end, line in enumerate(lines):

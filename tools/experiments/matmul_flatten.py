@@ -21,18 +21,19 @@ square products (fp16 and bf16, 2,048 to 8,192) in TFLOP/s of GPU time: cuBLAS (
 the package's ``matmul_tma`` and the variants, after checking the variants against the package.
 """
 
-import contextlib
 import importlib
-import importlib.util
 import inspect
 import os
 import sys
-import tempfile
+from unittest import mock
 
 COMPILE = "--compile" in sys.argv
 if COMPILE:
     os.environ["TRITON_INTERPRET"] = "0"  # compiled for sm_90, not interpreted
 
+sys.path.insert(0, os.path.dirname(__file__))  # sm90, beside this script
+
+import sm90  # noqa: E402
 from stepkernels import bench  # noqa: E402
 from stepkernels._core import DEVICE, ON_GPU, autotune_configs, dtype_name  # noqa: E402
 import torch  # noqa: E402
@@ -54,14 +55,8 @@ def variant_kernel(name: str):
     source = inspect.getsource(hopper.matmul_tma_kernel.fn)
     assert source.count(TILE_LOOP) == 1, "the package's tile loop changed: update TILE_LOOP"
     changed = source.replace(TILE_LOOP, TILE_LOOP[:-1] + f", {VARIANTS[name]})")
-    path = os.path.join(tempfile.mkdtemp(), "matmul_variant.py")
-    with open(path, "w") as f:
-        f.write("from stepkernels.matmul_hopper import *  # noqa\n")
-        f.write("from stepkernels.matmul_hopper import add_bias, apply_activation, tile_of_program\n")
-        f.write(changed)
-    spec = importlib.util.spec_from_file_location(f"matmul_variant_{len(name)}", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    header = "from stepkernels.matmul_hopper import add_bias, apply_activation, tile_of_program, tl, triton\n"
+    module = sm90.module_from_source(f"matmul_{name.replace(' + ', '_')}", header + changed)
     return module.matmul_tma_kernel
 
 
@@ -75,22 +70,13 @@ def autotuned(kernel):
     )(kernel)
 
 
-@contextlib.contextmanager
 def variant_launches(tuned):
     """Within the block the package's ``matmul_tma`` launches ``tuned``."""
-    saved = hopper.matmul_tma_tuned
-    hopper.matmul_tma_tuned = tuned
-    try:
-        yield
-    finally:
-        hopper.matmul_tma_tuned = saved
+    return mock.patch.object(hopper, "matmul_tma_tuned", tuned)
 
 
 def compile_report():
     """Compile each kernel for sm_90 (fp16, 128 x 256 x 64 tiles, 3 stages, 8 warps)."""
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
     signature = {"a_ptr": "*fp16", "b_ptr": "*fp16", "c_ptr": "*fp16", "bias_ptr": "*fp16",
                  "pre_ptr": "*fp16", "M": "i32", "N": "i32", "K": "i32", "stride_a": "i32",
                  "stride_b": "i32", "stride_bias": "i32"}  # fmt: skip
@@ -98,16 +84,10 @@ def compile_report():
                  "HAS_BIAS": False, "STORE_PREACTIVATION": False, "INPUT_PRECISION": "ieee",
                  "UPCAST": False, "NUM_PROGRAMS": 132, "BLOCK_M": 128, "BLOCK_N": 256,
                  "BLOCK_K": 64, "GROUP_SIZE_M": 8, "ACCUMULATE": False}  # fmt: skip
-    signature.update(dict.fromkeys(constants, "constexpr"))
-    aligned = {(i,): [["tt.divisibility", 16]] for i in range(11)}
     kernels = {"package": hopper.matmul_tma_kernel, **{n: variant_kernel(n) for n in VARIANTS}}
     for name, kernel in kernels.items():
-        jit = kernel if isinstance(kernel, triton.runtime.JITFunction) else kernel.fn
-        source = ASTSource(jit, signature, constants, aligned)
         try:
-            compiled = triton.compile(
-                source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8, "num_stages": 3}
-            )
+            compiled = sm90.compile_sm90(kernel, signature, constants, aligned=signature, num_warps=8, num_stages=3)
         except Exception as error:  # noqa: BLE001 - report and go on
             print(f"{name:28} did not compile: {type(error).__name__}: {str(error)[:200]}")
             continue

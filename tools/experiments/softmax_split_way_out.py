@@ -31,12 +31,12 @@ import os
 import re
 import subprocess
 import sys
-import tempfile
 
 REGISTERS = "--registers" in sys.argv
 if REGISTERS:
     os.environ["TRITON_INTERPRET"] = "0"  # compiled for sm_90, not interpreted
 
+import sm90  # noqa: E402 - beside this script
 from stepkernels import bench  # noqa: E402
 from stepkernels._core import DEVICE, ON_GPU, dtype_name  # noqa: E402
 from stepkernels.softmax import (  # noqa: E402
@@ -172,45 +172,18 @@ LAUNCHES = [(4096, 4), (8192, 4), (8192, 8), (16384, 8)]
 
 
 # Registers, without a GPU ------------------------------------------------------------------
-def jit_function(kernel):
-    while not isinstance(kernel, triton.runtime.JITFunction):
-        kernel = getattr(kernel, "kernel", None) or kernel.fn
-    return kernel
-
-
 # Integers a launch at the timed sizes passes as multiples of 16, which Triton specializes on
 # (``tt.divisibility``), as it does every pointer here: without it the counts run higher.
 MULTIPLES_OF_16 = ("n_cols", "N", "x_row_stride", "y_row_stride", "dy_row_stride", "dx_row_stride")
 
 
-def compile_sm90(
-    kernel, arguments: list, dtype: str, constants: dict, num_warps: int, maxnreg: int | None = None
-) -> str:
+def compile_split(kernel, arguments: list, dtype: str, constants: dict, num_warps: int, maxnreg: int | None = None):
     """``kernel`` compiled for sm_90 (no GPU needed), specialized as a launch at the timed
-    sizes would be; the path of its cubin. ``arguments``: (name, kind) pairs, kind "data" for
-    a pointer of ``dtype``."""
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
+    sizes would be. ``arguments``: (name, kind) pairs, kind "data" for a pointer of ``dtype``."""
     signature = {name: (f"*{dtype}" if kind == "data" else kind) for name, kind in arguments}
-    signature.update(dict.fromkeys(constants, "constexpr"))
-    aligned = {
-        (i,): [["tt.divisibility", 16]]
-        for i, (name, kind) in enumerate(arguments)
-        if kind != "i32" or name in MULTIPLES_OF_16
-    }
-    source = ASTSource(jit_function(kernel), signature, constants, aligned)
+    aligned = [name for name, kind in arguments if kind != "i32" or name in MULTIPLES_OF_16]
     options = {"num_warps": num_warps, **({"maxnreg": maxnreg} if maxnreg else {})}
-    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
-    cubin = os.path.join(tempfile.mkdtemp(), "kernel.cubin")
-    with open(cubin, "wb") as f:
-        f.write(compiled.asm["cubin"])
-    return cubin
-
-
-def cuobjdump(*arguments) -> str:
-    tool = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/cuobjdump")
-    return subprocess.run([tool, *arguments], capture_output=True, text=True, check=True).stdout
+    return sm90.compile_sm90(kernel, signature, constants, aligned, **options)
 
 
 def registers(
@@ -218,8 +191,8 @@ def registers(
 ) -> tuple:
     """Registers a thread of ``kernel`` compiled for sm_90 (at most ``maxnreg``) and its stack
     bytes (spills), read off the cubin."""
-    cubin = compile_sm90(kernel, arguments, dtype, constants, num_warps, maxnreg)
-    usage = cuobjdump("-res-usage", cubin)
+    compiled = compile_split(kernel, arguments, dtype, constants, num_warps, maxnreg)
+    usage = sm90.nvidia_tool("cuobjdump", "-res-usage", sm90.cubin_file(compiled))
     registers_used = int(re.search(r"REG:(\d+)", usage).group(1))
     return registers_used, int(re.search(r"STACK:(\d+)", usage).group(1))
 
@@ -244,17 +217,9 @@ WALKED_IN_CHUNKS = "a78c087"  # the last commit whose package walked its way out
 
 def package_at(commit: str):
     """``stepkernels.softmax`` as it was at ``commit`` (read with git), imported as a module."""
-    import importlib.util
-
     source = subprocess.run(["git", "show", f"{commit}:src/stepkernels/softmax.py"],
                             capture_output=True, text=True, check=True).stdout  # fmt: skip
-    path = os.path.join(tempfile.mkdtemp(), f"softmax_{commit}.py")
-    with open(path, "w") as f:
-        f.write(source)
-    spec = importlib.util.spec_from_file_location(f"softmax_{commit}", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return sm90.module_from_source(f"softmax_{commit}", source)
 
 
 def count_registers() -> None:

@@ -26,19 +26,21 @@ and the invalidations it replaces (they also pace the polls). Not taken.
 """
 
 import contextlib
+import functools
+import importlib
 import itertools
 import os
 import re
 import sys
 import types
+from unittest import mock
 
 SASS = "--sass" in sys.argv
 sys.path.insert(0, os.path.dirname(__file__))  # softmax_split_way_out, beside this script
 if SASS:
     os.environ["TRITON_INTERPRET"] = "0"  # compiled for sm_90, not interpreted
 
-import importlib  # noqa: E402
-
+import sm90  # noqa: E402 - beside this script
 from stepkernels import bench, long_rows  # noqa: E402
 from stepkernels._core import DEVICE, ON_GPU, dtype_name  # noqa: E402
 import torch  # noqa: E402
@@ -62,7 +64,7 @@ def wait_light(counter_ptr, row, n_chunks, MAX_POLLS: tl.constexpr):
 
 
 def python_function(kernel):
-    """The Python function under a ``@lean`` and ``@triton.jit`` kernel."""
+    """The Python function under a ``@lean`` and ``@triton.jit`` kernel, compiled or interpreted."""
     while not isinstance(kernel, types.FunctionType):
         kernel = getattr(kernel, "kernel", None) or kernel.fn
     return kernel
@@ -97,14 +99,10 @@ LIGHT = {  # (module, kernel name): the kernel with the light wait
 @contextlib.contextmanager
 def light_waits():
     """Within the block the package's wrappers launch the light-wait kernels."""
-    saved = {key: getattr(*key) for key in LIGHT}
-    for (module, name), kernel in LIGHT.items():
-        setattr(module, name, kernel)
-    try:
+    with contextlib.ExitStack() as stack:
+        for (module, name), kernel in LIGHT.items():
+            stack.enter_context(mock.patch.object(module, name, kernel))
         yield
-    finally:
-        for (module, name), kernel in saved.items():
-            setattr(module, name, kernel)
 
 
 def light(fn):
@@ -121,20 +119,16 @@ def layer_norm_calls(n_rows, n_cols, dtype):
     weight, bias = (torch.randn(n_cols, device=DEVICE, dtype=dtype) for _ in "wb")
     dy = torch.randn_like(x)
     _, mean, rstd = layer_norm.layer_norm_forward(x, weight, bias, 1e-5)
-    forward = functools_partial(layer_norm.layer_norm_forward, x, weight, bias, 1e-5)
-    backward = functools_partial(layer_norm.layer_norm_backward, dy, x, weight, mean, rstd)
+    forward = functools.partial(layer_norm.layer_norm_forward, x, weight, bias, 1e-5)
+    backward = functools.partial(layer_norm.layer_norm_backward, dy, x, weight, mean, rstd)
     return x, forward, backward
-
-
-def functools_partial(fn, *args):
-    return lambda: fn(*args)
 
 
 def softmax_calls(n_rows, n_cols, dtype):
     x = torch.randn(n_rows, n_cols, device=DEVICE, dtype=dtype) * 4
     y, dy = torch.softmax(x.float(), dim=-1).to(dtype), torch.randn_like(x)
-    forward = functools_partial(softmax.softmax_forward, x)
-    backward = functools_partial(softmax.softmax_backward, y, dy)
+    forward = functools.partial(softmax.softmax_forward, x)
+    backward = functools.partial(softmax.softmax_backward, y, dy)
     return x, forward, backward
 
 
@@ -172,11 +166,11 @@ def sweep():
 def sass_counts(kernel, dtype, num_warps=8):
     """Instructions of chapter 02's split forward ``kernel`` compiled for sm_90 at 8,192 values:
     in all, and how many are ``CCTL`` (L1 invalidations) and ``BAR.SYNC``."""
-    from softmax_split_way_out import FORWARD_ARGUMENTS, compile_sm90, cuobjdump
+    from softmax_split_way_out import FORWARD_ARGUMENTS, compile_split
 
     constants = {"BLOCK_N": 8192, "CHUNKS_POW2": 8, "MAX_POLLS": 100_000, "LOG": False}
-    cubin = compile_sm90(kernel, FORWARD_ARGUMENTS, dtype, constants, num_warps)
-    body = re.findall(r"/\*[0-9a-f]{4}\*/\s+([^;]*);", cuobjdump("-sass", cubin))
+    cubin = sm90.cubin_file(compile_split(kernel, FORWARD_ARGUMENTS, dtype, constants, num_warps))
+    body = re.findall(r"/\*[0-9a-f]{4}\*/\s+([^;]*);", sm90.nvidia_tool("cuobjdump", "-sass", cubin))
     return len(body), sum("CCTL" in i for i in body), sum("BAR.SYNC" in i for i in body)
 
 

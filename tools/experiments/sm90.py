@@ -1,0 +1,67 @@
+"""Triton kernels compiled for sm_90 (the H100) without a GPU, and what came out.
+
+Triton's NVIDIA backend compiles for any target on any machine, and its wheel carries ``ptxas``,
+``cuobjdump`` and ``nvdisasm``: the experiments that count registers, instructions or shared
+memory on the CPU machine share these pieces. Set ``TRITON_INTERPRET=0`` before Triton is
+imported, or the kernels are the interpreter's; this module imports Triton only when called,
+so that importing it first leaves that to ``stepkernels``. The CPU machine's Triton may
+allocate otherwise than the H100's: counts made here are leads.
+"""
+
+import importlib.util
+import os
+import subprocess
+import tempfile
+
+
+def jit_function(kernel):
+    """The ``@triton.jit`` function under ``@lean``, ``@triton.autotune`` or ``@triton.heuristics``."""
+    import triton
+
+    while not isinstance(kernel, triton.runtime.JITFunction):
+        kernel = getattr(kernel, "kernel", None) or kernel.fn
+    return kernel
+
+
+def compile_sm90(kernel, signature: dict, constants: dict, aligned=(), **options):
+    """``kernel`` compiled for sm_90. ``signature`` gives each runtime argument its Triton type
+    (``"*fp16"``, ``"i32"``...), ``constants`` the constexprs, ``aligned`` the names of the
+    arguments specialized as multiples of 16 (as Triton does at launch for pointers and
+    integers that are), ``options`` the compiler's (``num_warps``, ``maxnreg``...)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    jit = jit_function(kernel)
+    attrs = {(jit.arg_names.index(name),): [["tt.divisibility", 16]] for name in aligned}
+    full = {**signature, **dict.fromkeys(constants, "constexpr")}
+    source = ASTSource(jit, full, constants, attrs)
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
+
+
+def cubin_file(compiled) -> str:
+    """The path of a file holding ``compiled``'s cubin, for the tools below."""
+    path = os.path.join(tempfile.mkdtemp(), "kernel.cubin")
+    with open(path, "wb") as f:
+        f.write(compiled.asm["cubin"])
+    return path
+
+
+def nvidia_tool(name: str, *arguments) -> str:
+    """What ``cuobjdump`` or ``nvdisasm`` from Triton's wheel prints for ``arguments``."""
+    import triton
+
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin", name)
+    return subprocess.run([tool, *arguments], capture_output=True, text=True, check=True).stdout
+
+
+def module_from_source(name: str, source: str):
+    """``source`` imported as module ``name`` from a file of its own, so that Triton, which
+    reads a kernel's source from its file, can compile the kernels it defines."""
+    path = os.path.join(tempfile.mkdtemp(), f"{name}.py")
+    with open(path, "w") as f:
+        f.write(source)
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
