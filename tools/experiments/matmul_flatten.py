@@ -16,14 +16,16 @@ configurations. The package's ``matmul_tma`` then launches it (``variant_launche
     TRITON_INTERPRET=0 PYTHONPATH=src python tools/experiments/matmul_flatten.py --compile
 
 ``--compile`` compiles the package's kernel and the variants for sm_90 on the CPU machine and
-prints whether each compiled and its shared memory, registers and SASS size. On a GPU it times
-square products (fp16 and bf16, 2,048 to 8,192) in TFLOP/s of GPU time: cuBLAS (torch.matmul),
-the package's ``matmul_tma`` and the variants, after checking the variants against the package.
+prints whether each compiled, its shared memory, its lines of PTX code and whether they are
+the package's. On a GPU it times square products (fp16 and bf16, 2,048 to 8,192) in TFLOP/s
+of GPU time: cuBLAS (torch.matmul), the package's ``matmul_tma`` and the variants, after
+checking the variants against the package.
 """
 
 import importlib
 import inspect
 import os
+import re
 import sys
 from unittest import mock
 
@@ -85,15 +87,24 @@ def compile_report():
                  "UPCAST": False, "NUM_PROGRAMS": 132, "BLOCK_M": 128, "BLOCK_N": 256,
                  "BLOCK_K": 64, "GROUP_SIZE_M": 8, "ACCUMULATE": False}  # fmt: skip
     kernels = {"package": hopper.matmul_tma_kernel, **{n: variant_kernel(n) for n in VARIANTS}}
+    package_code = None
     for name, kernel in kernels.items():
         try:
             compiled = sm90.compile_sm90(kernel, signature, constants, aligned=signature, num_warps=8, num_stages=3)
         except Exception as error:  # noqa: BLE001 - report and go on
             print(f"{name:28} did not compile: {type(error).__name__}: {str(error)[:200]}")
             continue
-        metadata = compiled.metadata
-        print(f"{name:28} shared memory {metadata.shared:7,} B, {metadata.num_warps} warps, "
-              f"PTX {len(compiled.asm['ptx']):,} characters")  # fmt: skip
+        code = ptx_code(compiled.asm["ptx"])
+        package_code = package_code or code
+        same = "the package's" if code == package_code else "not the package's"
+        print(f"{name:28} shared memory {compiled.metadata.shared:7,} B, "
+              f"{compiled.metadata.num_warps} warps, PTX {len(code):,} lines, {same}")  # fmt: skip
+
+
+def ptx_code(ptx: str) -> list:
+    """The PTX's lines of code: its debug lines (which name the source file) left out."""
+    debug = re.compile(r"\s*(\.loc|\.file|//|\$L__|\.section|\.b8|\.b32|\.b64)")
+    return [line for line in ptx.splitlines() if line.strip() and not debug.match(line)]
 
 
 def check(size=64):
