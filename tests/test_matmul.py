@@ -352,3 +352,35 @@ def test_accumulate_sharing_memory_with_an_operand_is_refused():
     a = torch.randn(8, 8, device=DEVICE)
     with pytest.raises(ValueError, match="copy"):
         matmul(a, a.clone(), accumulate=a)
+
+
+# Shapes whose last wave the descriptor kernel splits along K with 16 x 16 x 16 tiles: one
+# tile more than a full wave (the interpreter has 4 "SMs", an H100 132), and a single tile.
+TAIL_SHAPES = [(16, 16, 256)] + ([(112, 304, 512)] if ON_GPU else [(80, 16, 256)])
+SPLIT = {**SMALL, "SPLIT_TAIL": True}
+
+
+@pytest.mark.skipif(not (ON_HOPPER or INTERPRET), reason="the descriptor kernel needs Hopper")
+@pytest.mark.parametrize("activation", [None, "gelu"])
+@pytest.mark.parametrize("shape", TAIL_SHAPES, ids=str)
+def test_split_last_wave_sums_its_shares_once_and_in_order(shape, activation):
+    from stepkernels.matmul_hopper import launch_tma, sm_count, tail_counters
+
+    M, N, K = shape
+    assert (M // 16) * (N // 16) % sm_count() == 1 or (M // 16) * (N // 16) == 1
+    a, b, bias = operands(M, N, K, torch.float32)
+    start = torch.randn(M, N, generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    with fp32_precision("highest"):
+        split = [matmul_tma(a, b, activation, bias=bias, return_preactivation=True,
+                            config=SPLIT) for _ in range(2)]  # fmt: skip
+        whole = matmul_tma(a, b, activation, bias=bias, return_preactivation=True, config=SMALL)
+        out = start.clone()
+        launch_tma(a, b, None, bias, False, SPLIT, accumulate=out)
+    expected, expected_pre = matmul_reference(a, b, activation, bias)
+    tol = tolerance(torch.float32, K)
+    for got, want in zip(split[0], (expected, expected_pre), strict=True):
+        torch.testing.assert_close(got.double(), want, **tol)
+    assert all(torch.equal(x, y) for x, y in zip(*split, strict=True))  # the same bits twice
+    assert not torch.equal(split[1][1], whole[1])  # the split did happen: other roundings
+    torch.testing.assert_close(out.double(), start.double() + matmul_reference(a, b, None, bias)[0], **tol)
+    assert int(tail_counters(a.device).abs().sum()) == 0  # left at zero for the next launch

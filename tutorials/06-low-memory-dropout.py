@@ -552,8 +552,7 @@ for name, fused, backward, passes in (
             name=name,
             x_name="elements",
             x_values=[2**i for i in (16, 18, 20, 22, 24, 26, 27, 28)],
-            providers=["triton", "torch", "torch.compile"]
-            + ([] if backward else [bench.COPY_PROVIDER]),
+            providers=["triton", "torch", "torch.compile", bench.COPY_PROVIDER],
             make=lambda *args, f=fused, b=backward: make(*args, fused=f, backward=b),
             work=lambda n, dtype, passes=passes: passes * n * dtype.itemsize,
             dtypes=(torch.float32, torch.float16),

@@ -87,7 +87,7 @@ import triton.language as tl
 
 @triton.jit
 def matmul_tma_kernel(
-    a_ptr, b_ptr, c_ptr, bias_ptr, pre_ptr,
+    a_ptr, b_ptr, c_ptr, bias_ptr, pre_ptr, partial_ptr, counter_ptr,
     M, N, K,
     stride_a, stride_b, stride_bias,
     A_COLUMN_MAJOR: tl.constexpr, B_COLUMN_MAJOR: tl.constexpr,
@@ -95,6 +95,7 @@ def matmul_tma_kernel(
     INPUT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, NUM_PROGRAMS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_SIZE_M: tl.constexpr, ACCUMULATE: tl.constexpr = False,
+    SPLIT_TAIL: tl.constexpr = False, MAX_SPLITS: tl.constexpr = 8,
 ):  # fmt: skip
     # One descriptor per tensor. A column-major operand is described as its transpose.
     if A_COLUMN_MAJOR:
@@ -123,13 +124,28 @@ def matmul_tma_kernel(
 
     tiles_m = tl.cdiv(M, BLOCK_M)
     tiles_n = tl.cdiv(N, BLOCK_N)
-    # Persistent: this program takes every NUM_PROGRAMS-th tile, in the grouped order.
-    for tile_id in tl.range(tl.program_id(axis=0), tiles_m * tiles_n, NUM_PROGRAMS):
+    k_steps = tl.cdiv(K, BLOCK_K)
+    whole, splits = tiles_m * tiles_n, 1
+    if SPLIT_TAIL:  # a config's choice, made by the autotuner (below)
+        whole, splits = tail_split(tiles_m * tiles_n, k_steps, NUM_PROGRAMS, MAX_SPLITS)
+    work = whole + (tiles_m * tiles_n - whole) * splits
+    # Persistent: this program takes every NUM_PROGRAMS-th item of work: the first
+    # ``whole`` tiles in the grouped order, then (when the last wave is split) a share of
+    # the K steps of a tail tile, at most one a program.
+    for item in tl.range(tl.program_id(axis=0), work, NUM_PROGRAMS):
+        tile_id, k_first, k_last = item, 0, k_steps
+        if SPLIT_TAIL:
+            share = item - whole  # from 0 on: share ``share % splits`` of a tail tile
+            tile_id = tl.where(share >= 0, whole + share // splits, item)
+            k_first = tl.where(share >= 0, share % splits * k_steps // splits, 0)
+            k_last = tl.where(
+                share >= 0, (share % splits + 1) * k_steps // splits, k_steps
+            )
         pid_m, pid_n = tile_of_program(tile_id, tiles_m, tiles_n, GROUP_SIZE_M)
         off_m = pid_m * BLOCK_M
         off_n = pid_n * BLOCK_N
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k in range(tl.cdiv(K, BLOCK_K)):
+        for k in range(k_first, k_last):
             off_k = k * BLOCK_K
             if A_COLUMN_MAJOR:
                 a = a_desc.load([off_k, off_m]).T
@@ -144,20 +160,93 @@ def matmul_tma_kernel(
                 b = b.to(tl.float32)
             acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
 
-        offs_n = off_n + tl.arange(0, BLOCK_N)
-        acc = add_bias(acc, bias_ptr, offs_n, N, stride_bias, HAS_BIAS)
-        if ACCUMULATE:  # C += A B (chapter 04)
-            acc += c_desc.load([off_m, off_n]).to(tl.float32)
-        if STORE_PREACTIVATION:
-            pre_desc.store([off_m, off_n], acc.to(pre_ptr.dtype.element_ty))
-        out = apply_activation(acc, ACTIVATION)
-        c_desc.store([off_m, off_n], out.to(c_ptr.dtype.element_ty))
+        finish = True
+        if SPLIT_TAIL:  # the last share of a tail tile to arrive finishes it
+            acc, finish = add_shares(
+                acc, partial_ptr, counter_ptr, share, splits, BLOCK_M, BLOCK_N
+            )
+        if finish:
+            offs_n = off_n + tl.arange(0, BLOCK_N)
+            acc = add_bias(acc, bias_ptr, offs_n, N, stride_bias, HAS_BIAS)
+            if ACCUMULATE:  # C += A B (chapter 04)
+                acc += c_desc.load([off_m, off_n]).to(tl.float32)
+            if STORE_PREACTIVATION:
+                pre_desc.store([off_m, off_n], acc.to(pre_ptr.dtype.element_ty))
+            out = apply_activation(acc, ACTIVATION)
+            c_desc.store([off_m, off_n], out.to(c_ptr.dtype.element_ty))
+
+
+# %%
+# The last wave
+# -------------
+# Persistent programs do not remove the launch tail, they move it: at 3,072³ with
+# 128 × 256 tiles there are 288 tiles for 132 SMs, two full waves and a third of 24 tiles,
+# during which 108 SMs idle. This is where chapter 04's benchmark has us furthest behind
+# cuBLAS. So a kernel compiled with ``SPLIT_TAIL`` *splits* the last wave's tiles along K
+# when that wave would leave at least half of the SMs idle (split-K for the tail only, as
+# stream-K schedules do): each tail tile becomes ``splits`` shares of its K steps, one share
+# a program, enough to keep every SM busy (at most ``MAX_SPLITS``, at least 4 K steps a
+# share).
+#
+# A share's product is only part of a tile. Each share stores its fp32 partial tile in a
+# scratch buffer and counts itself in with an atomic add on the tile's counter; the share
+# that arrives last (the atomic returns ``splits - 1``) sums the partial tiles, in share
+# order so that the result does not depend on who came last, runs the epilogue and sets the
+# counter back to zero for the next launch. Nobody waits: the other shares just go on.
+# ``publish`` in chapter 02 is the same pattern: a barrier so that every thread has stored,
+# then an atomic whose *release* makes the stores visible to the program that *acquires*.
+
+
+# @save matmul_hopper
+@triton.jit
+def tail_split(tiles, k_steps, NUM_PROGRAMS: tl.constexpr, MAX_SPLITS: tl.constexpr):
+    """(tiles done whole, shares a tail tile): the last wave's tiles are split when it
+    would leave half the programs idle or more."""
+    tail = tiles % NUM_PROGRAMS
+    splits = tl.minimum(NUM_PROGRAMS // tl.maximum(tail, 1), MAX_SPLITS)
+    splits = tl.maximum(tl.minimum(splits, k_steps // 4), 1)
+    splits = tl.where(tail == 0, 1, splits)
+    return tl.where(splits > 1, tiles - tail, tiles), splits
+
+
+@triton.jit
+def add_shares(
+    acc, partial_ptr, counter_ptr, share, splits,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    """For a share of a tail tile (``share`` >= 0): store it and count it in. The last
+    share of its tile to arrive gets the sum of all of them and True, the others False.
+    A whole tile (``share`` < 0) gets its own ``acc`` and True."""
+    finish = share < 0
+    if share >= 0:
+        part = share % splits
+        tile = (
+            partial_ptr
+            + (share - part) * BLOCK_M * BLOCK_N  # a tile's shares are consecutive
+            + tl.arange(0, BLOCK_M)[:, None] * BLOCK_N
+            + tl.arange(0, BLOCK_N)[None, :]
+        )
+        tl.store(tile + part * BLOCK_M * BLOCK_N, acc)
+        tl.debug_barrier()  # every thread of this program has stored
+        arrived = tl.atomic_add(counter_ptr + share // splits, 1, sem="acq_rel")
+        finish = arrived == splits - 1
+        if finish:
+            acc = tl.load(
+                tile, cache_modifier=".cg"
+            )  # from L2, where the others stored
+            for other in range(1, splits):
+                acc += tl.load(tile + other * BLOCK_M * BLOCK_N, cache_modifier=".cg")
+            tl.store(counter_ptr + share // splits, 0)  # ready for the next launch
+    return acc, finish
 
 
 # %%
 # The configs are chapter 04's minus its smallest tiles: this kernel only runs when the
 # output has a 128 × 128 tile for every SM (fp8 excepted), where small tiles do not win.
-# For tf32, deeper pipelines of thin K steps (``tools/experiments/linear_tiles.py``).
+# For tf32, deeper pipelines of thin K steps (``tools/experiments/linear_tiles.py``). Each
+# tile comes twice, with and without ``SPLIT_TAIL``, and the autotuner keeps the faster:
+# the split's code costs registers (up to 100 more a thread, and spills with GELU on
+# 128 × 256 tiles), which a product without a split tail should not pay.
 
 # @save matmul_hopper
 TMA_CONFIGS = [
@@ -176,6 +265,17 @@ TMA_CONFIGS = [
     tile_config(128, 128, 32, 4, 8, itemsize=4),
     tile_config(64, 256, 32, 4, 8, itemsize=4),
 ]
+
+
+def split_tail(config):
+    """``config`` with the last wave split: the autotuner times each tile both ways."""
+    options = {"num_warps": config.num_warps, "num_stages": config.num_stages}
+    made = triton.Config({**config.kwargs, "SPLIT_TAIL": True}, **options)
+    made.itemsize = config.itemsize
+    return made
+
+
+TMA_CONFIGS += [split_tail(config) for config in TMA_CONFIGS]
 matmul_tma_tuned = lean(  # cheap repeated launches: chapter 08
     triton.autotune(
         configs=autotune_configs(TMA_CONFIGS),
@@ -191,10 +291,11 @@ matmul_tma_tuned = lean(  # cheap repeated launches: chapter 08
 # ------------
 # ``tma_layout`` says whether a descriptor can describe an operand, and how (row- or
 # column-major); ``tma_applies`` asks it of both operands and of the output. The grid is
-# one program per SM, or one per tile when there are fewer tiles (under the interpreter,
-# ``sm_count()`` is 4, so that the loop over tiles still takes several turns). Descriptors
-# built inside a kernel need a little global scratch memory for the descriptor itself, which
-# Triton asks for through the allocator set with ``triton.set_allocator``.
+# one program per SM (under the interpreter, ``sm_count()`` is 4, so that the loop over
+# tiles still takes several turns); programs without work return at once. The tail's
+# counters are kept per stream, zeroed once. Descriptors built inside a kernel need a little
+# global scratch memory for the descriptor itself, which Triton asks for through the
+# allocator set with ``triton.set_allocator``.
 #
 # One exception to reading transposes through strides: fp32 as tf32. Hopper's tensor-core
 # instruction (``wgmma``) reads 16-bit operands from shared memory in either order, but tf32
@@ -268,6 +369,22 @@ def matmul_tma(
     return launch_tma(*operands, activation, bias, return_preactivation, config)
 
 
+_TAIL_COUNTERS = {}  # (device, stream) -> zeros, each counter set back to 0 after use
+
+
+def tail_counters(device):
+    """The tail tiles' counters for launches on the current stream: launches on one stream
+    run one after another, so they can share counters that each launch leaves at zero."""
+    stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
+    key = (device, stream and stream.cuda_stream)
+    if key not in _TAIL_COUNTERS:
+        counters = torch.zeros(sm_count(), device=device, dtype=torch.int32)
+        if stream is not None and torch.cuda.is_current_stream_capturing():
+            return counters  # memory of the graph being captured: not kept
+        _TAIL_COUNTERS[key] = counters
+    return _TAIL_COUNTERS[key]
+
+
 def launch_tma(
     a, b, activation, bias, return_preactivation, config=None, accumulate=None
 ):
@@ -282,14 +399,14 @@ def launch_tma(
     a_column_major = tma_layout(a) == "column"
     b_column_major = tma_layout(b) == "column"
     programs = sm_count()
-    grid = lambda meta: (
-        min(
-            programs, triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"])
-        ),
+    # Scratch for the tail's partial tiles (one a program, at most), and its counters.
+    largest_tile = max(c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] for c in TMA_CONFIGS)
+    partials = torch.empty(
+        programs * largest_tile, device=a.device, dtype=torch.float32
     )
     kernel = matmul_tma_tuned if config is None else matmul_tma_kernel
-    kernel[grid](
-        a, b, out, bias, pre, M, N, K,
+    kernel[(programs,)](
+        a, b, out, bias, pre, partials, tail_counters(a.device), M, N, K,
         a.stride(1) if a_column_major else a.stride(0),
         b.stride(1) if b_column_major else b.stride(0),
         bias.stride(0) if bias is not None else 0,
@@ -328,6 +445,22 @@ print((experiments / "matmul_operand_order.log").read_text())
 # %%
 # In fp16 the order hardly matters. In fp32 the kernel is several times slower for every
 # order but the K-major one, and the copy recovers most of that; cuBLAS stays ahead in fp32.
+#
+# What the split tail is worth was measured by ``tools/experiments/matmul_tail_split.py``:
+# square products, each fp16 tile without the split and with ``MAX_SPLITS`` of 4, 8 and 16,
+# next to cuBLAS and the autotuned package. Its 3,072³ lines:
+
+tail_log = (experiments / "matmul_tail_split.log").read_text().splitlines()
+for index, line in enumerate(tail_log):
+    if " 3072:" in line:
+        print("\n".join(tail_log[index : index + 6]))
+
+# %%
+# With the tail split, 128 × 256 tiles go from behind the 128 × 128 ones to ahead of every
+# tile at 3,072³, though still well behind cuBLAS: a share of 9 or 10 K steps pays the
+# pipeline's start as a whole tile does, and the last share to arrive reads the others'
+# partial tiles before its epilogue. Where the last wave is full enough no split happens, and the
+# autotuner keeps the configs without it.
 #
 # fp8
 # ---

@@ -24,7 +24,7 @@ import triton.language as tl
 
 @triton.jit
 def matmul_tma_kernel(
-    a_ptr, b_ptr, c_ptr, bias_ptr, pre_ptr,
+    a_ptr, b_ptr, c_ptr, bias_ptr, pre_ptr, partial_ptr, counter_ptr,
     M, N, K,
     stride_a, stride_b, stride_bias,
     A_COLUMN_MAJOR: tl.constexpr, B_COLUMN_MAJOR: tl.constexpr,
@@ -32,6 +32,7 @@ def matmul_tma_kernel(
     INPUT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, NUM_PROGRAMS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_SIZE_M: tl.constexpr, ACCUMULATE: tl.constexpr = False,
+    SPLIT_TAIL: tl.constexpr = False, MAX_SPLITS: tl.constexpr = 8,
 ):  # fmt: skip
     # One descriptor per tensor. A column-major operand is described as its transpose.
     if A_COLUMN_MAJOR:
@@ -60,13 +61,28 @@ def matmul_tma_kernel(
 
     tiles_m = tl.cdiv(M, BLOCK_M)
     tiles_n = tl.cdiv(N, BLOCK_N)
-    # Persistent: this program takes every NUM_PROGRAMS-th tile, in the grouped order.
-    for tile_id in tl.range(tl.program_id(axis=0), tiles_m * tiles_n, NUM_PROGRAMS):
+    k_steps = tl.cdiv(K, BLOCK_K)
+    whole, splits = tiles_m * tiles_n, 1
+    if SPLIT_TAIL:  # a config's choice, made by the autotuner (below)
+        whole, splits = tail_split(tiles_m * tiles_n, k_steps, NUM_PROGRAMS, MAX_SPLITS)
+    work = whole + (tiles_m * tiles_n - whole) * splits
+    # Persistent: this program takes every NUM_PROGRAMS-th item of work: the first
+    # ``whole`` tiles in the grouped order, then (when the last wave is split) a share of
+    # the K steps of a tail tile, at most one a program.
+    for item in tl.range(tl.program_id(axis=0), work, NUM_PROGRAMS):
+        tile_id, k_first, k_last = item, 0, k_steps
+        if SPLIT_TAIL:
+            share = item - whole  # from 0 on: share ``share % splits`` of a tail tile
+            tile_id = tl.where(share >= 0, whole + share // splits, item)
+            k_first = tl.where(share >= 0, share % splits * k_steps // splits, 0)
+            k_last = tl.where(
+                share >= 0, (share % splits + 1) * k_steps // splits, k_steps
+            )
         pid_m, pid_n = tile_of_program(tile_id, tiles_m, tiles_n, GROUP_SIZE_M)
         off_m = pid_m * BLOCK_M
         off_n = pid_n * BLOCK_N
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k in range(tl.cdiv(K, BLOCK_K)):
+        for k in range(k_first, k_last):
             off_k = k * BLOCK_K
             if A_COLUMN_MAJOR:
                 a = a_desc.load([off_k, off_m]).T
@@ -81,14 +97,62 @@ def matmul_tma_kernel(
                 b = b.to(tl.float32)
             acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
 
-        offs_n = off_n + tl.arange(0, BLOCK_N)
-        acc = add_bias(acc, bias_ptr, offs_n, N, stride_bias, HAS_BIAS)
-        if ACCUMULATE:  # C += A B (chapter 04)
-            acc += c_desc.load([off_m, off_n]).to(tl.float32)
-        if STORE_PREACTIVATION:
-            pre_desc.store([off_m, off_n], acc.to(pre_ptr.dtype.element_ty))
-        out = apply_activation(acc, ACTIVATION)
-        c_desc.store([off_m, off_n], out.to(c_ptr.dtype.element_ty))
+        finish = True
+        if SPLIT_TAIL:  # the last share of a tail tile to arrive finishes it
+            acc, finish = add_shares(
+                acc, partial_ptr, counter_ptr, share, splits, BLOCK_M, BLOCK_N
+            )
+        if finish:
+            offs_n = off_n + tl.arange(0, BLOCK_N)
+            acc = add_bias(acc, bias_ptr, offs_n, N, stride_bias, HAS_BIAS)
+            if ACCUMULATE:  # C += A B (chapter 04)
+                acc += c_desc.load([off_m, off_n]).to(tl.float32)
+            if STORE_PREACTIVATION:
+                pre_desc.store([off_m, off_n], acc.to(pre_ptr.dtype.element_ty))
+            out = apply_activation(acc, ACTIVATION)
+            c_desc.store([off_m, off_n], out.to(c_ptr.dtype.element_ty))
+
+
+@triton.jit
+def tail_split(tiles, k_steps, NUM_PROGRAMS: tl.constexpr, MAX_SPLITS: tl.constexpr):
+    """(tiles done whole, shares a tail tile): the last wave's tiles are split when it
+    would leave half the programs idle or more."""
+    tail = tiles % NUM_PROGRAMS
+    splits = tl.minimum(NUM_PROGRAMS // tl.maximum(tail, 1), MAX_SPLITS)
+    splits = tl.maximum(tl.minimum(splits, k_steps // 4), 1)
+    splits = tl.where(tail == 0, 1, splits)
+    return tl.where(splits > 1, tiles - tail, tiles), splits
+
+
+@triton.jit
+def add_shares(
+    acc, partial_ptr, counter_ptr, share, splits,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    """For a share of a tail tile (``share`` >= 0): store it and count it in. The last
+    share of its tile to arrive gets the sum of all of them and True, the others False.
+    A whole tile (``share`` < 0) gets its own ``acc`` and True."""
+    finish = share < 0
+    if share >= 0:
+        part = share % splits
+        tile = (
+            partial_ptr
+            + (share - part) * BLOCK_M * BLOCK_N  # a tile's shares are consecutive
+            + tl.arange(0, BLOCK_M)[:, None] * BLOCK_N
+            + tl.arange(0, BLOCK_N)[None, :]
+        )
+        tl.store(tile + part * BLOCK_M * BLOCK_N, acc)
+        tl.debug_barrier()  # every thread of this program has stored
+        arrived = tl.atomic_add(counter_ptr + share // splits, 1, sem="acq_rel")
+        finish = arrived == splits - 1
+        if finish:
+            acc = tl.load(
+                tile, cache_modifier=".cg"
+            )  # from L2, where the others stored
+            for other in range(1, splits):
+                acc += tl.load(tile + other * BLOCK_M * BLOCK_N, cache_modifier=".cg")
+            tl.store(counter_ptr + share // splits, 0)  # ready for the next launch
+    return acc, finish
 
 
 TMA_CONFIGS = [
@@ -107,6 +171,17 @@ TMA_CONFIGS = [
     tile_config(128, 128, 32, 4, 8, itemsize=4),
     tile_config(64, 256, 32, 4, 8, itemsize=4),
 ]
+
+
+def split_tail(config):
+    """``config`` with the last wave split: the autotuner times each tile both ways."""
+    options = {"num_warps": config.num_warps, "num_stages": config.num_stages}
+    made = triton.Config({**config.kwargs, "SPLIT_TAIL": True}, **options)
+    made.itemsize = config.itemsize
+    return made
+
+
+TMA_CONFIGS += [split_tail(config) for config in TMA_CONFIGS]
 matmul_tma_tuned = lean(  # cheap repeated launches: chapter 08
     triton.autotune(
         configs=autotune_configs(TMA_CONFIGS),
@@ -179,6 +254,22 @@ def matmul_tma(
     return launch_tma(*operands, activation, bias, return_preactivation, config)
 
 
+_TAIL_COUNTERS = {}  # (device, stream) -> zeros, each counter set back to 0 after use
+
+
+def tail_counters(device):
+    """The tail tiles' counters for launches on the current stream: launches on one stream
+    run one after another, so they can share counters that each launch leaves at zero."""
+    stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
+    key = (device, stream and stream.cuda_stream)
+    if key not in _TAIL_COUNTERS:
+        counters = torch.zeros(sm_count(), device=device, dtype=torch.int32)
+        if stream is not None and torch.cuda.is_current_stream_capturing():
+            return counters  # memory of the graph being captured: not kept
+        _TAIL_COUNTERS[key] = counters
+    return _TAIL_COUNTERS[key]
+
+
 def launch_tma(
     a, b, activation, bias, return_preactivation, config=None, accumulate=None
 ):
@@ -193,14 +284,14 @@ def launch_tma(
     a_column_major = tma_layout(a) == "column"
     b_column_major = tma_layout(b) == "column"
     programs = sm_count()
-    grid = lambda meta: (
-        min(
-            programs, triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"])
-        ),
+    # Scratch for the tail's partial tiles (one a program, at most), and its counters.
+    largest_tile = max(c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] for c in TMA_CONFIGS)
+    partials = torch.empty(
+        programs * largest_tile, device=a.device, dtype=torch.float32
     )
     kernel = matmul_tma_tuned if config is None else matmul_tma_kernel
-    kernel[grid](
-        a, b, out, bias, pre, M, N, K,
+    kernel[(programs,)](
+        a, b, out, bias, pre, partials, tail_counters(a.device), M, N, K,
         a.stride(1) if a_column_major else a.stride(0),
         b.stride(1) if b_column_major else b.stride(0),
         bias.stride(0) if bias is not None else 0,

@@ -43,7 +43,7 @@ import triton  # noqa: E402
 
 hopper = importlib.import_module("stepkernels.matmul_hopper")
 
-TILE_LOOP = "tl.range(tl.program_id(axis=0), tiles_m * tiles_n, NUM_PROGRAMS)"
+TILE_LOOP = "tl.range(tl.program_id(axis=0), work, NUM_PROGRAMS)"
 VARIANTS = {
     "flatten": "flatten=True",
     "flatten + warp_specialize": "flatten=True, warp_specialize=True",
@@ -57,7 +57,8 @@ def variant_kernel(name: str):
     source = inspect.getsource(hopper.matmul_tma_kernel.fn)
     assert source.count(TILE_LOOP) == 1, "the package's tile loop changed: update TILE_LOOP"
     changed = source.replace(TILE_LOOP, TILE_LOOP[:-1] + f", {VARIANTS[name]})")
-    header = "from stepkernels.matmul_hopper import add_bias, apply_activation, tile_of_program, tl, triton\n"
+    names = "add_bias, add_shares, apply_activation, tail_split, tile_of_program, tl, triton"
+    header = f"from stepkernels.matmul_hopper import {names}\n"
     module = sm90.module_from_source(f"matmul_{name.replace(' + ', '_')}", header + changed)
     return module.matmul_tma_kernel
 
@@ -80,12 +81,14 @@ def variant_launches(tuned):
 def compile_report():
     """Compile each kernel for sm_90 (fp16, 128 x 256 x 64 tiles, 3 stages, 8 warps)."""
     signature = {"a_ptr": "*fp16", "b_ptr": "*fp16", "c_ptr": "*fp16", "bias_ptr": "*fp16",
-                 "pre_ptr": "*fp16", "M": "i32", "N": "i32", "K": "i32", "stride_a": "i32",
+                 "pre_ptr": "*fp16", "partial_ptr": "*fp32", "counter_ptr": "*i32",
+                 "M": "i32", "N": "i32", "K": "i32", "stride_a": "i32",
                  "stride_b": "i32", "stride_bias": "i32"}  # fmt: skip
     constants = {"A_COLUMN_MAJOR": False, "B_COLUMN_MAJOR": False, "ACTIVATION": None,
                  "HAS_BIAS": False, "STORE_PREACTIVATION": False, "INPUT_PRECISION": "ieee",
                  "UPCAST": False, "NUM_PROGRAMS": 132, "BLOCK_M": 128, "BLOCK_N": 256,
-                 "BLOCK_K": 64, "GROUP_SIZE_M": 8, "ACCUMULATE": False}  # fmt: skip
+                 "BLOCK_K": 64, "GROUP_SIZE_M": 8, "ACCUMULATE": False,
+                 "SPLIT_TAIL": False, "MAX_SPLITS": 8}  # fmt: skip
     kernels = {"package": hopper.matmul_tma_kernel, **{n: variant_kernel(n) for n in VARIANTS}}
     package_code = None
     for name, kernel in kernels.items():
