@@ -519,9 +519,9 @@ if square_results is not None:  # our share of cuBLAS; the descriptor kernel's g
     print_ratios(square_results, [2048, 4096, 8192], theirs="triton (portable)")
 
 # %%
-# On large squares we run level with cuBLAS, a few percent either side (its two lines differ
+# On large squares we run close to cuBLAS, mostly within a few percent (its two lines differ
 # by as much). We trail on small products, where fixed costs weigh, and where tiles fill the
-# last wave poorly (3,072³: 576 tiles of 128² for 132 SMs, 4.4 waves); cuBLAS has more kernels.
+# last wave poorly (3,072³: 288 tiles of 128 × 256 for 132 SMs; chapter 07 splits that wave).
 #
 # Benchmark: what the program order is worth
 # ------------------------------------------

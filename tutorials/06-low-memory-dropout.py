@@ -509,7 +509,7 @@ print(f"fused mask, 512 rows of 300: mean |correlation| between rows {correlatio
 # Dropout at p = 0.1 on 2^16 to 2^28 elements, and the layer with GELU on (N / 4096) x 4096, forward
 # and forward + backward, against eager PyTorch (whose dropout stores a ``bool`` mask) and
 # ``torch.compile``. We count compulsory bytes only: 2N x (bytes per element) forward, 4N forward +
-# backward, 5N for the layer (whose backward reads x). The dropout recordings also hold the two
+# backward, 5N for the layer (whose backward reads x). The forward's recording also holds the two
 # variants of ``tools/experiments/dropout_variants.py``: a stored mask, and ``tl.rand`` per element.
 
 P_BENCH, FEATURES = 0.1, 4096
