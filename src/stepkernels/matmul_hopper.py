@@ -51,12 +51,14 @@ def matmul_tma_kernel(
         b_desc = tl.make_tensor_descriptor(
             b_ptr, shape=[K, N], strides=[stride_b, 1], block_shape=[BLOCK_K, BLOCK_N]
         )
+    # C is written in tiles of half the columns (the epilogue below).
     c_desc = tl.make_tensor_descriptor(
-        c_ptr, shape=[M, N], strides=[N, 1], block_shape=[BLOCK_M, BLOCK_N]
+        c_ptr, shape=[M, N], strides=[N, 1], block_shape=[BLOCK_M, BLOCK_N // 2]
     )
+    pre_desc = c_desc  # unused unless STORE_PREACTIVATION
     if STORE_PREACTIVATION:
         pre_desc = tl.make_tensor_descriptor(
-            pre_ptr, shape=[M, N], strides=[N, 1], block_shape=[BLOCK_M, BLOCK_N]
+            pre_ptr, shape=[M, N], strides=[N, 1], block_shape=[BLOCK_M, BLOCK_N // 2]
         )
 
     tiles_m = tl.cdiv(M, BLOCK_M)
@@ -102,15 +104,33 @@ def matmul_tma_kernel(
             acc, finish = add_shares(
                 acc, partial_ptr, counter_ptr, share, splits, BLOCK_M, BLOCK_N
             )
-        if finish:
-            offs_n = off_n + tl.arange(0, BLOCK_N)
-            acc = add_bias(acc, bias_ptr, offs_n, N, stride_bias, HAS_BIAS)
-            if ACCUMULATE:  # C += A B (chapter 04)
-                acc += c_desc.load([off_m, off_n]).to(tl.float32)
-            if STORE_PREACTIVATION:
-                pre_desc.store([off_m, off_n], acc.to(pre_ptr.dtype.element_ty))
-            out = apply_activation(acc, ACTIVATION)
-            c_desc.store([off_m, off_n], out.to(c_ptr.dtype.element_ty))
+        if finish:  # two halves of the columns in turn: fewer registers live at once
+            left, right = acc.reshape(BLOCK_M, 2, BLOCK_N // 2).permute(0, 2, 1).split()
+            finish_columns(
+                left, c_desc, pre_desc, off_m, off_n, bias_ptr, N, stride_bias,
+                ACTIVATION, HAS_BIAS, STORE_PREACTIVATION, ACCUMULATE,
+            )  # fmt: skip
+            finish_columns(
+                right, c_desc, pre_desc, off_m, off_n + BLOCK_N // 2, bias_ptr, N,
+                stride_bias, ACTIVATION, HAS_BIAS, STORE_PREACTIVATION, ACCUMULATE,
+            )  # fmt: skip
+
+
+@triton.jit
+def finish_columns(
+    acc, c_desc, pre_desc, off_m, off_n, bias_ptr, N, stride_bias,
+    ACTIVATION: tl.constexpr, HAS_BIAS: tl.constexpr, STORE_PREACTIVATION: tl.constexpr,
+    ACCUMULATE: tl.constexpr,
+):  # fmt: skip
+    """The epilogue of the columns of a tile from ``off_n``: bias, C + A B, the
+    pre-activation, the activation, the store."""
+    offs_n = off_n + tl.arange(0, acc.shape[1])
+    acc = add_bias(acc, bias_ptr, offs_n, N, stride_bias, HAS_BIAS)
+    if ACCUMULATE:  # C += A B (chapter 04)
+        acc += c_desc.load([off_m, off_n]).to(tl.float32)
+    if STORE_PREACTIVATION:
+        pre_desc.store([off_m, off_n], acc.to(pre_desc.dtype))
+    c_desc.store([off_m, off_n], apply_activation(acc, ACTIVATION).to(c_desc.dtype))
 
 
 @triton.jit
