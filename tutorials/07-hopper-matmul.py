@@ -475,17 +475,17 @@ print((experiments / "matmul_operand_order.log").read_text())
 # square products, each fp16 tile without the split and with ``MAX_SPLITS`` of 4, 8 and 16,
 # next to cuBLAS and the autotuned package. Its 3,072³ lines:
 
-tail_log = (experiments / "matmul_tail_split.log").read_text().splitlines()
+tail_log = (experiments / "matmul_tail_split_halves.log").read_text().splitlines()
 for index, line in enumerate(tail_log):
     if " 3072:" in line:
         print("\n".join(tail_log[index : index + 6]))
 
 # %%
-# With the tail split, 128 × 256 tiles go from behind the 128 × 128 ones to ahead of every
-# tile at 3,072³, though still well behind cuBLAS: a share of 9 or 10 K steps pays the
-# pipeline's start as a whole tile does, and the last share to arrive reads the others'
-# partial tiles before its epilogue. Where the last wave is full enough no split happens, and the
-# autotuner keeps the configs without it.
+# With the tail split, 128 × 256 tiles go from behind the 128 × 128 ones to just ahead of
+# every tile at 3,072³, still well behind cuBLAS: a share of 9 or 10 K steps pays the
+# pipeline's start as a whole tile does, and the last share reads the others' partial tiles
+# before its epilogue. Smaller tiles lose with it, and it gained more before the epilogue
+# went to halves (``matmul_tail_split.log``). The autotuner keeps whichever is faster.
 #
 # fp8
 # ---

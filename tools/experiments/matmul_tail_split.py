@@ -15,6 +15,7 @@ bits. ``--compile`` compiles the kernel for sm_90 on the CPU machine and prints 
 spills and shared memory with and without the split code.
 
     python tools/experiments/matmul_tail_split.py          # GPU: time; CPU: check
+    python tools/experiments/matmul_tail_split.py --size=3072   # those squares only
     TRITON_INTERPRET=0 PYTHONPATH=src python tools/experiments/matmul_tail_split.py --compile
 """
 
@@ -147,9 +148,12 @@ def linear(dtype, k_size, unsplit):
 
 
 def main():
+    sizes = [int(a.split("=")[1]) for a in sys.argv if a.startswith("--size=")]  # e.g. --size=3072
     for dtype in (torch.float16, torch.bfloat16):
-        for size in (2048, 3072, 4096, 6144, 8192) if ON_GPU else (96,):
+        for size in sizes or ((2048, 3072, 4096, 6144, 8192) if ON_GPU else (96,)):
             square(dtype, size)
+    if sizes:  # the squares asked for only
+        return
     unsplit = unsplit_tuned()
     torch.set_float32_matmul_precision("high")
     for dtype in (torch.float16, torch.float32):
