@@ -6,22 +6,26 @@ values a thread), its activation and its fp16 copy at once. The package now spli
 accumulator into two 128 x 128 halves (``reshape``, ``permute``, ``split``) and adds the bias,
 applies the activation and stores each half in turn (``finish_columns``), through descriptors
 of half-width blocks, as Triton's own persistent matmul does with its ``EPILOGUE_SUBTILE``.
-The variant here is the package's kernel with the whole-tile epilogue it had before (its
-source changed in two places), in a module of its own.
+Two variants, each the package's kernel with its epilogue's source replaced, in a module of
+its own: ``whole``, the whole-tile epilogue it had before; ``mixed``, whole tiles in the
+binaries compiled with ``SPLIT_TAIL`` and halves elsewhere (with halves, the split tail gained
+less at 3,072³: ``matmul_tail_split_halves.log``). ``mixed`` has not yet run on a GPU.
 
     python tools/experiments/matmul_epilogue_halves.py             # GPU: time; CPU: check
     TRITON_INTERPRET=0 PYTHONPATH=src python tools/experiments/matmul_epilogue_halves.py --compile
 
 On a GPU it times the fused linear's forward product (x of 4,096 x K against a 4,096 x K
-weight, bias, GELU; K = 1,024 to 8,192) in fp16 and tf32 and square fp16 products without an
-activation, in TFLOP/s of GPU time: torch, the package and the whole-tile variant, autotuned
-over the package's configurations, and in fp16 each at one fixed 128 x 256 x 64 tile.
-``--compile`` prints registers and spills of both for that tile.
+weight, bias, GELU; K = 1,024 to 8,192) in fp16 and tf32, and square fp16 and bf16 products
+without an activation (3,072 to 8,192), in TFLOP/s of GPU time: torch, the package and the
+variants, autotuned over the package's configurations, and in fp16 each at one fixed
+128 x 256 x 64 tile. ``--compile`` prints registers and spills of each for that tile, with and
+without ``SPLIT_TAIL``.
 """
 
 import functools
 import importlib
 import inspect
+import itertools
 import os
 import re
 import sys
@@ -59,17 +63,31 @@ WHOLE = """        if finish:
                 ACTIVATION, HAS_BIAS, STORE_PREACTIVATION, ACCUMULATE,
             )  # fmt: skip
 """
+# Whole tiles where the last wave is split (those binaries only), halves elsewhere.
+MIXED = (
+    "        if SPLIT_TAIL:  # whole tiles\n"
+    + WHOLE.replace("        ", "            ", 1).replace("\n        ", "\n            ")
+    + HALVES.replace("        if finish:  #", "        else:  #", 1)
+)
 HALF_BLOCK = "block_shape=[BLOCK_M, BLOCK_N // 2]"
+VARIANTS = {  # name: (epilogue, descriptors' block columns)
+    "whole": (WHOLE, "BLOCK_N"),
+    "mixed": (MIXED, "BLOCK_N if SPLIT_TAIL else BLOCK_N // 2"),
+}
 
 
 @functools.cache
-def whole_kernel():
-    """The package's kernel with the epilogue of whole tiles it had before the halves."""
+def variant_kernel(name: str):
+    """The package's kernel with the epilogue of ``VARIANTS[name]``: ``whole`` as it was
+    before the halves; ``mixed`` whole in the binaries that split the last wave."""
+    epilogue, columns = VARIANTS[name]
     source = inspect.getsource(hopper.matmul_tma_kernel.fn)
     assert source.count(HALVES) == 1 and source.count(HALF_BLOCK) == 2, "the package's kernel changed"
-    changed = source.replace(HALVES, WHOLE).replace(HALF_BLOCK, "block_shape=[BLOCK_M, BLOCK_N]")
+    changed = source.replace(HALVES, epilogue).replace(HALF_BLOCK, "block_shape=[BLOCK_M, C_BLOCK_N]")
+    make_c = "    c_desc = tl.make_tensor_descriptor("
+    changed = changed.replace(make_c, f"    C_BLOCK_N: tl.constexpr = {columns}\n{make_c}", 1)
     names = "add_shares, finish_columns, tail_split, tile_of_program, tl, triton"
-    module = sm90.module_from_source("matmul_whole", f"from stepkernels.matmul_hopper import {names}\n" + changed)
+    module = sm90.module_from_source(f"matmul_{name}", f"from stepkernels.matmul_hopper import {names}\n" + changed)
     return module.matmul_tma_kernel
 
 
@@ -87,6 +105,7 @@ def launches(kernel):
     return mock.patch.multiple(hopper, matmul_tma_tuned=autotuned(kernel), matmul_tma_kernel=kernel)
 
 
+SPLIT = {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16, "GROUP_SIZE_M": 8, "SPLIT_TAIL": True}  # for check()
 FIXED = {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "GROUP_SIZE_M": 8, "num_warps": 8, "num_stages": 3}
 
 
@@ -94,49 +113,53 @@ def compile_report():
     signature = {"a_ptr": "*fp16", "b_ptr": "*fp16", "c_ptr": "*fp16", "bias_ptr": "*fp16",
                  "pre_ptr": "*fp16", "partial_ptr": "*fp32", "counter_ptr": "*i32", "M": "i32",
                  "N": "i32", "K": "i32", "stride_a": "i32", "stride_b": "i32", "stride_bias": "i32"}  # fmt: skip
-    for name, kernel in (("package", hopper.matmul_tma_kernel), ("whole", whole_kernel())):
+    kernels = {"package": hopper.matmul_tma_kernel, **{name: variant_kernel(name) for name in VARIANTS}}
+    for (name, kernel), split in itertools.product(kernels.items(), (False, True)):
         for activation in (None, "gelu"):
             constants = {"A_COLUMN_MAJOR": False, "B_COLUMN_MAJOR": True, "ACTIVATION": activation,
                          "HAS_BIAS": True, "STORE_PREACTIVATION": False, "INPUT_PRECISION": "ieee",
                          "UPCAST": False, "NUM_PROGRAMS": 132, "BLOCK_M": 128, "BLOCK_N": 256,
-                         "BLOCK_K": 64, "GROUP_SIZE_M": 8, "ACCUMULATE": False, "SPLIT_TAIL": False,
+                         "BLOCK_K": 64, "GROUP_SIZE_M": 8, "ACCUMULATE": False, "SPLIT_TAIL": split,
                          "MAX_SPLITS": 8}  # fmt: skip
             compiled = sm90.compile_sm90(kernel, signature, constants, aligned=signature, num_warps=8, num_stages=3)
             usage = sm90.nvidia_tool("cuobjdump", "-res-usage", sm90.cubin_file(compiled))
             regs, stack = (re.search(rf"{key}:(\d+)", usage).group(1) for key in ("REG", "STACK"))
-            print(f"{name:8} {activation!s:5}: {regs} registers, {stack} B stack, "
+            print(f"{name:8} SPLIT_TAIL {split!s:5} {activation!s:5}: {regs} registers, {stack} B stack, "
                   f"shared {compiled.metadata.shared:,} B")  # fmt: skip
 
 
 def check():
     """The variant against the package, with a bias, GELU, the pre-activation and accumulate."""
-    x = torch.randn(96, 64, device=DEVICE)
-    weight = torch.randn(80, 64, device=DEVICE)
+    x = torch.randn(96, 256, device=DEVICE)  # K = 256: the split check below splits (16 K steps)
+    weight = torch.randn(80, 256, device=DEVICE)
     bias = torch.randn(80, device=DEVICE)
     torch.set_float32_matmul_precision("highest")
     expected = hopper.matmul_tma(x, weight.t(), "gelu", bias=bias, return_preactivation=True)
     start = torch.randn(96, 80, device=DEVICE)
     summed = start.clone()
     hopper.launch_tma(x, weight.t(), None, bias, False, accumulate=summed)
-    with launches(whole_kernel()):
-        got = hopper.matmul_tma(x, weight.t(), "gelu", bias=bias, return_preactivation=True)
-        other = start.clone()
-        hopper.launch_tma(x, weight.t(), None, bias, False, accumulate=other)
-    for ours, theirs in zip((*expected, summed), (*got, other), strict=True):
-        torch.testing.assert_close(theirs, ours)
-    print("the whole-tile variant matches the package (bias, GELU, pre-activation, accumulate)")
+    for name in VARIANTS:
+        with launches(variant_kernel(name)):
+            got = hopper.matmul_tma(x, weight.t(), "gelu", bias=bias, return_preactivation=True)
+            other = start.clone()
+            hopper.launch_tma(x, weight.t(), None, bias, False, accumulate=other)
+            split = hopper.matmul_tma(x, weight.t(), "gelu", bias=bias, config=SPLIT)
+        for ours, theirs in zip((*expected, summed), (*got, other), strict=True):
+            torch.testing.assert_close(theirs, ours)
+        torch.testing.assert_close(split, expected[0], rtol=1e-4, atol=1e-4)
+    print(f"the variants match the package ({', '.join(VARIANTS)}; bias, GELU, pre-activation, accumulate, split tail)")
 
 
 def rates(flops, call, torch_call, fixed_too=True) -> str:
     line = f"torch {bench.rate(flops, torch_call, 'TFLOP/s'):4.0f}"
-    variant = whole_kernel()
-    for name, fixed in (("", None), (" 128x256x64", FIXED))[: 2 if fixed_too else 1]:
+    for label, fixed in (("", None), (" 128x256x64", FIXED))[: 2 if fixed_too else 1]:
         ours = functools.partial(call, config=fixed)
-        line += f"  package{name} {bench.rate(flops, ours, 'TFLOP/s'):4.0f}"
-        with launches(variant):
-            reference = ours()
-            torch.testing.assert_close(ours().float(), reference.float())
-            line += f"  whole{name} {bench.rate(flops, ours, 'TFLOP/s'):4.0f}"
+        line += f"  package{label} {bench.rate(flops, ours, 'TFLOP/s'):4.0f}"
+        reference = ours()
+        for name in VARIANTS:
+            with launches(variant_kernel(name)):
+                torch.testing.assert_close(ours().float(), reference.float())
+                line += f"  {name}{label} {bench.rate(flops, ours, 'TFLOP/s'):4.0f}"
     return line
 
 
@@ -151,10 +174,10 @@ def sweep():
             torch_call = functools.partial(lambda: F.gelu(F.linear(x, weight, bias)))  # noqa: B023
             line = rates(2 * 4096 * 4096 * k_size, call, torch_call, fixed_too=dtype.itemsize == 2)
             print(f"linear {dtype_name(dtype):8} K={k_size:5}: {line}", flush=True)
-    for size in (4096, 8192):
-        a, b = (torch.randn(size, size, device=DEVICE, dtype=torch.float16) for _ in "ab")
+    for dtype, size in itertools.product((torch.float16, torch.bfloat16), (3072, 4096, 8192)):
+        a, b = (torch.randn(size, size, device=DEVICE, dtype=dtype) for _ in "ab")
         line = rates(2 * size**3, functools.partial(hopper.matmul_tma, a, b), functools.partial(torch.matmul, a, b))
-        print(f"square float16  {size}: {line}", flush=True)
+        print(f"square {dtype_name(dtype):8} {size}: {line}", flush=True)
 
 
 if __name__ == "__main__":
