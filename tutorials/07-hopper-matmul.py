@@ -12,6 +12,8 @@ What you will learn:
   edges included;
 * persistent programs: one program per SM looping over tiles, and when that beats one
   program per tile;
+* the last wave: splitting its tiles along K so that no SM idles, the partial tiles summed
+  by whichever share arrives last;
 * why fp32 as tf32 wants its operands *K-major* on Hopper, and what a copy buys;
 * fp8 (e4m3): half the bytes of fp16 and twice the tensor-core rate, and how to compare it
   honestly.
@@ -577,6 +579,8 @@ elif not has_fp8:
 #   blocks, no masks, threads free for the tensor cores.
 # * A persistent kernel launches one program per SM that loops over tiles; it pays off once
 #   the output has a tile for every SM, and below that the portable kernel is faster.
+# * Persistent programs still end in a last wave; splitting its tiles along K fills the idle
+#   SMs, each partial tile summed once, in a fixed order, by the last share to arrive.
 # * Operand layout can matter more than the kernel: tf32 on Hopper wants K-major operands,
 #   and a copy is cheaper than the slow path.
 # * fp8 doubles the tensor-core rate again; compare it with an fp8 library call, not an fp16
