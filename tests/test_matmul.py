@@ -384,3 +384,36 @@ def test_split_last_wave_sums_its_shares_once_and_in_order(shape, activation):
     assert not torch.equal(split[1][1], whole[1])  # the split did happen: other roundings
     torch.testing.assert_close(out.double(), start.double() + matmul_reference(a, b, None, bias)[0], **tol)
     assert int(tail_counters(a.device).abs().sum()) == 0  # left at zero for the next launch
+
+
+@pytest.mark.skipif(not (ON_HOPPER or INTERPRET), reason="the descriptor kernel needs Hopper")
+@pytest.mark.parametrize(
+    "shape", [(16, 16, 256), (80, 16, 256), (48, 16, 256), (80, 16, 48), (96, 80, 256), (64, 64, 64)], ids=str
+)
+def test_the_host_knows_when_the_kernel_splits_the_last_wave(shape):
+    """matmul_tuning.tail_shares repeats the kernel's rule: a split changes the roundings."""
+    from stepkernels.matmul_hopper import sm_count
+    from stepkernels.matmul_tuning import tail_shares
+
+    a, b, _ = operands(*shape, torch.float32)
+    with fp32_precision("highest"):
+        split, whole = matmul_tma(a, b, config=SPLIT), matmul_tma(a, b, config=SMALL)
+    assert (tail_shares(*shape, SPLIT, sm_count()) > 1) == (not torch.equal(split, whole))
+
+
+# Squares whose last wave no fp16 tile splits, and one where some do (132 SMs, or the
+# interpreter's 4).
+SPLIT_SIZES = [(4096, False), (3072, True)] if ON_GPU else [(1024, False), (1152, True)]
+
+
+@pytest.mark.parametrize("size, splits_somewhere", SPLIT_SIZES)
+def test_the_autotuner_times_split_configs_only_where_they_split(size, splits_somewhere):
+    from stepkernels.matmul_hopper import TMA_CONFIGS, sm_count
+    from stepkernels.matmul_tuning import keep_tma_configs, tail_shares
+
+    named = {"a_ptr": torch.empty(1, dtype=torch.float16), "M": size, "N": size, "K": size}
+    kept = keep_tma_configs(TMA_CONFIGS, named)
+    split = [c for c in kept if c.kwargs.get("SPLIT_TAIL")]
+    assert all(tail_shares(size, size, size, c.kwargs, sm_count()) > 1 for c in split)
+    assert bool(split) == splits_somewhere
+    assert len(kept) - len(split) == sum(c.itemsize == 2 and not c.kwargs.get("SPLIT_TAIL") for c in TMA_CONFIGS)

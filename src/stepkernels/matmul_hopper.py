@@ -12,11 +12,11 @@ from stepkernels.matmul import (
     allocate_outputs,
     check_inputs,
     dot_precision,
-    keep_configs_for_dtype,
     output_dtype,
     tile_config,
     tile_of_program,
 )
+from stepkernels.matmul_tuning import MAX_SPLITS, SHARE_STEPS, keep_tma_configs
 import torch
 import triton
 import triton.language as tl
@@ -32,7 +32,7 @@ def matmul_tma_kernel(
     INPUT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, NUM_PROGRAMS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_SIZE_M: tl.constexpr, ACCUMULATE: tl.constexpr = False,
-    SPLIT_TAIL: tl.constexpr = False, MAX_SPLITS: tl.constexpr = 8,
+    SPLIT_TAIL: tl.constexpr = False, MAX_SPLITS: tl.constexpr = MAX_SPLITS,
 ):  # fmt: skip
     # One descriptor per tensor. A column-major operand is described as its transpose.
     if A_COLUMN_MAJOR:
@@ -139,7 +139,7 @@ def tail_split(tiles, k_steps, NUM_PROGRAMS: tl.constexpr, MAX_SPLITS: tl.conste
     would leave half the programs idle or more."""
     tail = tiles % NUM_PROGRAMS
     splits = tl.minimum(NUM_PROGRAMS // tl.maximum(tail, 1), MAX_SPLITS)
-    splits = tl.maximum(tl.minimum(splits, k_steps // 4), 1)
+    splits = tl.maximum(tl.minimum(splits, k_steps // SHARE_STEPS), 1)
     splits = tl.where(tail == 0, 1, splits)
     return tl.where(splits > 1, tiles - tail, tiles), splits
 
@@ -207,7 +207,7 @@ matmul_tma_tuned = lean(  # cheap repeated launches: chapter 08
         configs=autotune_configs(TMA_CONFIGS),
         key=["M", "N", "K", "INPUT_PRECISION"],
         restore_value=["c_ptr"],  # for ACCUMULATE, as in chapter 04
-        prune_configs_by={"early_config_prune": keep_configs_for_dtype},
+        prune_configs_by={"early_config_prune": keep_tma_configs},
     )(matmul_tma_kernel)
 )
 

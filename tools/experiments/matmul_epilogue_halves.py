@@ -86,7 +86,7 @@ def variant_kernel(name: str):
     changed = source.replace(HALVES, epilogue).replace(HALF_BLOCK, "block_shape=[BLOCK_M, C_BLOCK_N]")
     make_c = "    c_desc = tl.make_tensor_descriptor("
     changed = changed.replace(make_c, f"    C_BLOCK_N: tl.constexpr = {columns}\n{make_c}", 1)
-    names = "add_shares, finish_columns, tail_split, tile_of_program, tl, triton"
+    names = "MAX_SPLITS, add_shares, finish_columns, tail_split, tile_of_program, tl, triton"
     module = sm90.module_from_source(f"matmul_{name}", f"from stepkernels.matmul_hopper import {names}\n" + changed)
     return module.matmul_tma_kernel
 
@@ -96,7 +96,7 @@ def autotuned(kernel):
         configs=autotune_configs(hopper.TMA_CONFIGS),
         key=["M", "N", "K", "INPUT_PRECISION"],
         restore_value=["c_ptr"],
-        prune_configs_by={"early_config_prune": hopper.keep_configs_for_dtype},
+        prune_configs_by={"early_config_prune": hopper.keep_tma_configs},
     )(kernel)
 
 

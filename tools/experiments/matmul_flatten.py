@@ -57,7 +57,7 @@ def variant_kernel(name: str):
     source = inspect.getsource(hopper.matmul_tma_kernel.fn)
     assert source.count(TILE_LOOP) == 1, "the package's tile loop changed: update TILE_LOOP"
     changed = source.replace(TILE_LOOP, TILE_LOOP[:-1] + f", {VARIANTS[name]})")
-    names = "add_shares, finish_columns, tail_split, tile_of_program, tl, triton"
+    names = "MAX_SPLITS, add_shares, finish_columns, tail_split, tile_of_program, tl, triton"
     header = f"from stepkernels.matmul_hopper import {names}\n"
     module = sm90.module_from_source(f"matmul_{name.replace(' + ', '_')}", header + changed)
     return module.matmul_tma_kernel
@@ -69,7 +69,7 @@ def autotuned(kernel):
         configs=autotune_configs(hopper.TMA_CONFIGS),
         key=["M", "N", "K", "INPUT_PRECISION"],
         restore_value=["c_ptr"],
-        prune_configs_by={"early_config_prune": hopper.keep_configs_for_dtype},
+        prune_configs_by={"early_config_prune": hopper.keep_tma_configs},
     )(kernel)
 
 

@@ -119,7 +119,7 @@ def unsplit_tuned():
         configs=configs,
         key=["M", "N", "K", "INPUT_PRECISION"],
         restore_value=["c_ptr"],
-        prune_configs_by={"early_config_prune": hopper.keep_configs_for_dtype},
+        prune_configs_by={"early_config_prune": hopper.keep_tma_configs},
     )(hopper.matmul_tma_kernel)
     return tuned
 
