@@ -12,10 +12,13 @@ past 32,768 twice (65% of a copy at 65,536). Two suspects, one at a time, at M =
   other chunks (``publish_and_wait``), merges the pairs by Chan's rule and writes its chunk of y
   from registers, so x is read once. If a sibling never publishes it walks the row itself.
 
-    python tools/experiments/layer_norm_forward_variants.py [--reload | --walked]
+    python tools/experiments/layer_norm_forward_variants.py [--reload | --walked | --lanes]
 
 ``--walked`` times rows that fit one program read twice, as torch.compile's kernels do: a
 first walk loading ``evict_last`` (x stays in L2), a second loading ``evict_first``.
+``--lanes`` times the same walks with per-lane accumulators as torch.compile's kernel keeps
+them (Welford's update in each lane, one reduction across lanes after the walk), the next
+suspect in ``layer_norm_forward_walked.log``; not yet run on a GPU.
 ``--reload`` times only the split forward at M x N = 2^26, holding its chunk in registers
 across the wait or reading it again (from L2) after it, which frees registers for more
 programs per SM (Nsight Compute: 168 registers a thread in fp16, 3 programs an SM).
@@ -113,11 +116,53 @@ def walked_kernel(x_ptr, y_ptr, w_ptr, b_ptr, mean_ptr, rstd_ptr, N, eps, BLOCK_
     tl.store(rstd_ptr + row, rstd)
 
 
-def forward_walked(x, w, b, block=2048, warps=8, first="evict_last", second="evict_first"):
+@triton.jit
+def welford_combine(mean_a, m2_a, count_a, mean_b, m2_b, count_b):
+    """Chan's rule for two (mean, M2, count) triples; an empty side gives the other."""
+    count = count_a + count_b
+    delta = mean_b - mean_a
+    share_b = tl.where(count > 0, count_b / tl.maximum(count, 1.0), 0.0)
+    return mean_a + delta * share_b, m2_a + m2_b + delta * delta * count_a * share_b, count
+
+
+@triton.jit
+def lanes_kernel(x_ptr, y_ptr, w_ptr, b_ptr, mean_ptr, rstd_ptr, N, eps, BLOCK_N: tl.constexpr,
+        FIRST: tl.constexpr, SECOND: tl.constexpr):  # fmt: skip
+    """``walked_kernel`` with per-lane accumulators, as torch.compile's kernel keeps them:
+    each of the BLOCK_N lanes runs Welford's update on the values it loads, with no reduction
+    across lanes until the walk ends (then one ``tl.reduce`` by Chan's rule)."""
+    row = tl.program_id(0).to(tl.int64)
+    x_row, y_row = x_ptr + row * N, y_ptr + row * N
+    mean = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    m2 = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    count = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for start in range(0, N, BLOCK_N):
+        cols = start + tl.arange(0, BLOCK_N)
+        mask = cols < N
+        x = tl.load(x_row + cols, mask=mask, other=0.0, eviction_policy=FIRST).to(tl.float32)
+        count += tl.where(mask, 1.0, 0.0)
+        delta = x - mean
+        mean += tl.where(mask, delta / tl.maximum(count, 1.0), 0.0)
+        m2 += tl.where(mask, delta * (x - mean), 0.0)
+    mean, m2, _ = tl.reduce((mean, m2, count), 0, welford_combine)
+    rstd = 1.0 / tl.sqrt(m2 / N + eps)
+    for start in range(0, N, BLOCK_N):
+        cols = start + tl.arange(0, BLOCK_N)
+        mask = cols < N
+        x = tl.load(x_row + cols, mask=mask, other=0.0, eviction_policy=SECOND).to(tl.float32)
+        w = tl.load(w_ptr + cols, mask=mask, other=0.0, eviction_policy="evict_last").to(tl.float32)
+        b = tl.load(b_ptr + cols, mask=mask, other=0.0, eviction_policy="evict_last").to(tl.float32)
+        tl.store(y_row + cols, ((x - mean) * rstd * w + b).to(y_ptr.dtype.element_ty), mask=mask)
+    tl.store(mean_ptr + row, mean)
+    tl.store(rstd_ptr + row, rstd)
+
+
+def forward_walked(x, w, b, block=2048, warps=8, first="evict_last", second="evict_first", lanes=False):
     n_rows, n_cols = x.shape
     y, mean, rstd = torch.empty_like(x), torch.empty(n_rows, device=x.device), torch.empty(n_rows, device=x.device)
-    walked_kernel[(n_rows,)](x, y, w, b, mean, rstd, n_cols, 1e-5, BLOCK_N=block, FIRST=first, SECOND=second,
-                             num_warps=warps)  # fmt: skip
+    kernel = lanes_kernel if lanes else walked_kernel
+    kernel[(n_rows,)](x, y, w, b, mean, rstd, n_cols, 1e-5, BLOCK_N=block, FIRST=first, SECOND=second,
+                      num_warps=warps)  # fmt: skip
     return y, mean, rstd
 
 
@@ -131,11 +176,14 @@ def walked_sweep():
         rated = {"copy": bench.rate(nbytes, bench.copy_of(nbytes)),
                  "torch.compile": bench.rate(nbytes, functools.partial(compiled, x, (n_cols,), w, b)),
                  "package": bench.rate(nbytes, functools.partial(layer_norm_forward, x, w, b, 1e-5))}  # fmt: skip
-        for block, warps, hints in itertools.product((1024, 2048, 4096), (4, 8, 16), (True, False)):
+        lanes = "--lanes" in sys.argv  # per-lane accumulators (torch.compile's way), hints on
+        hint_choices = (True,) if lanes else (True, False)
+        for block, warps, hints in itertools.product((1024, 2048, 4096), (4, 8, 16), hint_choices):
             if block <= n_cols and block // (32 * warps) >= 4:
                 policies = ("evict_last", "evict_first") if hints else ("", "")
-                call = functools.partial(forward_walked, x, w, b, block, warps, *policies)
-                rated[f"walked {block}/{warps}w{' hints' if hints else ''}"] = bench.rate(nbytes, call)
+                call = functools.partial(forward_walked, x, w, b, block, warps, *policies, lanes=lanes)
+                name = f"{'lanes' if lanes else 'walked'} {block}/{warps}w{' hints' if hints else ''}"
+                rated[name] = bench.rate(nbytes, call)
         fixed = "  ".join(f"{n} {rated.pop(n):,.0f}" for n in ("copy", "torch.compile", "package"))
         best = sorted(((r, n) for n, r in rated.items()), reverse=True)[:5]
         print(
@@ -238,10 +286,13 @@ def check():
         expected = torch.nn.functional.layer_norm(x.double(), (n_cols,), w.double(), b.double())
         for got in (forward_rows(x, w, b, rows=2, hints="hints"), forward_split(x, w, b, chunk),
                     forward_walked(x, w, b, chunk), forward_walked(x, w, b, chunk, 4, "", ""),
+                    forward_walked(x, w, b, chunk, lanes=True),
                     forward_split(x, w, b, chunk, reload=True)):  # fmt: skip
             torch.testing.assert_close(got[0], expected.float(), rtol=1e-4, atol=1e-4)
             torch.testing.assert_close(got[1], x.mean(1))
-    print("one-block (with hints), walked and split forwards match torch (fp32, mean 100, spread 3)")
+    print(
+        "one-block (with hints), walked (block sums or lanes) and split forwards match torch (fp32, mean 100, spread 3)"
+    )
 
 
 def launches(n_cols):
@@ -297,7 +348,7 @@ def main():
     with bench.side_stream():
         if "--reload" in sys.argv:
             return reload_sweep()
-        if "--walked" in sys.argv:
+        if "--walked" in sys.argv or "--lanes" in sys.argv:
             return walked_sweep()
         for dtype, n_cols in itertools.product((torch.float16, torch.float32),
                                                (4096, 8192, 16384, 32768, 65536)):  # fmt: skip
