@@ -16,7 +16,8 @@ from stepkernels._core import DEVICE, INTERPRET, ON_GPU, capability
 from stepkernels.activations import ACTIVATIONS
 from stepkernels.check_matmul import matmul_reference, tolerance
 from stepkernels.matmul import matmul_portable
-from stepkernels.matmul_hopper import matmul_tma
+from stepkernels.matmul_hopper import TMA_CONFIGS, launch_tma, matmul_tma, sm_count, tail_counters
+from stepkernels.matmul_tuning import keep_tma_configs, tail_shares
 import torch
 
 DTYPES = [torch.float16, torch.float32] + ([torch.bfloat16] if ON_GPU else [])
@@ -364,8 +365,6 @@ SPLIT = {**SMALL, "SPLIT_TAIL": True}
 @pytest.mark.parametrize("activation", [None, "gelu"])
 @pytest.mark.parametrize("shape", TAIL_SHAPES, ids=str)
 def test_split_last_wave_sums_its_shares_once_and_in_order(shape, activation):
-    from stepkernels.matmul_hopper import launch_tma, sm_count, tail_counters
-
     M, N, K = shape
     assert (M // 16) * (N // 16) % sm_count() == 1 or (M // 16) * (N // 16) == 1
     a, b, bias = operands(M, N, K, torch.float32)
@@ -392,9 +391,6 @@ def test_split_last_wave_sums_its_shares_once_and_in_order(shape, activation):
 )
 def test_the_host_knows_when_the_kernel_splits_the_last_wave(shape):
     """matmul_tuning.tail_shares repeats the kernel's rule: a split changes the roundings."""
-    from stepkernels.matmul_hopper import sm_count
-    from stepkernels.matmul_tuning import tail_shares
-
     a, b, _ = operands(*shape, torch.float32)
     with fp32_precision("highest"):
         split, whole = matmul_tma(a, b, config=SPLIT), matmul_tma(a, b, config=SMALL)
@@ -408,9 +404,6 @@ SPLIT_SIZES = [(4096, False), (3072, True)] if ON_GPU else [(1024, False), (1152
 
 @pytest.mark.parametrize("size, splits_somewhere", SPLIT_SIZES)
 def test_the_autotuner_times_split_configs_only_where_they_split(size, splits_somewhere):
-    from stepkernels.matmul_hopper import TMA_CONFIGS, sm_count
-    from stepkernels.matmul_tuning import keep_tma_configs, tail_shares
-
     named = {"a_ptr": torch.empty(1, dtype=torch.float16), "M": size, "N": size, "K": size}
     kept = keep_tma_configs(TMA_CONFIGS, named)
     split = [c for c in kept if c.kwargs.get("SPLIT_TAIL")]

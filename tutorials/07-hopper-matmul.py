@@ -69,7 +69,7 @@ DEVICE = tutorial.DEVICE
 # reuses chapter 04's tile order, bias and configs from ``stepkernels.matmul``.
 
 # @save matmul_hopper
-from stepkernels._core import INTERPRET, autotune_configs, sm_count
+from stepkernels._core import INTERPRET, sm_count
 from stepkernels.activations import apply_activation
 from stepkernels.launch import lean
 from stepkernels.matmul import (
@@ -81,7 +81,7 @@ from stepkernels.matmul import (
     tile_config,
     tile_of_program,
 )
-from stepkernels.matmul_tuning import MAX_SPLITS, SHARE_STEPS, keep_tma_configs
+from stepkernels.matmul_tuning import MAX_SPLITS, SHARE_STEPS, tma_autotuned
 import torch
 import triton
 import triton.language as tl
@@ -274,7 +274,7 @@ def add_shares(
 # tile comes twice, with and without ``SPLIT_TAIL``, and the autotuner keeps the faster:
 # the split's code costs registers (up to 100 more a thread, and spills with GELU on
 # 128 × 256 tiles), which a product without a split tail should not pay. It times a split
-# config only where its tail would split (``keep_tma_configs``, in ``matmul_tuning``).
+# config only where its tail would split (``tma_autotuned``, in ``matmul_tuning``).
 
 # @save matmul_hopper
 TMA_CONFIGS = [
@@ -304,14 +304,9 @@ def split_tail(config):
 
 
 TMA_CONFIGS += [split_tail(config) for config in TMA_CONFIGS]
-matmul_tma_tuned = lean(  # cheap repeated launches: chapter 08
-    triton.autotune(
-        configs=autotune_configs(TMA_CONFIGS),
-        key=["M", "N", "K", "INPUT_PRECISION"],
-        restore_value=["c_ptr"],  # for ACCUMULATE, as in chapter 04
-        prune_configs_by={"early_config_prune": keep_tma_configs},
-    )(matmul_tma_kernel)
-)
+# Autotuned as chapter 04's kernel is; lean: cheap repeated launches (chapter 08).
+matmul_tma_tuned = lean(tma_autotuned(matmul_tma_kernel, TMA_CONFIGS))
+LARGEST_TILE = max(c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] for c in TMA_CONFIGS)
 
 
 # %%
@@ -428,9 +423,8 @@ def launch_tma(
     b_column_major = tma_layout(b) == "column"
     programs = sm_count()
     # Scratch for the tail's partial tiles (one a program, at most), and its counters.
-    largest_tile = max(c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] for c in TMA_CONFIGS)
     partials = torch.empty(
-        programs * largest_tile, device=a.device, dtype=torch.float32
+        programs * LARGEST_TILE, device=a.device, dtype=torch.float32
     )
     kernel = matmul_tma_tuned if config is None else matmul_tma_kernel
     kernel[(programs,)](

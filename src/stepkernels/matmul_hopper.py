@@ -4,7 +4,7 @@ persistent programs, fp8."""
 # Generated from tutorials/07-hopper-matmul.py by tools/export.py: edit the chapter, then `make
 # export`.
 
-from stepkernels._core import INTERPRET, autotune_configs, sm_count
+from stepkernels._core import INTERPRET, sm_count
 from stepkernels.activations import apply_activation
 from stepkernels.launch import lean
 from stepkernels.matmul import (
@@ -16,7 +16,7 @@ from stepkernels.matmul import (
     tile_config,
     tile_of_program,
 )
-from stepkernels.matmul_tuning import MAX_SPLITS, SHARE_STEPS, keep_tma_configs
+from stepkernels.matmul_tuning import MAX_SPLITS, SHARE_STEPS, tma_autotuned
 import torch
 import triton
 import triton.language as tl
@@ -202,14 +202,9 @@ def split_tail(config):
 
 
 TMA_CONFIGS += [split_tail(config) for config in TMA_CONFIGS]
-matmul_tma_tuned = lean(  # cheap repeated launches: chapter 08
-    triton.autotune(
-        configs=autotune_configs(TMA_CONFIGS),
-        key=["M", "N", "K", "INPUT_PRECISION"],
-        restore_value=["c_ptr"],  # for ACCUMULATE, as in chapter 04
-        prune_configs_by={"early_config_prune": keep_tma_configs},
-    )(matmul_tma_kernel)
-)
+# Autotuned as chapter 04's kernel is; lean: cheap repeated launches (chapter 08).
+matmul_tma_tuned = lean(tma_autotuned(matmul_tma_kernel, TMA_CONFIGS))
+LARGEST_TILE = max(c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] for c in TMA_CONFIGS)
 
 
 def tma_scratch(size: int, alignment: int, stream):
@@ -305,9 +300,8 @@ def launch_tma(
     b_column_major = tma_layout(b) == "column"
     programs = sm_count()
     # Scratch for the tail's partial tiles (one a program, at most), and its counters.
-    largest_tile = max(c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] for c in TMA_CONFIGS)
     partials = torch.empty(
-        programs * largest_tile, device=a.device, dtype=torch.float32
+        programs * LARGEST_TILE, device=a.device, dtype=torch.float32
     )
     kernel = matmul_tma_tuned if config is None else matmul_tma_kernel
     kernel[(programs,)](

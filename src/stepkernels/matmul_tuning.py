@@ -4,10 +4,11 @@ Chapter 07's descriptor kernel comes in two binaries per tile, with and without
 ``SPLIT_TAIL``. The split's binary carries more registers and is slower where the last wave
 stays whole, so timing it there costs a compile and a benchmark for nothing, and can pick it
 by noise. ``tail_shares`` repeats the kernel's ``tail_split`` rule on the host (a test checks
-that they agree); ``keep_tma_configs`` is the autotuner's pruning.
+that they agree); ``keep_tma_configs`` is the autotuner's pruning, and ``tma_autotuned`` the
+autotuner itself, for the chapter's kernel and the experiments' variants of it.
 """
 
-from stepkernels._core import sm_count
+from stepkernels._core import autotune_configs, sm_count
 from stepkernels.matmul import keep_configs_for_dtype
 import triton
 import triton.language as tl
@@ -41,3 +42,14 @@ def keep_tma_configs(configs, named_args, **kwargs):
         if not config.kwargs.get("SPLIT_TAIL")
         or tail_shares(M, N, K, config.kwargs, sm_count()) > 1
     ]
+
+
+def tma_autotuned(kernel, configs):
+    """``kernel`` (chapter 07's descriptor kernel, or a variant of it) autotuned over
+    ``configs`` for each shape and precision."""
+    return triton.autotune(
+        configs=autotune_configs(configs),
+        key=["M", "N", "K", "INPUT_PRECISION"],
+        restore_value=["c_ptr"],  # for ACCUMULATE, as in chapter 04
+        prune_configs_by={"early_config_prune": keep_tma_configs},
+    )(kernel)

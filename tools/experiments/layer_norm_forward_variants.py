@@ -86,6 +86,23 @@ def walked_statistics(x_row, N, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
+def write_row(x_row, y_row, w_ptr, b_ptr, mean_at, rstd_at, mean, m2, N, eps, BLOCK_N: tl.constexpr,
+        SECOND: tl.constexpr):  # fmt: skip
+    """The walks' second pass: y of a row from its mean and M2, x loaded with ``SECOND``'s
+    eviction policy, weight and bias kept in L2; then the row's mean and rstd."""
+    rstd = 1.0 / tl.sqrt(m2 / N + eps)
+    for start in range(0, N, BLOCK_N):
+        cols = start + tl.arange(0, BLOCK_N)
+        mask = cols < N
+        x = tl.load(x_row + cols, mask=mask, other=0.0, eviction_policy=SECOND).to(tl.float32)
+        w = tl.load(w_ptr + cols, mask=mask, other=0.0, eviction_policy="evict_last").to(tl.float32)
+        b = tl.load(b_ptr + cols, mask=mask, other=0.0, eviction_policy="evict_last").to(tl.float32)
+        tl.store(y_row + cols, ((x - mean) * rstd * w + b).to(y_row.dtype.element_ty), mask=mask)
+    tl.store(mean_at, mean)
+    tl.store(rstd_at, rstd)
+
+
+@triton.jit
 def walked_kernel(x_ptr, y_ptr, w_ptr, b_ptr, mean_ptr, rstd_ptr, N, eps, BLOCK_N: tl.constexpr,
         FIRST: tl.constexpr, SECOND: tl.constexpr):  # fmt: skip
     """A row a program, read twice: Chan's walk for the statistics, loading with ``FIRST``'s
@@ -104,16 +121,7 @@ def walked_kernel(x_ptr, y_ptr, w_ptr, b_ptr, mean_ptr, rstd_ptr, N, eps, BLOCK_
         mean = mean + delta * (block_count / total)
         m2 = m2 + tl.sum(deviation * deviation, axis=0) + delta * delta * count * block_count / total
         count = total
-    rstd = 1.0 / tl.sqrt(m2 / N + eps)
-    for start in range(0, N, BLOCK_N):
-        cols = start + tl.arange(0, BLOCK_N)
-        mask = cols < N
-        x = tl.load(x_row + cols, mask=mask, other=0.0, eviction_policy=SECOND).to(tl.float32)
-        w = tl.load(w_ptr + cols, mask=mask, other=0.0, eviction_policy="evict_last").to(tl.float32)
-        b = tl.load(b_ptr + cols, mask=mask, other=0.0, eviction_policy="evict_last").to(tl.float32)
-        tl.store(y_row + cols, ((x - mean) * rstd * w + b).to(y_ptr.dtype.element_ty), mask=mask)
-    tl.store(mean_ptr + row, mean)
-    tl.store(rstd_ptr + row, rstd)
+    write_row(x_row, y_row, w_ptr, b_ptr, mean_ptr + row, rstd_ptr + row, mean, m2, N, eps, BLOCK_N, SECOND)
 
 
 @triton.jit
@@ -145,16 +153,7 @@ def lanes_kernel(x_ptr, y_ptr, w_ptr, b_ptr, mean_ptr, rstd_ptr, N, eps, BLOCK_N
         mean += tl.where(mask, delta / tl.maximum(count, 1.0), 0.0)
         m2 += tl.where(mask, delta * (x - mean), 0.0)
     mean, m2, _ = tl.reduce((mean, m2, count), 0, welford_combine)
-    rstd = 1.0 / tl.sqrt(m2 / N + eps)
-    for start in range(0, N, BLOCK_N):
-        cols = start + tl.arange(0, BLOCK_N)
-        mask = cols < N
-        x = tl.load(x_row + cols, mask=mask, other=0.0, eviction_policy=SECOND).to(tl.float32)
-        w = tl.load(w_ptr + cols, mask=mask, other=0.0, eviction_policy="evict_last").to(tl.float32)
-        b = tl.load(b_ptr + cols, mask=mask, other=0.0, eviction_policy="evict_last").to(tl.float32)
-        tl.store(y_row + cols, ((x - mean) * rstd * w + b).to(y_ptr.dtype.element_ty), mask=mask)
-    tl.store(mean_ptr + row, mean)
-    tl.store(rstd_ptr + row, rstd)
+    write_row(x_row, y_row, w_ptr, b_ptr, mean_ptr + row, rstd_ptr + row, mean, m2, N, eps, BLOCK_N, SECOND)
 
 
 def forward_walked(x, w, b, block=2048, warps=8, first="evict_last", second="evict_first", lanes=False):

@@ -24,7 +24,6 @@ without ``SPLIT_TAIL``.
 
 import functools
 import importlib
-import inspect
 import itertools
 import os
 import re
@@ -39,10 +38,10 @@ sys.path.insert(0, os.path.dirname(__file__))  # sm90, beside this script
 
 import sm90  # noqa: E402
 from stepkernels import bench  # noqa: E402
-from stepkernels._core import DEVICE, ON_GPU, autotune_configs, dtype_name  # noqa: E402
+from stepkernels._core import DEVICE, ON_GPU, dtype_name  # noqa: E402
+from stepkernels.matmul_tuning import tma_autotuned  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-import triton  # noqa: E402
 
 hopper = importlib.import_module("stepkernels.matmul_hopper")
 
@@ -81,28 +80,19 @@ def variant_kernel(name: str):
     """The package's kernel with the epilogue of ``VARIANTS[name]``: ``whole`` as it was
     before the halves; ``mixed`` whole in the binaries that split the last wave."""
     epilogue, columns = VARIANTS[name]
-    source = inspect.getsource(hopper.matmul_tma_kernel.fn)
-    assert source.count(HALVES) == 1 and source.count(HALF_BLOCK) == 2, "the package's kernel changed"
-    changed = source.replace(HALVES, epilogue).replace(HALF_BLOCK, "block_shape=[BLOCK_M, C_BLOCK_N]")
     make_c = "    c_desc = tl.make_tensor_descriptor("
-    changed = changed.replace(make_c, f"    C_BLOCK_N: tl.constexpr = {columns}\n{make_c}", 1)
-    names = "MAX_SPLITS, add_shares, finish_columns, tail_split, tile_of_program, tl, triton"
-    module = sm90.module_from_source(f"matmul_{name}", f"from stepkernels.matmul_hopper import {names}\n" + changed)
-    return module.matmul_tma_kernel
-
-
-def autotuned(kernel):
-    return triton.autotune(
-        configs=autotune_configs(hopper.TMA_CONFIGS),
-        key=["M", "N", "K", "INPUT_PRECISION"],
-        restore_value=["c_ptr"],
-        prune_configs_by={"early_config_prune": hopper.keep_tma_configs},
-    )(kernel)
+    return sm90.kernel_variant(
+        hopper.matmul_tma_kernel,
+        f"matmul_{name}",
+        [(HALVES, epilogue, 1), (HALF_BLOCK, "block_shape=[BLOCK_M, C_BLOCK_N]", 2),
+         (make_c, f"    C_BLOCK_N: tl.constexpr = {columns}\n{make_c}", 1)],
+    )  # fmt: skip
 
 
 def launches(kernel):
     """Within the block ``matmul_tma`` launches ``kernel`` (autotuned or, with ``config``, as is)."""
-    return mock.patch.multiple(hopper, matmul_tma_tuned=autotuned(kernel), matmul_tma_kernel=kernel)
+    tuned = tma_autotuned(kernel, hopper.TMA_CONFIGS)
+    return mock.patch.multiple(hopper, matmul_tma_tuned=tuned, matmul_tma_kernel=kernel)
 
 
 SPLIT = {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16, "GROUP_SIZE_M": 8, "SPLIT_TAIL": True}  # for check()

@@ -23,7 +23,6 @@ checking the variants against the package.
 """
 
 import importlib
-import inspect
 import os
 import re
 import sys
@@ -37,9 +36,9 @@ sys.path.insert(0, os.path.dirname(__file__))  # sm90, beside this script
 
 import sm90  # noqa: E402
 from stepkernels import bench  # noqa: E402
-from stepkernels._core import DEVICE, ON_GPU, autotune_configs, dtype_name  # noqa: E402
+from stepkernels._core import DEVICE, ON_GPU, dtype_name  # noqa: E402
+from stepkernels.matmul_tuning import tma_autotuned  # noqa: E402
 import torch  # noqa: E402
-import triton  # noqa: E402
 
 hopper = importlib.import_module("stepkernels.matmul_hopper")
 
@@ -54,23 +53,13 @@ VARIANTS = {
 def variant_kernel(name: str):
     """The package's ``matmul_tma_kernel`` with the tile loop's ``tl.range`` given the
     arguments of ``VARIANTS[name]``, as a ``@triton.jit`` kernel of a module of its own."""
-    source = inspect.getsource(hopper.matmul_tma_kernel.fn)
-    assert source.count(TILE_LOOP) == 1, "the package's tile loop changed: update TILE_LOOP"
-    changed = source.replace(TILE_LOOP, TILE_LOOP[:-1] + f", {VARIANTS[name]})")
-    names = "MAX_SPLITS, add_shares, finish_columns, tail_split, tile_of_program, tl, triton"
-    header = f"from stepkernels.matmul_hopper import {names}\n"
-    module = sm90.module_from_source(f"matmul_{name.replace(' + ', '_')}", header + changed)
-    return module.matmul_tma_kernel
+    loop = (TILE_LOOP, TILE_LOOP[:-1] + f", {VARIANTS[name]})", 1)
+    return sm90.kernel_variant(hopper.matmul_tma_kernel, f"matmul_{name.replace(' + ', '_')}", [loop])
 
 
 def autotuned(kernel):
     """``kernel`` autotuned as the package's ``matmul_tma_tuned`` is."""
-    return triton.autotune(
-        configs=autotune_configs(hopper.TMA_CONFIGS),
-        key=["M", "N", "K", "INPUT_PRECISION"],
-        restore_value=["c_ptr"],
-        prune_configs_by={"early_config_prune": hopper.keep_tma_configs},
-    )(kernel)
+    return tma_autotuned(kernel, hopper.TMA_CONFIGS)
 
 
 def variant_launches(tuned):

@@ -34,6 +34,7 @@ sys.path.insert(0, os.path.dirname(__file__))  # sm90, beside this script
 import sm90  # noqa: E402
 from stepkernels import bench  # noqa: E402
 from stepkernels._core import DEVICE, ON_GPU, dtype_name  # noqa: E402
+from stepkernels.matmul_tuning import tma_autotuned  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 import triton  # noqa: E402
@@ -115,13 +116,7 @@ def square(dtype, size):
 def unsplit_tuned():
     """The package's autotuned kernel without the configs that split the last wave."""
     configs = [c for c in hopper.TMA_CONFIGS if not c.kwargs.get("SPLIT_TAIL")]
-    tuned = triton.autotune(
-        configs=configs,
-        key=["M", "N", "K", "INPUT_PRECISION"],
-        restore_value=["c_ptr"],
-        prune_configs_by={"early_config_prune": hopper.keep_tma_configs},
-    )(hopper.matmul_tma_kernel)
-    return tuned
+    return tma_autotuned(hopper.matmul_tma_kernel, configs)
 
 
 def linear(dtype, k_size, unsplit):

@@ -9,6 +9,7 @@ allocate otherwise than the H100's: counts made here are leads.
 """
 
 import importlib.util
+import inspect
 import os
 import subprocess
 import tempfile
@@ -65,3 +66,18 @@ def module_from_source(name: str, source: str):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def kernel_variant(kernel, name: str, replacements: list):
+    """``kernel`` (``@triton.jit``) with its source changed, as a kernel of a module ``name`` of
+    its own, which sees every public name of the kernel's module. ``replacements``: (old, new,
+    how many times old must occur) for each change, made in turn."""
+    function = kernel  # the Python function under the JIT (or the interpreter) and wrappers
+    while not inspect.isfunction(function):
+        function = getattr(function, "kernel", None) or function.fn
+    source = inspect.getsource(function)
+    for old, new, count in replacements:
+        assert source.count(old) == count, f"{function.__name__} changed: {old.strip()[:60]!r} is not there {count}x"
+        source = source.replace(old, new)
+    module = module_from_source(name, f"from {function.__module__} import *\n{source}")
+    return getattr(module, function.__name__)
