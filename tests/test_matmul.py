@@ -12,11 +12,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 import pytest
 from stepkernels import matmul
-from stepkernels._core import DEVICE, INTERPRET, ON_GPU, capability
+from stepkernels._core import DEVICE, INTERPRET, ON_GPU, capability, zeroed
 from stepkernels.activations import ACTIVATIONS
 from stepkernels.check_matmul import matmul_reference, tolerance
 from stepkernels.matmul import matmul_portable
-from stepkernels.matmul_hopper import TMA_CONFIGS, launch_tma, matmul_tma, sm_count, tail_counters
+from stepkernels.matmul_hopper import TMA_CONFIGS, launch_tma, matmul_tma, sm_count
 from stepkernels.matmul_tuning import keep_tma_configs, tail_shares
 import torch
 
@@ -382,7 +382,7 @@ def test_split_last_wave_sums_its_shares_once_and_in_order(shape, activation):
     assert all(torch.equal(x, y) for x, y in zip(*split, strict=True))  # the same bits twice
     assert not torch.equal(split[1][1], whole[1])  # the split did happen: other roundings
     torch.testing.assert_close(out.double(), start.double() + matmul_reference(a, b, None, bias)[0], **tol)
-    assert int(tail_counters(a.device).abs().sum()) == 0  # left at zero for the next launch
+    assert int(zeroed(a.device, sm_count()).abs().sum()) == 0  # left at zero for the next launch
 
 
 @pytest.mark.skipif(not (ON_HOPPER or INTERPRET), reason="the descriptor kernel needs Hopper")

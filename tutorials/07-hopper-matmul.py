@@ -69,7 +69,7 @@ DEVICE = tutorial.DEVICE
 # reuses chapter 04's tile order, bias and configs from ``stepkernels.matmul``.
 
 # @save matmul_hopper
-from stepkernels._core import INTERPRET, sm_count
+from stepkernels._core import INTERPRET, sm_count, zeroed
 from stepkernels.activations import apply_activation
 from stepkernels.launch import lean
 from stepkernels.matmul import (
@@ -316,9 +316,9 @@ LARGEST_TILE = max(c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] for c in TMA_CONFIG
 # column-major); ``tma_applies`` asks it of both operands and of the output. The grid is
 # one program per SM (under the interpreter, ``sm_count()`` is 4, so that the loop over
 # tiles still takes several turns); programs without work return at once. The tail's
-# counters are kept per stream, zeroed once. Descriptors built inside a kernel need a little
-# global scratch memory for the descriptor itself, which Triton asks for through the
-# allocator set with ``triton.set_allocator``.
+# counters come from ``_core.zeroed``: kept per stream, zeroed once. Descriptors built
+# inside a kernel need a little global scratch memory for the descriptor itself, which
+# Triton asks for through the allocator set with ``triton.set_allocator``.
 #
 # One exception to reading transposes through strides: fp32 as tf32. Hopper's tensor-core
 # instruction (``wgmma``) reads 16-bit operands from shared memory in either order, but tf32
@@ -392,22 +392,6 @@ def matmul_tma(
     return launch_tma(*operands, activation, bias, return_preactivation, config)
 
 
-_TAIL_COUNTERS = {}  # (device, stream) -> zeros, each counter set back to 0 after use
-
-
-def tail_counters(device):
-    """The tail tiles' counters for launches on the current stream: launches on one stream
-    run one after another, so they can share counters that each launch leaves at zero."""
-    stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
-    key = (device, stream and stream.cuda_stream)
-    if key not in _TAIL_COUNTERS:
-        counters = torch.zeros(sm_count(), device=device, dtype=torch.int32)
-        if stream is not None and torch.cuda.is_current_stream_capturing():
-            return counters  # memory of the graph being captured: not kept
-        _TAIL_COUNTERS[key] = counters
-    return _TAIL_COUNTERS[key]
-
-
 def launch_tma(
     a, b, activation, bias, return_preactivation, config=None, accumulate=None
 ):
@@ -428,7 +412,7 @@ def launch_tma(
     )
     kernel = matmul_tma_tuned if config is None else matmul_tma_kernel
     kernel[(programs,)](
-        a, b, out, bias, pre, partials, tail_counters(a.device), M, N, K,
+        a, b, out, bias, pre, partials, zeroed(a.device, programs), M, N, K,
         a.stride(1) if a_column_major else a.stride(0),
         b.stride(1) if b_column_major else b.stride(0),
         bias.stride(0) if bias is not None else 0,

@@ -79,3 +79,21 @@ def fresh_seed() -> int:
     so that ``torch.manual_seed`` makes a run reproducible. 63 bits: drawing 31 would repeat a
     seed (and so a whole mask) about once in 46,000 calls; 63 bits, never in practice."""
     return int(torch.randint(2**63 - 1, (), dtype=torch.int64))
+
+
+_ZEROED = {}  # (device, stream, numel, dtype) -> zeros that every kernel using them leaves at 0
+
+
+def zeroed(device, numel: int, dtype=torch.int32) -> torch.Tensor:
+    """Scratch of ``numel`` zeros (counters, sums) for kernels launched on the current
+    stream that set it back to zero before they end: launches on one stream run one after
+    another, so they can share it, and none pays for a memset. Kept for the life of the
+    process (a CUDA graph that captured its address may replay it at any time)."""
+    stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
+    key = (device, stream and stream.cuda_stream, numel, dtype)
+    if key not in _ZEROED:
+        scratch = torch.zeros(numel, device=device, dtype=dtype)
+        if stream is not None and torch.cuda.is_current_stream_capturing():
+            return scratch  # memory of the graph being captured: not kept
+        _ZEROED[key] = scratch
+    return _ZEROED[key]

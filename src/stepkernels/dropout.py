@@ -20,11 +20,8 @@ def keep_mask(seed, p, groups):
     # Counters as uint32: the same Philox variant on every Triton version (32-bit words).
     r0, r1, r2, r3 = tl.rand4x(seed, groups.to(tl.uint32))
     lane = tl.arange(0, 4)[None, :]
-    random = tl.where(
-        lane == 0,
-        r0[:, None],
-        tl.where(lane == 1, r1[:, None], tl.where(lane == 2, r2[:, None], r3[:, None])),
-    )
+    random = tl.where(lane == 0, r0[:, None], tl.where(lane == 1, r1[:, None],
+                      tl.where(lane == 2, r2[:, None], r3[:, None])))  # fmt: skip
     # Uniform in [0, 1): P(random >= p) = 1 - p; p = 0 keeps everything and p = 1 nothing.
     return random >= p
 
@@ -215,9 +212,9 @@ def bias_act_dropout_kernel(
 @lean
 @triton.jit(do_not_specialize=["seed"])
 def bias_act_dropout_backward_kernel(
-    grad_out_ptr, x_ptr, bias_ptr, grad_in_ptr, bias_partial_ptr,
-    n_rows, n_cols, rows_per_program, threshold, scale, seed,
-    ACTIVATION: tl.constexpr, BLOCK_COLS: tl.constexpr, NUM_STAGES: tl.constexpr,
+    grad_out_ptr, x_ptr, bias_ptr, grad_in_ptr, bias_sum_ptr, counter_ptr, grad_bias_ptr,
+    n_rows, n_cols, rows_per_program, threshold, scale, seed, ACTIVATION: tl.constexpr,
+    BLOCK_COLS: tl.constexpr, NUM_STAGES: tl.constexpr, DETERMINISTIC: tl.constexpr,
 ):  # fmt: skip
     col_groups, cols = column_block(BLOCK_COLS)
     cols_in = cols < n_cols
@@ -239,14 +236,26 @@ def bias_act_dropout_backward_kernel(
         grad_in = grad.to(grad_in_ptr.dtype.element_ty)
         tl.store(grad_in_ptr + offsets, grad_in, mask=in_bounds)
         bias_sum += grad
-    partial_row = tl.program_id(0).to(tl.int64) * n_cols
-    tl.store(bias_partial_ptr + partial_row + cols, bias_sum, mask=cols_in)
+    if DETERMINISTIC:  # a row of partial sums a program, for PyTorch to add in order
+        partial_row = tl.program_id(0).to(tl.int64) * n_cols
+        tl.store(bias_sum_ptr + partial_row + cols, bias_sum, mask=cols_in)
+    else:  # added into fp32 sums in arrival order; the column block's last program casts
+        tl.atomic_add(bias_sum_ptr + cols, bias_sum, mask=cols_in, sem="relaxed")
+        tl.debug_barrier()  # every thread of this program has added
+        arrived = tl.atomic_add(counter_ptr + tl.program_id(1), 1, sem="acq_rel")
+        # The last: db, then sums and counter back to zero for the next launch.
+        if arrived == tl.num_programs(0) - 1:
+            sums = tl.load(bias_sum_ptr + cols, mask=cols_in, cache_modifier=".cg")
+            grad_bias = sums.to(grad_bias_ptr.dtype.element_ty)
+            tl.store(grad_bias_ptr + cols, grad_bias, mask=cols_in)
+            tl.store(bias_sum_ptr + cols, tl.zeros_like(sums), mask=cols_in)
+            tl.store(counter_ptr + tl.program_id(1), 0)
 
 
 FUSED_COLS = {False: 2048, True: 1024}  # most columns a program: forward, backward
-FUSED_OPTIONS = {False: {"NUM_STAGES": 1, "num_warps": 4},  # fused_dropout_cheaper.log
-                 True: {"NUM_STAGES": 3, "num_warps": 4}}  # fmt: skip
-BACKWARD_PROGRAMS_PER_SM = 8  # the backward's strips: long enough for about this many
+FORWARD_OPTIONS = {"NUM_STAGES": 1, "num_warps": 4}  # fused_dropout_cheaper.log
+BACKWARD_PROGRAMS_PER_SM = 4  # the backward's strips: long enough for about this many
+BACKWARD_STAGES = {4: 3, 2: 4}  # by bytes an element (fused_dropout_db.log)
 
 
 def fused_launch(n_rows: int, n_cols: int, backward: bool) -> tuple[int, int, tuple]:
@@ -270,7 +279,7 @@ def bias_act_dropout(x, bias, p, activation, seed):
         block_cols, rows_per_program, grid = fused_launch(*x2d.shape, backward=False)
         bias_act_dropout_kernel[grid](
             x2d, bias, out, *x2d.shape, rows_per_program, round(p * 2**16), scale_for(p), seed,
-            ACTIVATION=activation, BLOCK_COLS=block_cols, **FUSED_OPTIONS[False],
+            ACTIVATION=activation, BLOCK_COLS=block_cols, **FORWARD_OPTIONS,
         )  # fmt: skip
     return out.view(x.shape)
 
@@ -294,15 +303,22 @@ class BiasActDropout(torch.autograd.Function):
         grad_2d = grad_out.contiguous().view(ctx.shape2d)
         if not grad_out.numel():  # no rows, or no features: nothing to launch
             return torch.empty_like(grad_out), torch.zeros_like(bias), None, None, None
-        grad_in = torch.empty_like(grad_2d)
+        grad_in, grad_bias = torch.empty_like(grad_2d), torch.empty_like(bias)
         block_cols, rows_per_program, grid = fused_launch(*ctx.shape2d, backward=True)
-        partial = torch.empty(grid[0], ctx.shape2d[1], device=grad_2d.device)
+        deterministic = torch.are_deterministic_algorithms_enabled()
+        if deterministic:  # partial sums, added by PyTorch: the same bits every run
+            sums = counters = torch.empty(grid[0], ctx.shape2d[1], device=bias.device)
+        else:  # scratch that the kernel leaves zeroed
+            sums = _core.zeroed(bias.device, ctx.shape2d[1], torch.float32)
+            counters = _core.zeroed(bias.device, grid[1])
         bias_act_dropout_backward_kernel[grid](
-            grad_2d, x2d, bias, grad_in, partial, *ctx.shape2d, rows_per_program,
-            round(ctx.p * 2**16), scale_for(ctx.p), ctx.seed,
-            ACTIVATION=ctx.activation, BLOCK_COLS=block_cols, **FUSED_OPTIONS[True],
+            grad_2d, x2d, bias, grad_in, sums, counters, grad_bias, *ctx.shape2d,
+            rows_per_program, round(ctx.p * 2**16), scale_for(ctx.p), ctx.seed,
+            ACTIVATION=ctx.activation, BLOCK_COLS=block_cols, DETERMINISTIC=deterministic,
+            NUM_STAGES=BACKWARD_STAGES[grad_2d.element_size()], num_warps=4,
         )  # fmt: skip
-        grad_bias = partial.sum(0).to(bias.dtype)
+        if deterministic:
+            grad_bias = sums.sum(0).to(bias.dtype)
         return grad_in.view(grad_out.shape), grad_bias, None, None, None
 
 

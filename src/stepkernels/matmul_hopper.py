@@ -4,7 +4,7 @@ persistent programs, fp8."""
 # Generated from tutorials/07-hopper-matmul.py by tools/export.py: edit the chapter, then `make
 # export`.
 
-from stepkernels._core import INTERPRET, sm_count
+from stepkernels._core import INTERPRET, sm_count, zeroed
 from stepkernels.activations import apply_activation
 from stepkernels.launch import lean
 from stepkernels.matmul import (
@@ -269,22 +269,6 @@ def matmul_tma(
     return launch_tma(*operands, activation, bias, return_preactivation, config)
 
 
-_TAIL_COUNTERS = {}  # (device, stream) -> zeros, each counter set back to 0 after use
-
-
-def tail_counters(device):
-    """The tail tiles' counters for launches on the current stream: launches on one stream
-    run one after another, so they can share counters that each launch leaves at zero."""
-    stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
-    key = (device, stream and stream.cuda_stream)
-    if key not in _TAIL_COUNTERS:
-        counters = torch.zeros(sm_count(), device=device, dtype=torch.int32)
-        if stream is not None and torch.cuda.is_current_stream_capturing():
-            return counters  # memory of the graph being captured: not kept
-        _TAIL_COUNTERS[key] = counters
-    return _TAIL_COUNTERS[key]
-
-
 def launch_tma(
     a, b, activation, bias, return_preactivation, config=None, accumulate=None
 ):
@@ -305,7 +289,7 @@ def launch_tma(
     )
     kernel = matmul_tma_tuned if config is None else matmul_tma_kernel
     kernel[(programs,)](
-        a, b, out, bias, pre, partials, tail_counters(a.device), M, N, K,
+        a, b, out, bias, pre, partials, zeroed(a.device, programs), M, N, K,
         a.stride(1) if a_column_major else a.stride(0),
         b.stride(1) if b_column_major else b.stride(0),
         bias.stride(0) if bias is not None else 0,

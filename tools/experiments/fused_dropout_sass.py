@@ -29,8 +29,8 @@ import fused_dropout_cheaper  # noqa: E402
 import fused_dropout_philox  # noqa: E402
 import sm90  # noqa: E402
 from stepkernels.dropout import (  # noqa: E402
+    BACKWARD_STAGES,
     FUSED_COLS,
-    FUSED_OPTIONS,
     bias_act_dropout_backward_kernel,
     bias_act_dropout_kernel,
 )
@@ -72,14 +72,16 @@ def main() -> None:
         forward = {"x_ptr": ptr, "bias_ptr": ptr, "out_ptr": ptr, **common,
                    "threshold": "i32", "scale": "fp32", "seed": "i64"}  # fmt: skip
         backward = {"grad_out_ptr": ptr, "x_ptr": ptr, "bias_ptr": ptr, "grad_in_ptr": ptr,
-                    "bias_partial_ptr": "*fp32", **common, "threshold": "i32",
-                    "scale": "fp32", "seed": "i64"}  # fmt: skip
+                    "bias_sum_ptr": "*fp32", "counter_ptr": "*i32", "grad_bias_ptr": ptr,
+                    **common, "threshold": "i32", "scale": "fp32", "seed": "i64"}  # fmt: skip
         for backwards, signature, kernel, aligned in (
             (False, forward, bias_act_dropout_kernel, (0, 1, 2, 4)),
-            (True, backward, bias_act_dropout_backward_kernel, (0, 1, 2, 3, 4, 6)),
+            (True, backward, bias_act_dropout_backward_kernel, (0, 1, 2, 3, 4, 5, 6, 8)),
         ):
             launch = {"ACTIVATION": "gelu", "BLOCK_COLS": FUSED_COLS[backwards],
-                      "NUM_STAGES": FUSED_OPTIONS[backwards]["NUM_STAGES"]}  # fmt: skip
+                      "NUM_STAGES": BACKWARD_STAGES[2] if backwards else 1}  # fmt: skip
+            if backwards:
+                launch["DETERMINISTIC"] = False
             signature.update(dict.fromkeys(launch, "constexpr"))
             name = f"package {'backward' if backwards else 'forward'}"
             show(name, loop_counts(kernel, signature, launch, aligned))
