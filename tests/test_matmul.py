@@ -17,7 +17,7 @@ from stepkernels.activations import ACTIVATIONS
 from stepkernels.check_matmul import matmul_reference, tolerance
 from stepkernels.matmul import matmul_portable
 from stepkernels.matmul_hopper import TMA_CONFIGS, launch_tma, matmul_tma, sm_count
-from stepkernels.matmul_tuning import keep_tma_configs, tail_shares
+from stepkernels.matmul_tuning import keep_tma_configs, programs, tail_shares
 import torch
 
 DTYPES = [torch.float16, torch.float32] + ([torch.bfloat16] if ON_GPU else [])
@@ -397,6 +397,23 @@ def test_the_host_knows_when_the_kernel_splits_the_last_wave(shape):
     assert (tail_shares(*shape, SPLIT, sm_count()) > 1) == (not torch.equal(split, whole))
 
 
+@pytest.mark.skipif(not (ON_HOPPER or INTERPRET), reason="the descriptor kernel needs Hopper")
+@pytest.mark.parametrize("split", [False, True])
+def test_two_programs_an_sm_give_the_product(split):
+    # One 16 x 16 tile more than a full wave of two programs an SM: the split's case.
+    M, N, K = 16 * (2 * sm_count() + 1), 16, 256
+    a, b, bias = operands(M, N, K, torch.float32)
+    two = {**(SPLIT if split else SMALL), "PROGRAMS_PER_SM": 2}
+    with fp32_precision("highest"):
+        got = matmul_tma(a, b, "gelu", bias=bias, config=two)
+        whole = matmul_tma(a, b, "gelu", bias=bias, config=SMALL)  # one an SM, no split
+    expected, _ = matmul_reference(a, b, "gelu", bias)
+    torch.testing.assert_close(got.double(), expected, **tolerance(torch.float32, K))
+    assert tail_shares(M, N, K, two, programs(two)) > 1  # a SPLIT_TAIL config splits here
+    assert torch.equal(got, whole) != split  # and its shares round otherwise
+    assert int(zeroed(a.device, programs(two)).abs().sum()) == 0
+
+
 # Squares whose last wave no fp16 tile splits, and one where some do (132 SMs, or the
 # interpreter's 4).
 SPLIT_SIZES = [(4096, False), (3072, True)] if ON_GPU else [(1024, False), (1152, True)]
@@ -407,6 +424,6 @@ def test_the_autotuner_times_split_configs_only_where_they_split(size, splits_so
     named = {"a_ptr": torch.empty(1, dtype=torch.float16), "M": size, "N": size, "K": size}
     kept = keep_tma_configs(TMA_CONFIGS, named)
     split = [c for c in kept if c.kwargs.get("SPLIT_TAIL")]
-    assert all(tail_shares(size, size, size, c.kwargs, sm_count()) > 1 for c in split)
+    assert all(tail_shares(size, size, size, c.kwargs, programs(c.kwargs)) > 1 for c in split)
     assert bool(split) == splits_somewhere
     assert len(kept) - len(split) == sum(c.itemsize == 2 and not c.kwargs.get("SPLIT_TAIL") for c in TMA_CONFIGS)

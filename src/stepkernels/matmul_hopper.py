@@ -29,11 +29,15 @@ def matmul_tma_kernel(
     stride_a, stride_b, stride_bias,
     A_COLUMN_MAJOR: tl.constexpr, B_COLUMN_MAJOR: tl.constexpr,
     ACTIVATION: tl.constexpr, HAS_BIAS: tl.constexpr, STORE_PREACTIVATION: tl.constexpr,
-    INPUT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, NUM_PROGRAMS: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, NUM_SMS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_SIZE_M: tl.constexpr, ACCUMULATE: tl.constexpr = False,
     SPLIT_TAIL: tl.constexpr = False, MAX_SPLITS: tl.constexpr = MAX_SPLITS,
+    PROGRAMS_PER_SM: tl.constexpr = 1,
 ):  # fmt: skip
+    NUM_PROGRAMS: tl.constexpr = (
+        NUM_SMS * PROGRAMS_PER_SM
+    )  # the grid: a config's choice
     # One descriptor per tensor. A column-major operand is described as its transpose.
     if A_COLUMN_MAJOR:
         a_desc = tl.make_tensor_descriptor(
@@ -193,18 +197,27 @@ TMA_CONFIGS = [
 ]
 
 
-def split_tail(config):
-    """``config`` with the last wave split: the autotuner times each tile both ways."""
+def with_constants(config, **constants):
+    """``config`` with more constexprs set: a config of its own for the autotuner."""
     options = {"num_warps": config.num_warps, "num_stages": config.num_stages}
-    made = triton.Config({**config.kwargs, "SPLIT_TAIL": True}, **options)
+    made = triton.Config({**config.kwargs, **constants}, **options)
     made.itemsize = config.itemsize
     return made
 
 
-TMA_CONFIGS += [split_tail(config) for config in TMA_CONFIGS]
+def scratch_per_sm(config: dict) -> int:
+    """Partial-tile values that ``config``'s programs on one SM may store (split tail)."""
+    return config.get("PROGRAMS_PER_SM", 1) * config["BLOCK_M"] * config["BLOCK_N"]
+
+
+TMA_CONFIGS.append(
+    with_constants(tile_config(128, 128, 64, 3, 8, 2), PROGRAMS_PER_SM=2)
+)
+TMA_CONFIGS += [with_constants(config, SPLIT_TAIL=True) for config in TMA_CONFIGS]
 # Autotuned as chapter 04's kernel is; lean: cheap repeated launches (chapter 08).
 matmul_tma_tuned = lean(tma_autotuned(matmul_tma_kernel, TMA_CONFIGS))
-LARGEST_TILE = max(c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] for c in TMA_CONFIGS)
+SCRATCH_PER_SM = max(scratch_per_sm(c.kwargs) for c in TMA_CONFIGS)
+MOST_PER_SM = max(c.kwargs.get("PROGRAMS_PER_SM", 1) for c in TMA_CONFIGS)
 
 
 def tma_scratch(size: int, alignment: int, stream):
@@ -282,14 +295,16 @@ def launch_tma(
     triton.set_allocator(tma_scratch)
     a_column_major = tma_layout(a) == "column"
     b_column_major = tma_layout(b) == "column"
-    programs = sm_count()
-    # Scratch for the tail's partial tiles (one a program, at most), and its counters.
-    partials = torch.empty(
-        programs * LARGEST_TILE, device=a.device, dtype=torch.float32
-    )
+    sms, fixed = sm_count(), config or {}
+    # Scratch for the tail's partial tiles (one a program, at most) and its counters, for
+    # the largest grid a config may launch.
+    per_sm = fixed.get("PROGRAMS_PER_SM", 1) if config else MOST_PER_SM
+    scratch = scratch_per_sm(config) if config else SCRATCH_PER_SM
+    partials = torch.empty(sms * scratch, device=a.device, dtype=torch.float32)
     kernel = matmul_tma_tuned if config is None else matmul_tma_kernel
-    kernel[(programs,)](
-        a, b, out, bias, pre, partials, zeroed(a.device, programs), M, N, K,
+    grid = lambda meta: (sms * meta.get("PROGRAMS_PER_SM", 1),)  # noqa: E731
+    kernel[grid](
+        a, b, out, bias, pre, partials, zeroed(a.device, sms * per_sm), M, N, K,
         a.stride(1) if a_column_major else a.stride(0),
         b.stride(1) if b_column_major else b.stride(0),
         bias.stride(0) if bias is not None else 0,
@@ -300,8 +315,8 @@ def launch_tma(
         STORE_PREACTIVATION=pre is not None,
         INPUT_PRECISION=dot_precision(a.dtype),
         UPCAST=INTERPRET and a.dtype == torch.bfloat16,
-        NUM_PROGRAMS=programs,
+        NUM_SMS=sms,
         ACCUMULATE=accumulate is not None,
-        **(config or {}),
+        **fixed,
     )  # fmt: skip
     return (out, pre) if return_preactivation else out

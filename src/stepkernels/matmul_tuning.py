@@ -40,8 +40,13 @@ def keep_tma_configs(configs, named_args, **kwargs):
         config
         for config in keep_configs_for_dtype(configs, named_args, **kwargs)
         if not config.kwargs.get("SPLIT_TAIL")
-        or tail_shares(M, N, K, config.kwargs, sm_count()) > 1
+        or tail_shares(M, N, K, config.kwargs, programs(config.kwargs)) > 1
     ]
+
+
+def programs(config: dict) -> int:
+    """The grid of chapter 07's kernel for ``config``: one or more programs an SM."""
+    return sm_count() * config.get("PROGRAMS_PER_SM", 1)
 
 
 def tma_autotuned(kernel, configs):

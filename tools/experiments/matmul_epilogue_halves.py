@@ -108,7 +108,7 @@ def compile_report():
         for activation in (None, "gelu"):
             constants = {"A_COLUMN_MAJOR": False, "B_COLUMN_MAJOR": True, "ACTIVATION": activation,
                          "HAS_BIAS": True, "STORE_PREACTIVATION": False, "INPUT_PRECISION": "ieee",
-                         "UPCAST": False, "NUM_PROGRAMS": 132, "BLOCK_M": 128, "BLOCK_N": 256,
+                         "UPCAST": False, "NUM_SMS": 132, "BLOCK_M": 128, "BLOCK_N": 256,
                          "BLOCK_K": 64, "GROUP_SIZE_M": 8, "ACCUMULATE": False, "SPLIT_TAIL": split,
                          "MAX_SPLITS": 8}  # fmt: skip
             compiled = sm90.compile_sm90(kernel, signature, constants, aligned=signature, num_warps=8, num_stages=3)

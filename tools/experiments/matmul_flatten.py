@@ -75,7 +75,7 @@ def compile_report():
                  "stride_b": "i32", "stride_bias": "i32"}  # fmt: skip
     constants = {"A_COLUMN_MAJOR": False, "B_COLUMN_MAJOR": False, "ACTIVATION": None,
                  "HAS_BIAS": False, "STORE_PREACTIVATION": False, "INPUT_PRECISION": "ieee",
-                 "UPCAST": False, "NUM_PROGRAMS": 132, "BLOCK_M": 128, "BLOCK_N": 256,
+                 "UPCAST": False, "NUM_SMS": 132, "BLOCK_M": 128, "BLOCK_N": 256,
                  "BLOCK_K": 64, "GROUP_SIZE_M": 8, "ACCUMULATE": False,
                  "SPLIT_TAIL": False, "MAX_SPLITS": 8}  # fmt: skip
     kernels = {"package": hopper.matmul_tma_kernel, **{n: variant_kernel(n) for n in VARIANTS}}

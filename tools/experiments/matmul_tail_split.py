@@ -56,7 +56,7 @@ def compile_report():
             constants = {"A_COLUMN_MAJOR": False, "B_COLUMN_MAJOR": dtype == "fp32",
                          "ACTIVATION": activation, "HAS_BIAS": activation is not None,
                          "STORE_PREACTIVATION": False, "INPUT_PRECISION": precision,
-                         "UPCAST": False, "NUM_PROGRAMS": 132, "BLOCK_M": bm, "BLOCK_N": bn,
+                         "UPCAST": False, "NUM_SMS": 132, "BLOCK_M": bm, "BLOCK_N": bn,
                          "BLOCK_K": bk, "GROUP_SIZE_M": 8, "ACCUMULATE": False,
                          "SPLIT_TAIL": split, "MAX_SPLITS": 8}  # fmt: skip
             compiled = sm90.compile_sm90(hopper.matmul_tma_kernel, signature, constants,
