@@ -577,11 +577,11 @@ for name, backward, per_activation in [
 
 # %%
 # In fp16 the fused layer runs about level with eager PyTorch with GELU: its ``erf`` costs our
-# epilogue what PyTorch's separate kernel costs (the persistent kernel loads its next tile only
-# after this tile's epilogue). Cheap activations are nearly free in the epilogue, where PyTorch
-# runs extra kernels: fusion wins, most for squared ReLU. Recomputing Z costs a fourth product.
-# fp32 trails from the product (tf32: K-major copies, tiles of chapter 07). Dotted lines are the
-# calls from Python: through autograd the CPU takes longer than small products on the GPU.
+# epilogue what PyTorch's separate kernel costs (a program loads its next tile only after this
+# tile's epilogue; at small K two programs an SM hide it, chapter 07). Cheap activations are
+# nearly free in the epilogue, where PyTorch runs extra kernels: fusion wins, most for squared
+# ReLU. Recomputing Z costs a fourth product. fp32 trails from the product (tf32: K-major
+# copies, chapter 07). Dotted lines: calls from Python, whose CPU outlasts small products.
 #
 # What we learned
 # ---------------
