@@ -162,11 +162,11 @@ ACTIVATION_BACKWARD_BLOCK = {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4}
 
 
 def activation_backward(grad_y, z, activation, bias_grad: bool, over_z=False):
-    """dZ = dY * act'(Z), contiguous in Z's dtype (over Z if ``over_z``), and db (fp32)."""
+    """dZ = dY * act'(Z) in Z's dtype (over Z if ``over_z``); db (fp32) from block sums."""
     M, N = z.shape
     grad_z = z if over_z else torch.empty((M, N), device=z.device, dtype=z.dtype)
     blocks_m = triton.cdiv(M, ACTIVATION_BACKWARD_BLOCK["BLOCK_M"])
-    partial = torch.zeros((blocks_m, N), device=z.device, dtype=torch.float32)
+    partial = torch.empty((blocks_m, N), device=z.device, dtype=torch.float32)
     if grad_z.numel() > 0:
         grid = (blocks_m, triton.cdiv(N, ACTIVATION_BACKWARD_BLOCK["BLOCK_N"]))
         activation_backward_kernel[grid](

@@ -1,0 +1,137 @@
+"""Chapter 06's GELU (from erfc: one ``rsqrt``, one ``exp2``) in chapter 05's fused linear.
+
+    python tools/experiments/gelu_erfc_linear.py    # GPU: time; CPU: check
+
+The fused linear computes GELU with libdevice's ``erf`` (chapter 04's ``apply_activation`` and
+``activation_derivative``), which chapter 06 found costs fp16 elementwise kernels about half
+their speed (``fused_dropout_cheaper.log``). Here the matrix product's epilogue and chapter 05's
+activation backward (dZ = dY * GELU'(Z), db's block sums) are rebuilt with chapter 06's
+``activate`` instead (degree-9 erfc for fp32 outputs, degree 5 for 16-bit), and timed against
+the package:
+
+* the activation backward alone at M = N = 4,096, GB/s of dY and Z read and dZ written, with a
+  copy of as many bytes;
+* the fused linear's forward product (x of 4,096 x K, a 4,096 x K weight, bias, GELU; autotuned
+  over chapter 07's configs) and its forward + backward through ``linear``, fp16, K = 1,024 to
+  8,192, TFLOP/s of GPU time (2 x M x N x K a product, three for forward + backward).
+"""
+
+import functools
+import importlib
+import inspect
+import os
+import sys
+from unittest import mock
+
+sys.path.insert(0, os.path.dirname(__file__))  # sm90, beside this script
+
+import sm90  # noqa: E402
+from stepkernels import _core, bench  # noqa: E402
+from stepkernels.dropout import activate  # noqa: E402
+from stepkernels.matmul_tuning import tma_autotuned  # noqa: E402
+import torch  # noqa: E402
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+hopper = importlib.import_module("stepkernels.matmul_hopper")
+linear = importlib.import_module("stepkernels.linear")
+
+
+@triton.jit
+def fast_activation(z, ACTIVATION: tl.constexpr, OUT: tl.constexpr):
+    return activate(z, ACTIVATION, False, OUT)
+
+
+def with_globals(kernel, **names):
+    """``kernel`` (a fresh variant, not yet compiled) seeing ``names`` as globals."""
+    function = kernel  # the Python function under the JIT (or the interpreter) and wrappers
+    while not inspect.isfunction(function):
+        function = getattr(function, "kernel", None) or function.fn
+    function.__globals__.update(names)
+    return kernel
+
+
+finish_fast = with_globals(
+    sm90.kernel_variant(
+        hopper.finish_columns,
+        "finish_fast",
+        [("apply_activation(acc, ACTIVATION)", "fast_activation(acc, ACTIVATION, c_desc.dtype)", 1)],
+    ),
+    fast_activation=fast_activation,
+)
+matmul_fast = with_globals(
+    sm90.kernel_variant(hopper.matmul_tma_kernel, "matmul_fast", [("finish_columns(", "finish_fast(", 2)]),
+    finish_fast=finish_fast,
+)
+backward_fast = with_globals(
+    sm90.kernel_variant(
+        linear.activation_backward_kernel,
+        "activation_backward_fast",
+        [("activation_derivative(z, ACTIVATION)", "activate(z, ACTIVATION, True, grad_z_ptr.dtype.element_ty)", 1)],
+    ),
+    activate=activate,
+)
+
+
+def fast():
+    """Within the block the fused linear runs the erfc GELU, forward and backward."""
+    tuned = tma_autotuned(matmul_fast, hopper.TMA_CONFIGS)
+    return mock.patch.multiple(hopper, matmul_tma_tuned=tuned, matmul_tma_kernel=matmul_fast), mock.patch.object(
+        linear, "activation_backward_kernel", backward_fast
+    )
+
+
+def forward_backward(x, weight, bias, grad_y):
+    y = linear.linear(x, weight, bias, "gelu")
+    return torch.autograd.grad(y, (x, weight, bias), grad_y)
+
+
+def check():
+    x = torch.randn(96, 64, device=_core.DEVICE, requires_grad=True)
+    weight = torch.randn(80, 64, device=_core.DEVICE, requires_grad=True)
+    bias = torch.randn(80, device=_core.DEVICE, requires_grad=True)
+    grad_y = torch.randn(96, 80, device=_core.DEVICE)
+    torch.set_float32_matmul_precision("highest")
+    product = functools.partial(hopper.matmul_tma, x.detach(), weight.detach().t(), "gelu", bias=bias.detach())
+    want = (product(), *forward_backward(x, weight, bias, grad_y))
+    patches = fast()
+    with patches[0], patches[1]:
+        got = (product(), *forward_backward(x, weight, bias, grad_y))
+    for ours, theirs in zip(got, want, strict=True):
+        torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
+    print("the erfc GELU gives the package's descriptor-kernel product and fused linear backward (fp32, 1e-5)")
+
+
+def sweep():
+    for dtype in (torch.float16, torch.float32):
+        grad_y, z = (torch.randn(4096, 4096, device="cuda", dtype=dtype) for _ in "yz")
+        nbytes = 3 * z.numel() * z.element_size()
+        line = f"activation backward {_core.dtype_name(dtype)}: copy {bench.rate(nbytes, bench.copy_of(nbytes)):,.0f}"
+        call = functools.partial(linear.activation_backward, grad_y, z, "gelu", True)
+        line += f"  package {bench.rate(nbytes, call):,.0f}"
+        with mock.patch.object(linear, "activation_backward_kernel", backward_fast):
+            line += f"  erfc {bench.rate(nbytes, call):,.0f}"
+        print(line, flush=True)
+    torch.set_float32_matmul_precision("high")
+    for k_size in (1024, 2048, 4096, 8192):
+        x, weight = (torch.randn(4096, k_size, device="cuda", dtype=torch.float16) for _ in "xw")
+        bias = torch.randn(4096, device="cuda", dtype=torch.float16)
+        grad_y = torch.randn(4096, 4096, device="cuda", dtype=torch.float16)
+        flops = 2 * 4096 * 4096 * k_size
+        forward = functools.partial(hopper.matmul_tma, x, weight.t(), "gelu", bias=bias)
+        params = [t.clone().requires_grad_() for t in (x, weight, bias)]
+        both = functools.partial(forward_backward, *params, grad_y)
+        line = f"linear fp16 K={k_size:5}: forward package {bench.rate(flops, forward, 'TFLOP/s'):.0f}"
+        back = bench.rate(3 * flops, both, "TFLOP/s")
+        patches = fast()
+        with patches[0], patches[1]:
+            line += f" erfc {bench.rate(flops, forward, 'TFLOP/s'):.0f}"
+            line += f" | forward + backward package {back:.0f} erfc {bench.rate(3 * flops, both, 'TFLOP/s'):.0f}"
+        print(line, flush=True)
+
+
+if __name__ == "__main__":
+    check()
+    if _core.ON_GPU:
+        with bench.side_stream():
+            sweep()
