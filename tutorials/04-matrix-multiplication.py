@@ -83,10 +83,10 @@ from stepkernels._core import (
     ON_GPU,
     autotune_configs,
     capability,
-    check_tensor,
     sm_count,
 )
-from stepkernels.activations import apply_activation, check_activation
+from stepkernels.activations import apply_activation
+from stepkernels.arguments import accumulate_arguments, matmul_arguments
 from stepkernels.launch import lean
 import torch
 import triton
@@ -119,7 +119,9 @@ def add_bias(acc, bias_ptr, offs_n, N, stride_bias, HAS_BIAS: tl.constexpr):
 # The epilogue can apply an activation to the fp32 accumulator before the one store. Chapters
 # 05 and 06 fuse them too, so they go into the package's ``activations`` module, with their
 # derivatives for the backward passes. ``ACTIVATION`` is a compile-time string: each choice
-# compiles to its own kernel, and the branches cost nothing at run time.
+# compiles to its own kernel, and the branches cost nothing at run time. GELU, z Phi(z), takes
+# an erfc of one ``rsqrt`` and one ``exp2`` instead of libdevice's slow ``erf``: chapter 06
+# derives it; ``OUT``, the output's dtype, picks its accuracy (about 1e-7 for fp32, else 1e-4).
 
 # @save activations
 import torch
@@ -130,13 +132,29 @@ ACTIVATIONS = (None, "relu", "leaky_relu", "gelu", "squared_relu")
 
 
 @triton.jit
-def apply_activation(z, ACTIVATION: tl.constexpr):
+def normal_tail(z, ACCURATE: tl.constexpr):
+    """Phi(-|z|) from erfc: to about 1e-7 (ACCURATE, for fp32), else 1e-4 (chapter 06)."""
+    a = tl.abs(z) * 0.7071067811865476  # Phi(-|z|) = erfc(a) / 2
+    t = tl.math.rsqrt(1.0 + 0.5 * a)
+    t = t * t  # 1 / (1 + a / 2) without a division's range checks
+    if ACCURATE:  # erfc(a) = t exp(-a^2 + P(t)): Numerical Recipes' P, degree 9
+        poly = -1.26551223 + t * (1.00002368 + t * (0.37409196 + t * (0.09678418 + t * (
+            -0.18628806 + t * (0.27886807 + t * (-1.13520398 + t * (1.48851587 + t * (
+                -0.82215223 + t * 0.17087277))))))))  # fmt: skip
+    else:  # our fit of degree 5: fractional error under 8.6e-5, below fp16's rounding
+        poly = -1.26555438 + t * (1.0035986 + t * (0.326171283 + t * (0.317568607 + t * (
+            -0.554100522 + t * 0.172230977))))  # fmt: skip
+    return t * tl.math.exp2(1.4426950408889634 * (poly - a * a) - 1.0)  # - 1: erfc / 2
+
+
+@triton.jit
+def apply_activation(z, ACTIVATION: tl.constexpr, OUT: tl.constexpr):
     if ACTIVATION == "relu":
         return tl.maximum(z, 0.0)
     elif ACTIVATION == "leaky_relu":  # slope 0.01, torch's default
         return tl.where(z > 0, z, 0.01 * z)
-    elif ACTIVATION == "gelu":  # the exact form, z * Phi(z), as torch's default
-        return 0.5 * z * (1.0 + tl.math.erf(z * 0.7071067811865476))
+    elif ACTIVATION == "gelu":  # the exact form, z Phi(z) = max(z, 0) - |z| Phi(-|z|)
+        return tl.maximum(z, 0.0) - tl.abs(z) * normal_tail(z, OUT == tl.float32)
     elif ACTIVATION == "squared_relu":
         relu = tl.maximum(z, 0.0)
         return relu * relu
@@ -145,14 +163,15 @@ def apply_activation(z, ACTIVATION: tl.constexpr):
 
 
 @triton.jit
-def activation_derivative(z, ACTIVATION: tl.constexpr):
+def activation_derivative(z, ACTIVATION: tl.constexpr, OUT: tl.constexpr):
     if ACTIVATION == "relu":
         return tl.where(z > 0, 1.0, 0.0)
     elif ACTIVATION == "leaky_relu":
         return tl.where(z > 0, 1.0, 0.01)
-    elif ACTIVATION == "gelu":  # Phi(z) + z * phi(z)
-        cdf = 0.5 * (1.0 + tl.math.erf(z * 0.7071067811865476))
-        return cdf + z * 0.3989422804014327 * tl.exp(-0.5 * z * z)
+    elif ACTIVATION == "gelu":  # Phi(z) + z phi(z), phi by exp2
+        tail = normal_tail(z, OUT == tl.float32)
+        density = tl.math.exp2(-0.7213475204444817 * z * z - 1.3257480647361595)
+        return tl.where(z >= 0, 1.0 - tail, tail) + z * density
     elif ACTIVATION == "squared_relu":
         return 2.0 * tl.maximum(z, 0.0)
     else:
@@ -242,7 +261,7 @@ def matmul_kernel(
         acc += tl.load(c_ptr + c_offsets, mask=c_mask, other=0.0).to(tl.float32)
     if STORE_PREACTIVATION:
         tl.store(pre_ptr + c_offsets, acc.to(pre_ptr.dtype.element_ty), mask=c_mask)
-    out = apply_activation(acc, ACTIVATION)
+    out = apply_activation(acc, ACTIVATION, c_ptr.dtype.element_ty)
     tl.store(c_ptr + c_offsets, out.to(c_ptr.dtype.element_ty), mask=c_mask)
 
 
@@ -304,10 +323,10 @@ matmul_portable_tuned = lean(triton.autotune(  # lean: cheap repeated launches (
 # %%
 # The wrapper
 # -----------
-# ``matmul_portable`` checks its inputs (an error says what to fix), allocates C (in the
-# input dtype; bf16 for fp8) and launches one program per tile with the strides as they are:
-# a ``.t()`` view is never copied. An empty C launches nothing; K = 0 gives activation(bias),
-# as in PyTorch. ``config`` fixes the tile shape instead of autotuning.
+# ``matmul_portable`` checks its inputs (``stepkernels.arguments``: an error says what to
+# fix), allocates C (in the input dtype; bf16 for fp8) and launches one program per tile with
+# the strides as they are: a ``.t()`` view is never copied. An empty C launches nothing; K = 0
+# gives activation(bias), as in PyTorch. ``config`` fixes the tile shape instead of autotuning.
 #
 # ``matmul``, which the rest of the collection calls, is the portable kernel except on
 # Hopper, where chapter 07's descriptor kernel takes the product when the layout allows and
@@ -320,28 +339,7 @@ SUPPORTED_DTYPES = FLOAT_DTYPES + FP8_DTYPES
 
 
 def check_inputs(a, b, activation, bias):
-    for name, tensor in (("a", a), ("b", b)):
-        check_tensor(tensor, name, SUPPORTED_DTYPES)  # fp8 needs compute capability 8.9
-        if tensor.dim() != 2:
-            raise ValueError(
-                f"{name} must be a 2-D matrix, got shape {tuple(tensor.shape)}: flatten "
-                f"the leading dimensions with {name}.reshape(-1, {name}.shape[-1])"
-            )
-    if a.dtype != b.dtype:
-        raise TypeError(f"a is {a.dtype} but b is {b.dtype}: convert one with .to(...)")
-    if a.shape[1] != b.shape[0]:
-        raise ValueError(
-            f"inner dimensions differ: a is {tuple(a.shape)} and b is {tuple(b.shape)}; "
-            f"b needs {a.shape[1]} rows (did you mean b.t()?)"
-        )
-    check_activation(activation)
-    if bias is not None:
-        check_tensor(bias, "bias", FLOAT_DTYPES)
-        if bias.shape != (b.shape[1],):
-            raise ValueError(
-                f"bias must have shape ({b.shape[1]},), one value per column of the "
-                f"output, got {tuple(bias.shape)}"
-            )
+    matmul_arguments(a, b, activation, bias, SUPPORTED_DTYPES)  # raising what to do
 
 
 def output_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -352,17 +350,6 @@ def dot_precision(dtype: torch.dtype) -> str:
     """``tl.dot``'s input precision: fp32 follows torch's setting, as torch.matmul does."""
     exact = dtype == torch.float32 and torch.get_float32_matmul_precision() == "highest"
     return "ieee" if exact else "tf32"  # "tf32", the default, means nothing for 16 bits
-
-
-def check_accumulate(out, a, b, activation, return_preactivation):
-    shape, storage = (a.shape[0], b.shape[1]), out.untyped_storage().data_ptr()
-    check_tensor(out, "accumulate", (output_dtype(a.dtype),))
-    if out.shape != shape or out.stride() != (shape[1], 1) or out.data_ptr() % 16:
-        raise ValueError(f"accumulate must be {shape}, contiguous and 16-byte aligned")
-    if storage in (a.untyped_storage().data_ptr(), b.untyped_storage().data_ptr()):
-        raise ValueError("accumulate shares memory with a or b: pass a copy of those")
-    if activation is not None or return_preactivation:  # it adds the product, as is
-        raise ValueError("accumulate takes no activation and no return_preactivation")
 
 
 def allocate_outputs(a, b, return_preactivation, accumulate=None):
@@ -422,7 +409,9 @@ def matmul(
     ``accumulate``: a contiguous (M, N) tensor that gets ``a @ b (+ bias)`` added in place."""
     check_inputs(a, b, activation, bias)
     if accumulate is not None:
-        check_accumulate(accumulate, a, b, activation, return_preactivation)
+        accumulate_arguments(
+            accumulate, a, b, activation, return_preactivation, output_dtype(a.dtype)
+        )
     if ON_HOPPER and (a.dtype.itemsize == 1 or fills_the_gpu(a.shape[0], b.shape[1])):
         from stepkernels.matmul_hopper import launch_tma, tma_operands
 

@@ -150,7 +150,7 @@ def activation_backward_kernel(
     # fp32 arithmetic whatever the storage dtype (and bf16 must be converted first anyway).
     grad_y = tl.load(grad_y_ptrs, mask=mask, other=0.0).to(tl.float32)
     z = tl.load(z_ptrs, mask=mask, other=0.0).to(tl.float32)
-    grad_z = grad_y * activation_derivative(z, ACTIVATION)
+    grad_z = grad_y * activation_derivative(z, ACTIVATION, grad_z_ptr.dtype.element_ty)
     grad_z_ptrs = grad_z_ptr + rows[:, None] * N + columns[None, :]
     tl.store(grad_z_ptrs, grad_z.to(grad_z_ptr.dtype.element_ty), mask=mask)
     if BIAS_GRAD:  # masked lanes hold dY = 0, so they add nothing to the column sums
@@ -576,12 +576,12 @@ for name, backward, per_activation in [
             print(results.as_called("triton", "torch", 1024, "float16"))
 
 # %%
-# In fp16 the fused layer runs about level with eager PyTorch with GELU: its ``erf`` costs our
-# epilogue what PyTorch's separate kernel costs (a program loads its next tile only after this
-# tile's epilogue; at small K two programs an SM hide it, chapter 07). Cheap activations are
-# nearly free in the epilogue, where PyTorch runs extra kernels: fusion wins, most for squared
-# ReLU. Recomputing Z costs a fourth product. fp32 trails from the product (tf32: K-major
-# copies, chapter 07). Dotted lines: calls from Python, whose CPU outlasts small products.
+# In fp16 with GELU (an erfc of one ``rsqrt`` and one ``exp2``, chapter 04) the forward runs ahead
+# of eager PyTorch, whose GELU is a kernel of its own, except at K = 8,192, where cuBLAS's product
+# leads; forward + backward about level (two programs an SM hide the epilogue, chapter 07).
+# Cheap activations are nearly free in the epilogue, where PyTorch runs extra kernels: fusion
+# wins, most for squared ReLU. Recomputing Z costs a fourth product. fp32 trails from the product
+# (tf32, chapter 07). Dotted lines: calls from Python, whose CPU outlasts small products.
 #
 # What we learned
 # ---------------

@@ -262,7 +262,8 @@ tutorial.show_refusals("dropout()", {
 # * **GELU from erfc**: with a = abs(z), z Phi(z) = max(z, 0) - a Phi(-a) and 2 Phi(-a) =
 #   erfc(a / sqrt 2); erfc(u) = t exp(-u^2 + P(t)), t = 1 / (1 + u / 2), ``rsqrt`` squared for t
 #   and ``exp2`` for exp: one MUFU instruction each, no branches. P of degree 9 (Numerical Recipes)
-#   keeps a relative error of 1e-7 for fp32; 16-bit outputs take our fit of degree 5.
+#   keeps a relative error of 1e-7 for fp32; 16-bit outputs take our fit of degree 5. This GELU
+#   (``normal_tail``) now lives in chapter 04's ``activations``, where every kernel takes it.
 
 
 # @save dropout
@@ -288,38 +289,6 @@ def keep_eight(seed, threshold, groups):
     words = tl.reshape(tl.join(tl.join(r0, r2), tl.join(r1, r3)), (groups.shape[0], 4))
     draws = tl.reshape(tl.join(words & 0xFFFF, words >> 16), (groups.shape[0], 8))
     return draws.to(tl.int32) >= threshold
-
-
-@triton.jit
-def normal_tail(z, ACCURATE: tl.constexpr):
-    """Phi(-|z|) from erfc: to about 1e-7 (ACCURATE, for fp32), else 1e-4 (see above)."""
-    a = tl.abs(z) * 0.7071067811865476  # Phi(-|z|) = erfc(a) / 2
-    t = tl.math.rsqrt(1.0 + 0.5 * a)
-    t = t * t  # 1 / (1 + a / 2) without a division's range checks
-    if ACCURATE:  # erfc(a) = t exp(-a^2 + P(t)): Numerical Recipes' P, degree 9
-        poly = -1.26551223 + t * (1.00002368 + t * (0.37409196 + t * (0.09678418 + t * (
-            -0.18628806 + t * (0.27886807 + t * (-1.13520398 + t * (1.48851587 + t * (
-                -0.82215223 + t * 0.17087277))))))))  # fmt: skip
-    else:  # our fit of degree 5: fractional error under 8.6e-5, below fp16's rounding
-        poly = -1.26555438 + t * (1.0035986 + t * (0.326171283 + t * (0.317568607 + t * (
-            -0.554100522 + t * 0.172230977))))  # fmt: skip
-    return t * tl.math.exp2(1.4426950408889634 * (poly - a * a) - 1.0)  # - 1: erfc / 2
-
-
-@triton.jit
-def activate(z, ACTIVATION: tl.constexpr, DERIVATIVE: tl.constexpr, OUT: tl.constexpr):
-    """act(z) or act'(z), for an output of dtype OUT; GELU's as z Phi(z) = max(z, 0) -
-    |z| Phi(-|z|) and Phi + z phi, accurate to about 1e-7 for fp32 outputs, 1e-4 else."""
-    if ACTIVATION == "gelu" and DERIVATIVE:
-        tail = normal_tail(z, OUT == tl.float32)
-        density = tl.math.exp2(-0.7213475204444817 * z * z - 1.3257480647361595)
-        return tl.where(z >= 0, 1.0 - tail, tail) + z * density
-    elif ACTIVATION == "gelu":
-        return tl.maximum(z, 0.0) - tl.abs(z) * normal_tail(z, OUT == tl.float32)
-    elif DERIVATIVE:
-        return activations.activation_derivative(z, ACTIVATION)
-    else:
-        return activations.apply_activation(z, ACTIVATION)
 
 
 @triton.jit
@@ -352,7 +321,8 @@ def bias_act_dropout_kernel(
         tile = row_tile(first_row + i, col_groups, cols, n_rows, n_cols)
         counters, offsets, in_bounds = tile
         x = tl.load(x_ptr + offsets, mask=in_bounds).to(tl.float32)
-        activated = activate(x + bias, ACTIVATION, False, out_ptr.dtype.element_ty)
+        out_type = out_ptr.dtype.element_ty
+        activated = activations.apply_activation(x + bias, ACTIVATION, out_type)
         keep = keep_eight(seed, threshold, counters)
         out = tl.where(keep, activated * scale, 0.0)
         tl.store(out_ptr + offsets, out.to(out_ptr.dtype.element_ty), mask=in_bounds)
@@ -380,7 +350,8 @@ def bias_act_dropout_backward_kernel(
         grad = tl.where(keep, grad * scale, 0.0)
         if ACTIVATION is not None:  # recompute z = x + b: read x, store nothing
             x = tl.load(x_ptr + offsets, mask=in_bounds).to(tl.float32)
-            grad *= activate(x + bias, ACTIVATION, True, grad_in_ptr.dtype.element_ty)
+            out_type = grad_in_ptr.dtype.element_ty
+            grad *= activations.activation_derivative(x + bias, ACTIVATION, out_type)
         grad = tl.where(in_bounds, grad, 0.0)
         grad_in = grad.to(grad_in_ptr.dtype.element_ty)
         tl.store(grad_in_ptr + offsets, grad_in, mask=in_bounds)

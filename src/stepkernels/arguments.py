@@ -1,12 +1,53 @@
-"""Argument checks of public functions whose chapters leave them out of the lesson (03, 06).
+"""Argument checks of public functions whose chapters leave them out of the lesson (03, 04, 06).
 
 Each raises with what to do instead; the chapter's function calls it before any kernel runs.
 """
 
 import math
 
-from stepkernels._core import check_tensor
+from stepkernels._core import FLOAT_DTYPES, check_tensor
+from stepkernels.activations import check_activation
 import torch
+
+
+def matmul_arguments(a, b, activation, bias, dtypes):
+    """Chapter 04's ``matmul``: two 2-D matrices of one of ``dtypes`` that multiply, a known
+    activation, and a bias of one value per column of the output."""
+    for name, tensor in (("a", a), ("b", b)):
+        check_tensor(tensor, name, dtypes)  # fp8 needs compute capability 8.9
+        if tensor.dim() != 2:
+            raise ValueError(
+                f"{name} must be a 2-D matrix, got shape {tuple(tensor.shape)}: flatten "
+                f"the leading dimensions with {name}.reshape(-1, {name}.shape[-1])"
+            )
+    if a.dtype != b.dtype:
+        raise TypeError(f"a is {a.dtype} but b is {b.dtype}: convert one with .to(...)")
+    if a.shape[1] != b.shape[0]:
+        raise ValueError(
+            f"inner dimensions differ: a is {tuple(a.shape)} and b is {tuple(b.shape)}; "
+            f"b needs {a.shape[1]} rows (did you mean b.t()?)"
+        )
+    check_activation(activation)
+    if bias is not None:
+        check_tensor(bias, "bias", FLOAT_DTYPES)
+        if bias.shape != (b.shape[1],):
+            raise ValueError(
+                f"bias must have shape ({b.shape[1]},), one value per column of the "
+                f"output, got {tuple(bias.shape)}"
+            )
+
+
+def accumulate_arguments(out, a, b, activation, return_preactivation, dtype):
+    """``matmul``'s ``accumulate``: the (M, N) output in ``dtype``, contiguous, aligned, apart
+    from a and b, and nothing asked of the product but to be added."""
+    shape, storage = (a.shape[0], b.shape[1]), out.untyped_storage().data_ptr()
+    check_tensor(out, "accumulate", (dtype,))
+    if out.shape != shape or out.stride() != (shape[1], 1) or out.data_ptr() % 16:
+        raise ValueError(f"accumulate must be {shape}, contiguous and 16-byte aligned")
+    if storage in (a.untyped_storage().data_ptr(), b.untyped_storage().data_ptr()):
+        raise ValueError("accumulate shares memory with a or b: pass a copy of those")
+    if activation is not None or return_preactivation:  # it adds the product, as is
+        raise ValueError("accumulate takes no activation and no return_preactivation")
 
 
 def layer_norm_arguments(x, normalized_shape, weight, bias, eps, reduction, block_size, dtypes,

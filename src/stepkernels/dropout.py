@@ -142,38 +142,6 @@ def keep_eight(seed, threshold, groups):
 
 
 @triton.jit
-def normal_tail(z, ACCURATE: tl.constexpr):
-    """Phi(-|z|) from erfc: to about 1e-7 (ACCURATE, for fp32), else 1e-4 (see above)."""
-    a = tl.abs(z) * 0.7071067811865476  # Phi(-|z|) = erfc(a) / 2
-    t = tl.math.rsqrt(1.0 + 0.5 * a)
-    t = t * t  # 1 / (1 + a / 2) without a division's range checks
-    if ACCURATE:  # erfc(a) = t exp(-a^2 + P(t)): Numerical Recipes' P, degree 9
-        poly = -1.26551223 + t * (1.00002368 + t * (0.37409196 + t * (0.09678418 + t * (
-            -0.18628806 + t * (0.27886807 + t * (-1.13520398 + t * (1.48851587 + t * (
-                -0.82215223 + t * 0.17087277))))))))  # fmt: skip
-    else:  # our fit of degree 5: fractional error under 8.6e-5, below fp16's rounding
-        poly = -1.26555438 + t * (1.0035986 + t * (0.326171283 + t * (0.317568607 + t * (
-            -0.554100522 + t * 0.172230977))))  # fmt: skip
-    return t * tl.math.exp2(1.4426950408889634 * (poly - a * a) - 1.0)  # - 1: erfc / 2
-
-
-@triton.jit
-def activate(z, ACTIVATION: tl.constexpr, DERIVATIVE: tl.constexpr, OUT: tl.constexpr):
-    """act(z) or act'(z), for an output of dtype OUT; GELU's as z Phi(z) = max(z, 0) -
-    |z| Phi(-|z|) and Phi + z phi, accurate to about 1e-7 for fp32 outputs, 1e-4 else."""
-    if ACTIVATION == "gelu" and DERIVATIVE:
-        tail = normal_tail(z, OUT == tl.float32)
-        density = tl.math.exp2(-0.7213475204444817 * z * z - 1.3257480647361595)
-        return tl.where(z >= 0, 1.0 - tail, tail) + z * density
-    elif ACTIVATION == "gelu":
-        return tl.maximum(z, 0.0) - tl.abs(z) * normal_tail(z, OUT == tl.float32)
-    elif DERIVATIVE:
-        return activations.activation_derivative(z, ACTIVATION)
-    else:
-        return activations.apply_activation(z, ACTIVATION)
-
-
-@triton.jit
 def column_block(BLOCK_COLS: tl.constexpr):
     """This program's groups of columns [G] and columns [G, 8] (axis 1 of the grid)."""
     groups_per_block: tl.constexpr = BLOCK_COLS // 8
@@ -203,7 +171,8 @@ def bias_act_dropout_kernel(
         tile = row_tile(first_row + i, col_groups, cols, n_rows, n_cols)
         counters, offsets, in_bounds = tile
         x = tl.load(x_ptr + offsets, mask=in_bounds).to(tl.float32)
-        activated = activate(x + bias, ACTIVATION, False, out_ptr.dtype.element_ty)
+        out_type = out_ptr.dtype.element_ty
+        activated = activations.apply_activation(x + bias, ACTIVATION, out_type)
         keep = keep_eight(seed, threshold, counters)
         out = tl.where(keep, activated * scale, 0.0)
         tl.store(out_ptr + offsets, out.to(out_ptr.dtype.element_ty), mask=in_bounds)
@@ -231,7 +200,8 @@ def bias_act_dropout_backward_kernel(
         grad = tl.where(keep, grad * scale, 0.0)
         if ACTIVATION is not None:  # recompute z = x + b: read x, store nothing
             x = tl.load(x_ptr + offsets, mask=in_bounds).to(tl.float32)
-            grad *= activate(x + bias, ACTIVATION, True, grad_in_ptr.dtype.element_ty)
+            out_type = grad_in_ptr.dtype.element_ty
+            grad *= activations.activation_derivative(x + bias, ACTIVATION, out_type)
         grad = tl.where(in_bounds, grad, 0.0)
         grad_in = grad.to(grad_in_ptr.dtype.element_ty)
         tl.store(grad_in_ptr + offsets, grad_in, mask=in_bounds)

@@ -34,7 +34,7 @@ def activation_backward_kernel(
     # fp32 arithmetic whatever the storage dtype (and bf16 must be converted first anyway).
     grad_y = tl.load(grad_y_ptrs, mask=mask, other=0.0).to(tl.float32)
     z = tl.load(z_ptrs, mask=mask, other=0.0).to(tl.float32)
-    grad_z = grad_y * activation_derivative(z, ACTIVATION)
+    grad_z = grad_y * activation_derivative(z, ACTIVATION, grad_z_ptr.dtype.element_ty)
     grad_z_ptrs = grad_z_ptr + rows[:, None] * N + columns[None, :]
     tl.store(grad_z_ptrs, grad_z.to(grad_z_ptr.dtype.element_ty), mask=mask)
     if BIAS_GRAD:  # masked lanes hold dY = 0, so they add nothing to the column sums

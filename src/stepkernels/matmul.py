@@ -9,10 +9,10 @@ from stepkernels._core import (
     ON_GPU,
     autotune_configs,
     capability,
-    check_tensor,
     sm_count,
 )
-from stepkernels.activations import apply_activation, check_activation
+from stepkernels.activations import apply_activation
+from stepkernels.arguments import accumulate_arguments, matmul_arguments
 from stepkernels.launch import lean
 import torch
 import triton
@@ -83,7 +83,7 @@ def matmul_kernel(
         acc += tl.load(c_ptr + c_offsets, mask=c_mask, other=0.0).to(tl.float32)
     if STORE_PREACTIVATION:
         tl.store(pre_ptr + c_offsets, acc.to(pre_ptr.dtype.element_ty), mask=c_mask)
-    out = apply_activation(acc, ACTIVATION)
+    out = apply_activation(acc, ACTIVATION, c_ptr.dtype.element_ty)
     tl.store(c_ptr + c_offsets, out.to(c_ptr.dtype.element_ty), mask=c_mask)
 
 
@@ -133,28 +133,7 @@ SUPPORTED_DTYPES = FLOAT_DTYPES + FP8_DTYPES
 
 
 def check_inputs(a, b, activation, bias):
-    for name, tensor in (("a", a), ("b", b)):
-        check_tensor(tensor, name, SUPPORTED_DTYPES)  # fp8 needs compute capability 8.9
-        if tensor.dim() != 2:
-            raise ValueError(
-                f"{name} must be a 2-D matrix, got shape {tuple(tensor.shape)}: flatten "
-                f"the leading dimensions with {name}.reshape(-1, {name}.shape[-1])"
-            )
-    if a.dtype != b.dtype:
-        raise TypeError(f"a is {a.dtype} but b is {b.dtype}: convert one with .to(...)")
-    if a.shape[1] != b.shape[0]:
-        raise ValueError(
-            f"inner dimensions differ: a is {tuple(a.shape)} and b is {tuple(b.shape)}; "
-            f"b needs {a.shape[1]} rows (did you mean b.t()?)"
-        )
-    check_activation(activation)
-    if bias is not None:
-        check_tensor(bias, "bias", FLOAT_DTYPES)
-        if bias.shape != (b.shape[1],):
-            raise ValueError(
-                f"bias must have shape ({b.shape[1]},), one value per column of the "
-                f"output, got {tuple(bias.shape)}"
-            )
+    matmul_arguments(a, b, activation, bias, SUPPORTED_DTYPES)  # raising what to do
 
 
 def output_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -165,17 +144,6 @@ def dot_precision(dtype: torch.dtype) -> str:
     """``tl.dot``'s input precision: fp32 follows torch's setting, as torch.matmul does."""
     exact = dtype == torch.float32 and torch.get_float32_matmul_precision() == "highest"
     return "ieee" if exact else "tf32"  # "tf32", the default, means nothing for 16 bits
-
-
-def check_accumulate(out, a, b, activation, return_preactivation):
-    shape, storage = (a.shape[0], b.shape[1]), out.untyped_storage().data_ptr()
-    check_tensor(out, "accumulate", (output_dtype(a.dtype),))
-    if out.shape != shape or out.stride() != (shape[1], 1) or out.data_ptr() % 16:
-        raise ValueError(f"accumulate must be {shape}, contiguous and 16-byte aligned")
-    if storage in (a.untyped_storage().data_ptr(), b.untyped_storage().data_ptr()):
-        raise ValueError("accumulate shares memory with a or b: pass a copy of those")
-    if activation is not None or return_preactivation:  # it adds the product, as is
-        raise ValueError("accumulate takes no activation and no return_preactivation")
 
 
 def allocate_outputs(a, b, return_preactivation, accumulate=None):
@@ -235,7 +203,9 @@ def matmul(
     ``accumulate``: a contiguous (M, N) tensor that gets ``a @ b (+ bias)`` added in place."""
     check_inputs(a, b, activation, bias)
     if accumulate is not None:
-        check_accumulate(accumulate, a, b, activation, return_preactivation)
+        accumulate_arguments(
+            accumulate, a, b, activation, return_preactivation, output_dtype(a.dtype)
+        )
     if ON_HOPPER and (a.dtype.itemsize == 1 or fills_the_gpu(a.shape[0], b.shape[1])):
         from stepkernels.matmul_hopper import launch_tma, tma_operands
 

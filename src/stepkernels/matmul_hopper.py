@@ -134,7 +134,8 @@ def finish_columns(
         acc += c_desc.load([off_m, off_n]).to(tl.float32)
     if STORE_PREACTIVATION:
         pre_desc.store([off_m, off_n], acc.to(pre_desc.dtype))
-    c_desc.store([off_m, off_n], apply_activation(acc, ACTIVATION).to(c_desc.dtype))
+    out = apply_activation(acc, ACTIVATION, c_desc.dtype)
+    c_desc.store([off_m, off_n], out.to(c_desc.dtype))
 
 
 @triton.jit

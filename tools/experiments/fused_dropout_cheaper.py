@@ -30,7 +30,6 @@ import sys
 
 from stepkernels import _core, activations, bench
 from stepkernels.dropout import (
-    activate,
     bias_act_dropout_backward_kernel,
     bias_act_dropout_kernel,
     dropout_bias_act,
@@ -59,16 +58,29 @@ def keep_eight_by_selects(seed, threshold, groups):
 
 
 @triton.jit
+def erf_activation(z, ACTIVATION: tl.constexpr, DERIVATIVE: tl.constexpr):
+    """The package's activations as they were before the erfc GELU: libdevice's ``erf``."""
+    if ACTIVATION == "gelu" and DERIVATIVE:  # Phi(z) + z * phi(z)
+        cdf = 0.5 * (1.0 + tl.math.erf(z * 0.7071067811865476))
+        return cdf + z * 0.3989422804014327 * tl.exp(-0.5 * z * z)
+    elif ACTIVATION == "gelu":
+        return 0.5 * z * (1.0 + tl.math.erf(z * 0.7071067811865476))
+    elif DERIVATIVE:
+        return activations.activation_derivative(z, ACTIVATION, tl.float32)
+    else:
+        return activations.apply_activation(z, ACTIVATION, tl.float32)
+
+
+@triton.jit
 def act(z, ACTIVATION: tl.constexpr, CHEAP: tl.constexpr, DERIVATIVE: tl.constexpr,
         FP32: tl.constexpr):  # fmt: skip
     """CHEAP: 0, libdevice's erf; 1, the package's GELU; 2, its degree-9 form in any dtype."""
     if CHEAP:
-        return activate(z, ACTIVATION, DERIVATIVE,
-                        tl.float32 if FP32 or CHEAP == 2 else tl.float16)  # fmt: skip
-    elif DERIVATIVE:
-        return activations.activation_derivative(z, ACTIVATION)
-    else:
-        return activations.apply_activation(z, ACTIVATION)
+        out = tl.float32 if FP32 or CHEAP == 2 else tl.float16
+        if DERIVATIVE:
+            return activations.activation_derivative(z, ACTIVATION, out)
+        return activations.apply_activation(z, ACTIVATION, out)
+    return erf_activation(z, ACTIVATION, DERIVATIVE)
 
 
 @triton.jit

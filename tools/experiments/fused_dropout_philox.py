@@ -14,9 +14,9 @@ and outputs are equal bit for bit (under the interpreter too).
 """
 
 from stepkernels import _core, bench
+from stepkernels.activations import apply_activation
 from stepkernels.dropout import (
     BACKWARD_PROGRAMS_PER_SM,
-    activate,
     column_block,
     keep_eight,
     row_tile,
@@ -49,7 +49,7 @@ def forward_kernel(x_ptr, bias_ptr, out_ptr, n_rows, n_cols, rows_per_program, t
         tile = row_tile(first_row + i, col_groups, cols, n_rows, n_cols)
         counters, offsets, in_bounds = tile
         x = tl.load(x_ptr + offsets, mask=in_bounds).to(tl.float32)
-        activated = activate(x + bias, "gelu", False, out_ptr.dtype.element_ty)
+        activated = apply_activation(x + bias, "gelu", out_ptr.dtype.element_ty)
         if OURS:
             keep = keep_eight(seed, threshold, counters)
         else:

@@ -22,8 +22,8 @@ kernel that this sweep led to; run today, "package" below is that kernel. On the
 
 from stepkernels import bench, dropout, dropout_bias_act
 from stepkernels._core import DEVICE, ON_GPU, dtype_name
-from stepkernels.activations import ACTIVATIONS
-from stepkernels.dropout import activate, dropout_kernel, keep_eight, scale_for
+from stepkernels.activations import ACTIVATIONS, apply_activation
+from stepkernels.dropout import dropout_kernel, keep_eight, scale_for
 import torch
 import triton
 import triton.language as tl
@@ -42,7 +42,7 @@ def flat_bias_act_dropout_kernel(
     in_bounds = offsets < n_elements
     bias = tl.load(bias_ptr + offsets % n_cols, mask=in_bounds).to(tl.float32)
     x = tl.load(x_ptr + offsets, mask=in_bounds).to(tl.float32)
-    activated = activate(x + bias, ACTIVATION, False, out_ptr.dtype.element_ty)
+    activated = apply_activation(x + bias, ACTIVATION, out_ptr.dtype.element_ty)
     keep = keep_eight(seed, threshold, groups)
     out = tl.where(keep, activated * scale, 0.0)
     tl.store(out_ptr + offsets, out.to(out_ptr.dtype.element_ty), mask=in_bounds)
