@@ -142,6 +142,35 @@ def test_double_backward_is_refused():
         torch.autograd.grad(y.square().sum(), x, create_graph=True)
 
 
+@pytest.fixture
+def deterministic(request):
+    """torch.use_deterministic_algorithms(True, warn_only=request.param), undone after."""
+    before = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled())
+    torch.use_deterministic_algorithms(True, warn_only=request.param)
+    yield request.param
+    torch.use_deterministic_algorithms(before[0], warn_only=before[1])
+
+
+@pytest.mark.parametrize("deterministic", [False, True], indirect=True, ids=["strict", "warn_only"])
+def test_deterministic_mode_refuses_the_lock_reduction_and_takes_two_stage(deterministic):
+    x = random_tensor((4, 16), torch.float32).requires_grad_()
+    weight = random_tensor(16, torch.float32, seed=1).requires_grad_()
+    if deterministic:  # warn_only: a warning, and the lock reduction runs
+        with pytest.warns(UserWarning, match="two-stage"):
+            layer_norm(x, 16, weight, reduction="lock").sum().backward()
+    else:
+        with pytest.raises(RuntimeError, match="reduction='two-stage'"):
+            layer_norm(x, 16, weight, reduction="lock")
+    runs = []
+    for _ in range(2):  # the default: the same bits every run
+        weight.grad = None
+        layer_norm(x, 16, weight).square().sum().backward()
+        runs.append(weight.grad.clone())
+    assert torch.equal(*runs)
+    with torch.no_grad():  # no dW or dB to reduce: nothing to refuse
+        layer_norm(x, 16, weight, reduction="lock")
+
+
 def test_no_gradient_for_frozen_parameters():
     x = random_tensor((4, 16), torch.float32).requires_grad_()
     weight = random_tensor(16, torch.float32, seed=1)  # requires_grad False

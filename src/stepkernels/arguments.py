@@ -4,6 +4,7 @@ Each raises with what to do instead; the chapter's function calls it before any 
 """
 
 import math
+import warnings
 
 from stepkernels._core import FLOAT_DTYPES, check_tensor
 from stepkernels.activations import check_activation
@@ -74,6 +75,16 @@ def layer_norm_arguments(x, normalized_shape, weight, bias, eps, reduction, bloc
         raise ValueError(f"eps must be a non-negative number, got {eps!r}")
     if reduction not in reductions:
         raise ValueError(f"reduction {reduction!r} unknown: choose one of {reductions}")
+    reduced = torch.is_grad_enabled() and any(
+        p is not None and p.requires_grad for p in (weight, bias)
+    )
+    if reduction == "lock" and reduced and torch.are_deterministic_algorithms_enabled():
+        message = ("layer_norm's reduction='lock' adds dW and dB in the order programs arrive, so "
+                   "their last bits vary from run to run, and torch.use_deterministic_algorithms"
+                   "(True) is set: use reduction='two-stage' (the default), the same bits every run")  # fmt: skip
+        if not torch.is_deterministic_algorithms_warn_only_enabled():
+            raise RuntimeError(message)
+        warnings.warn(message, stacklevel=3)
     if block_size is not None and (block_size < 1 or block_size & (block_size - 1)):
         raise ValueError(f"block_size must be a power of two, got {block_size}")
     return shape
