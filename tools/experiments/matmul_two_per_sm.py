@@ -12,9 +12,13 @@ and the autotuned package: the fused linear's forward products (x of 4,096 x K a
 
     python tools/experiments/matmul_two_per_sm.py            # GPU: time; CPU: check
     python tools/experiments/matmul_two_per_sm.py --chosen   # the autotuner's choice
+    python tools/experiments/matmul_two_per_sm.py --tf32     # fp32 inputs as tf32
 
 ``--chosen`` prints, for the fused linear's forward products, the config the package's
 autotuner picks (with the two-per-SM config among them since) and the package's rate.
+``--tf32`` times the fused linear's forward products in fp32 under
+``torch.set_float32_matmul_precision("high")`` with tf32 tiles (32-wide K steps of 4-byte
+values) that fit an SM twice, where the package has no two-per-SM config yet.
 """
 
 import functools
@@ -33,6 +37,13 @@ hopper = importlib.import_module("stepkernels.matmul_hopper")
 # 2 x ~113 KB (stages x (BM x BK + BK x BN) x 2 bytes, and half a C tile for the epilogue).
 CONFIGS = [(128, 128, 64, 3, 4), (128, 128, 64, 3, 8), (128, 128, 64, 2, 4), (64, 256, 64, 2, 4),
            (128, 256, 64, 3, 8)]  # fmt: skip
+TF32_CONFIGS = [
+    (128, 128, 32, 2, 8),
+    (128, 64, 32, 4, 4),
+    (64, 128, 32, 4, 4),
+    (128, 64, 32, 3, 4),
+    (128, 128, 32, 3, 8),
+]  # fmt: skip  (the last: 131 KB of shared memory, one an SM only)
 
 
 def config_kwargs(block_m, block_n, block_k, stages, warps):
@@ -82,6 +93,19 @@ def sweep():
         print(f"square {size}: {line}", flush=True)
 
 
+def tf32_sweep():
+    torch.set_float32_matmul_precision("high")
+    for k_size in (1024, 2048, 4096, 8192):
+        x, weight = (torch.randn(4096, k_size, device=DEVICE) for _ in "xw")
+        bias = torch.randn(4096, device=DEVICE)
+        call = functools.partial(hopper.matmul_tma, x, weight.t(), "gelu", bias=bias)
+        torch_call = functools.partial(lambda: F.gelu(F.linear(x, weight, bias)))  # noqa: B023
+        print(
+            f"linear tf32 K={k_size:5}: " + line_for(2 * 4096 * 4096 * k_size, call, torch_call, TF32_CONFIGS),
+            flush=True,
+        )
+
+
 def chosen():
     tuner = hopper.matmul_tma_tuned.kernel
     for k_size in (1024, 2048, 4096, 8192):
@@ -95,4 +119,7 @@ def chosen():
 if __name__ == "__main__":
     check()
     if ON_GPU:
-        chosen() if "--chosen" in sys.argv else sweep()
+        if "--chosen" in sys.argv:
+            chosen()
+        else:
+            tf32_sweep() if "--tf32" in sys.argv else sweep()
