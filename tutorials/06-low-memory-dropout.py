@@ -248,7 +248,7 @@ tutorial.show_refusals("dropout()", {
 # walks a strip of rows of ``BLOCK_COLS`` columns (bias loaded once), sums its columns in registers
 # and adds them into fp32 sums with atomics; a counter finds the column block's last program, which
 # casts the sums into db and zeroes them for the next call: one kernel, not three (partial rows, a
-# sum, a cast: 73% -> 88% of a copy at 2^24 fp16, ``fused_dropout_db.log``). Atomics add in arrival
+# sum, a cast: 73% -> 87% of a copy at 2^24 fp16, ``fused_dropout_db.log``). Atomics add in arrival
 # order, so db's last bits vary from run to run; ``torch.use_deterministic_algorithms(True)`` gets
 # the three kernels, whose order is fixed. A forward program takes one row block.
 #
