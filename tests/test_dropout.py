@@ -10,6 +10,7 @@ import pytest
 from stepkernels import Dropout, DropoutBiasAct, dropout, dropout_bias_act
 from stepkernels._core import DEVICE, INTERPRET, ON_GPU, fresh_seed, zeroed
 from stepkernels.activations import ACTIVATIONS, activation_reference
+from stepkernels.check_dropout import check_fused_case, fused_mask
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -22,8 +23,7 @@ def keep_mask(shape, p, seed):
 
 
 def fused_keep_mask(n_rows, n_cols, p, seed):
-    ones, zeros = torch.ones(n_rows, n_cols, device=DEVICE), torch.zeros(n_cols, device=DEVICE)
-    return dropout_bias_act(ones, zeros, p, None, seed) != 0
+    return fused_mask(dropout_bias_act, (n_rows, n_cols), p, seed)
 
 
 def scaled(x, keep, p):
@@ -182,24 +182,11 @@ def test_inputs_are_left_untouched_and_nothing_is_saved():
 
 
 # ----------------------------------------------------------------- the fused layer
-TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
-
-
 def check_fused(shape, dtype, activation, p, seed):
-    x = random_tensor(shape, dtype).requires_grad_()
-    bias = random_tensor(shape[-1:], dtype, seed=1).requires_grad_()
-    rows = x.numel() // shape[-1]
-    keep = fused_keep_mask(rows, shape[-1], p, seed).view(shape)
-    out = dropout_bias_act(x, bias, p, activation, seed)
-    scale = 0.0 if p == 1 else 1 / (1 - p)
-    want = torch.where(keep, activation_reference(x.float() + bias.float(), activation) * scale, 0.0)
+    x = random_tensor(shape, dtype)
+    bias = random_tensor(shape[-1:], dtype, seed=1)
     grad_out = random_tensor(shape, dtype, seed=2)
-    ours = (out, *torch.autograd.grad(out, (x, bias), grad_out))
-    theirs = (want, *torch.autograd.grad(want, (x, bias), grad_out.float()))
-    for mine, wanted, grow in zip(ours, theirs, (1, 1, rows**0.5), strict=True):
-        assert mine.dtype == dtype
-        tol = TOLERANCE[dtype] * grow
-        torch.testing.assert_close(mine.float(), wanted.float(), rtol=tol, atol=tol)
+    check_fused_case(dropout_bias_act, x, bias, grad_out, p, activation, seed)
 
 
 @pytest.mark.parametrize("activation", ACTIVATIONS)
