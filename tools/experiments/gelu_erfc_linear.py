@@ -21,7 +21,6 @@ The log's first run was made before the change, with the script's first version:
 
 import functools
 import importlib
-import inspect
 import os
 import sys
 from unittest import mock
@@ -50,34 +49,20 @@ def erf_derivative(z, ACTIVATION: tl.constexpr):
     return erf_activation(z, ACTIVATION, True)
 
 
-def with_globals(kernel, **names):
-    """``kernel`` (a fresh variant, not yet compiled) seeing ``names`` as globals."""
-    function = kernel  # the Python function under the JIT (or the interpreter) and wrappers
-    while not inspect.isfunction(function):
-        function = getattr(function, "kernel", None) or function.fn
-    function.__globals__.update(names)
-    return kernel
-
-
-finish_erf = with_globals(
-    sm90.kernel_variant(
-        hopper.finish_columns,
-        "finish_erf",
-        [("apply_activation(acc, ACTIVATION, c_desc.dtype)", "erf_out(acc, ACTIVATION)", 1)],
-    ),
-    erf_out=erf_out,
+finish_erf = sm90.kernel_variant(
+    hopper.finish_columns,
+    "finish_erf",
+    [("apply_activation(acc, ACTIVATION, c_desc.dtype)", "erf_out(acc, ACTIVATION)", 1)],
+    {"erf_out": erf_out},
 )
-matmul_erf = with_globals(
-    sm90.kernel_variant(hopper.matmul_tma_kernel, "matmul_erf", [("finish_columns(", "finish_erf(", 2)]),
-    finish_erf=finish_erf,
+matmul_erf = sm90.kernel_variant(
+    hopper.matmul_tma_kernel, "matmul_erf", [("finish_columns(", "finish_erf(", 2)], {"finish_erf": finish_erf}
 )
-backward_erf = with_globals(
-    sm90.kernel_variant(
-        linear.activation_backward_kernel,
-        "activation_backward_erf",
-        [("activation_derivative(z, ACTIVATION, grad_z_ptr.dtype.element_ty)", "erf_derivative(z, ACTIVATION)", 1)],
-    ),
-    erf_derivative=erf_derivative,
+backward_erf = sm90.kernel_variant(
+    linear.activation_backward_kernel,
+    "activation_backward_erf",
+    [("activation_derivative(z, ACTIVATION, grad_z_ptr.dtype.element_ty)", "erf_derivative(z, ACTIVATION)", 1)],
+    {"erf_derivative": erf_derivative},
 )
 
 

@@ -68,10 +68,11 @@ def module_from_source(name: str, source: str):
     return module
 
 
-def kernel_variant(kernel, name: str, replacements: list):
+def kernel_variant(kernel, name: str, replacements: list, names: dict | None = None):
     """``kernel`` (``@triton.jit``) with its source changed, as a kernel of a module ``name`` of
-    its own, which sees every public name of the kernel's module. ``replacements``: (old, new,
-    how many times old must occur) for each change, made in turn."""
+    its own, which sees every public name of the kernel's module and ``names`` (other jit
+    functions the new source calls). ``replacements``: (old, new, how many times old must
+    occur) for each change, made in turn."""
     function = kernel  # the Python function under the JIT (or the interpreter) and wrappers
     while not inspect.isfunction(function):
         function = getattr(function, "kernel", None) or function.fn
@@ -80,4 +81,5 @@ def kernel_variant(kernel, name: str, replacements: list):
         assert source.count(old) == count, f"{function.__name__} changed: {old.strip()[:60]!r} is not there {count}x"
         source = source.replace(old, new)
     module = module_from_source(name, f"from {function.__module__} import *\n{source}")
+    vars(module).update(names or {})  # before the variant's first compile, which reads them
     return getattr(module, function.__name__)
