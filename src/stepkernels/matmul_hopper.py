@@ -16,7 +16,7 @@ from stepkernels.matmul import (
     tile_config,
     tile_of_program,
 )
-from stepkernels.matmul_tuning import MAX_SPLITS, SHARE_STEPS, tma_autotuned
+from stepkernels.matmul_tuning import MAX_SPLITS, SHARE_STEPS, programs, tma_autotuned
 import torch
 import triton
 import triton.language as tl
@@ -296,16 +296,15 @@ def launch_tma(
     triton.set_allocator(tma_scratch)
     a_column_major = tma_layout(a) == "column"
     b_column_major = tma_layout(b) == "column"
-    sms, fixed = sm_count(), config or {}
+    sms = sm_count()
     # Scratch for the tail's partial tiles (one a program, at most) and its counters, for
-    # the largest grid a config may launch.
-    per_sm = fixed.get("PROGRAMS_PER_SM", 1) if config else MOST_PER_SM
+    # the largest grid a config may launch (``programs``: the grid of a config).
+    most = programs(config) if config else sms * MOST_PER_SM
     scratch = scratch_per_sm(config) if config else SCRATCH_PER_SM
     partials = torch.empty(sms * scratch, device=a.device, dtype=torch.float32)
     kernel = matmul_tma_tuned if config is None else matmul_tma_kernel
-    grid = lambda meta: (sms * meta.get("PROGRAMS_PER_SM", 1),)  # noqa: E731
-    kernel[grid](
-        a, b, out, bias, pre, partials, zeroed(a.device, sms * per_sm), M, N, K,
+    kernel[lambda meta: (programs(meta),)](
+        a, b, out, bias, pre, partials, zeroed(a.device, most), M, N, K,
         a.stride(1) if a_column_major else a.stride(0),
         b.stride(1) if b_column_major else b.stride(0),
         bias.stride(0) if bias is not None else 0,
@@ -318,6 +317,6 @@ def launch_tma(
         UPCAST=INTERPRET and a.dtype == torch.bfloat16,
         NUM_SMS=sms,
         ACCUMULATE=accumulate is not None,
-        **fixed,
+        **(config or {}),
     )  # fmt: skip
     return (out, pre) if return_preactivation else out
