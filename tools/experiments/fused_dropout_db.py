@@ -35,6 +35,7 @@ import sys
 
 sys.path.insert(0, __import__("os").path.dirname(__file__))  # sm90, beside this script
 
+from fused_dropout_cheaper import launch_rule  # noqa: E402
 import sm90  # noqa: E402
 from stepkernels import _core, bench  # noqa: E402
 from stepkernels.dropout import (  # noqa: E402
@@ -99,10 +100,8 @@ class Backward:
 
     def __init__(self, grad, x, bias, how, per_sm=4, stages=None):
         self.grad, self.x, self.bias, self.how = grad, x, bias, how
-        self.block_cols, _, self.grid = fused_launch(*x.shape, backward=True)
-        wanted = triton.cdiv(per_sm * _core.sm_count(), self.grid[1])
-        self.rows_per_program = triton.cdiv(x.shape[0], min(x.shape[0], wanted))
-        self.grid = (triton.cdiv(x.shape[0], self.rows_per_program), self.grid[1])
+        self.block_cols = fused_launch(*x.shape, backward=True)[0]
+        self.rows_per_program, self.grid = launch_rule(*x.shape, self.block_cols, per_sm)
         self.stages = stages or BACKWARD_STAGES[x.element_size()]
         rows = 1 if how == "package" else self.grid[0]
         self.sums = torch.zeros(rows, x.shape[1], device=x.device)
