@@ -8,6 +8,7 @@ interpreter. bf16 only on a GPU: the interpreter's bf16 ``tl.dot`` returns garba
 
 from contextlib import contextmanager
 
+from conftest import random_tensor
 from hypothesis import given, settings
 from hypothesis import strategies as st
 import pytest
@@ -16,7 +17,7 @@ from stepkernels._core import DEVICE, INTERPRET, ON_GPU, capability, zeroed
 from stepkernels.activations import ACTIVATIONS
 from stepkernels.check_matmul import matmul_reference, tolerance
 from stepkernels.matmul import matmul_portable
-from stepkernels.matmul_hopper import TMA_CONFIGS, launch_tma, matmul_tma, sm_count
+from stepkernels.matmul_hopper import TMA_CONFIGS, launch_tma, matmul_tma, row_major, sm_count
 from stepkernels.matmul_tuning import keep_tma_configs, programs, tail_shares
 import torch
 
@@ -213,6 +214,26 @@ def test_large_fp32_with_column_major_operands(precision, K):
         out = matmul(a_view, b_view, "relu", bias=bias)
         tol = tolerance(torch.float32, K)
     torch.testing.assert_close(out.double(), matmul_reference(a, b, "relu", bias)[0], **tol)
+
+
+@pytest.mark.parametrize(
+    "view",
+    ["column-major", "row-major", "strided", "one row", "empty"],
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_row_major_copies_any_layout(view, dtype):
+    # The K-major copy for tf32: a transpose in memory, over tile edges (67 x 45, 130 x 3).
+    source = random_tensor((130, 67), dtype)
+    t = {
+        "column-major": source[:, :45].mT,  # 45 x 130, stride (1, 67)
+        "row-major": source[:67],
+        "strided": source[::2, ::3],
+        "one row": source[:1, :3],
+        "empty": source[:0].mT,
+    }[view]
+    copy = row_major(t)
+    assert copy.is_contiguous() and copy.shape == t.shape
+    assert torch.equal(copy, t)
 
 
 @pytest.mark.skipif(not HAS_FP8, reason="no fp8 on this GPU")

@@ -580,8 +580,8 @@ for name, backward, per_activation in [
 # of eager PyTorch, whose GELU is a kernel of its own, except at K = 8,192, where cuBLAS's product
 # leads; forward + backward about level (two programs an SM hide the epilogue, chapter 07).
 # Cheap activations are nearly free in the epilogue, where PyTorch runs extra kernels: fusion
-# wins, most for squared ReLU. Recomputing Z costs a fourth product. fp32 trails from the product
-# (tf32, chapter 07). Dotted lines: calls from Python, whose CPU outlasts small products.
+# wins, most for squared ReLU. Recomputing Z costs a fourth product. fp32 runs as tf32 on K-major
+# copies (chapter 07). Dotted lines: calls from Python, whose CPU outlasts small products.
 #
 # What we learned
 # ---------------

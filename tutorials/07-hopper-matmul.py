@@ -8,19 +8,18 @@ tiles, program order and fused epilogue, with the copies done by Hopper's TMA en
 
 What you will learn:
 
-* tensor descriptors: describing a matrix once and letting the hardware copy its tiles,
-  edges included;
-* persistent programs: one program per SM looping over tiles, and when that beats one
-  program per tile;
-* the last wave: splitting its tiles along K so that no SM idles, the partial tiles summed
-  by whichever share arrives last;
+* tensor descriptors: describing a matrix once and letting the hardware copy its tiles, edges
+  included;
+* persistent programs: one program per SM looping over tiles, and when that beats one program
+  per tile;
+* the last wave: splitting its tiles along K so that no SM idles, the partial tiles summed by
+  whichever share arrives last;
 * why fp32 as tf32 wants its operands *K-major* on Hopper, and what a copy buys;
-* fp8 (e4m3): half the bytes of fp16 and twice the tensor-core rate, and how to compare it
-  honestly.
+* fp8 (e4m3): half the bytes of fp16 and twice the tensor-core rate, and how to compare it.
 
-Prerequisites: chapter 04 (the portable kernel, its program order and epilogue). The kernel
-needs compute capability 9.x (Hopper) to be fast, but it also runs under Triton's
-interpreter, so without a GPU every cell runs at a small size.
+Prerequisites: chapter 04 (the portable kernel, its program order and epilogue). The kernel needs
+compute capability 9.x (Hopper) to be fast, but it also runs under Triton's interpreter, so
+without a GPU every cell runs at a small size.
 """
 
 # %%
@@ -41,27 +40,24 @@ DEVICE = tutorial.DEVICE
 # --------------------------------------------
 # On an H100 chapter 04's kernel spends effort in three places where Hopper has hardware:
 #
-# * **Address arithmetic.** Every K-step computes a block of 2-D pointers and issues the
-#   loads from the program's threads. Hopper's *TMA* (Tensor Memory Accelerator) is a copy
-#   engine that takes a *tensor descriptor* (base address, shape, strides, tile shape) and a
-#   tile coordinate, and copies the tile from global to shared memory by itself, filling
-#   zeros past the edges. ``tl.make_tensor_descriptor`` builds the descriptor inside the
-#   kernel and ``desc.load([row, column])`` issues the copy; the threads are free for the
-#   tensor cores, and no masks are needed.
-# * **Launch tails.** One program per tile means that the last wave of programs may use only
-#   part of the GPU, and every program pays its prologue (filling the pipeline) and epilogue
-#   without overlap. A *persistent* kernel launches one program per SM, and each program
-#   loops over tiles ``pid, pid + NUM_PROGRAMS, pid + 2 * NUM_PROGRAMS, ...`` in chapter 04's
-#   grouped order.
-# * **The epilogue.** A TMA store writes the finished tile of C, again clipped at the edges
-#   by the hardware.
+# * **Address arithmetic.** Every K-step computes a block of 2-D pointers and issues the loads
+#   from the program's threads. Hopper's *TMA* (Tensor Memory Accelerator) is a copy engine that
+#   takes a *tensor descriptor* (base address, shape, strides, tile shape) and a tile coordinate,
+#   and copies the tile from global to shared memory by itself, filling zeros past the edges.
+#   ``tl.make_tensor_descriptor`` builds the descriptor inside the kernel and
+#   ``desc.load([row, column])`` issues the copy; the threads are free for the tensor cores, and
+#   no masks are needed.
+# * **Launch tails.** One program per tile means that the last wave of programs may use only part
+#   of the GPU, and every program pays its prologue (filling the pipeline) and epilogue without
+#   overlap. A *persistent* kernel launches one program per SM, and each program loops over tiles
+#   ``pid, pid + NUM_PROGRAMS, pid + 2 * NUM_PROGRAMS, ...`` in chapter 04's grouped order.
+# * **The epilogue.** A TMA store writes the finished tile of C, clipped at the edges.
 #
-# The descriptor needs the last dimension of each tensor to be contiguous and every other
-# stride to be a multiple of 16 bytes. A transposed operand (``x.t()``, contiguous along its
-# rows) is described as the matrix it really is; its tiles are loaded in that layout and
-# transposed in registers (``.T``), which costs nothing, since the tensor cores read either
-# order from shared memory. The bias, one value per column, is loaded with pointers as in
-# chapter 04.
+# The descriptor needs the last dimension of each tensor to be contiguous and every other stride
+# to be a multiple of 16 bytes. A transposed operand (``x.t()``, contiguous along its rows) is
+# described as the matrix it really is; its tiles are loaded in that layout and transposed in
+# registers (``.T``), which costs nothing, since the tensor cores read either order from shared
+# memory. The bias, one value per column, is loaded with pointers as in chapter 04.
 #
 # The kernel
 # ----------
@@ -100,9 +96,7 @@ def matmul_tma_kernel(
     SPLIT_TAIL: tl.constexpr = False, MAX_SPLITS: tl.constexpr = MAX_SPLITS,
     PROGRAMS_PER_SM: tl.constexpr = 1,
 ):  # fmt: skip
-    NUM_PROGRAMS: tl.constexpr = (
-        NUM_SMS * PROGRAMS_PER_SM
-    )  # the grid: a config's choice
+    NUM_PROGRAMS: tl.constexpr = NUM_SMS * PROGRAMS_PER_SM  # the grid
     # One descriptor per tensor. A column-major operand is described as its transpose.
     if A_COLUMN_MAJOR:
         a_desc = tl.make_tensor_descriptor(
@@ -164,8 +158,7 @@ def matmul_tma_kernel(
             else:
                 b = b_desc.load([off_k, off_n])
             if UPCAST:
-                a = a.to(tl.float32)
-                b = b.to(tl.float32)
+                a, b = a.to(tl.float32), b.to(tl.float32)
             acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
 
         finish = True
@@ -204,29 +197,26 @@ def finish_columns(
 
 
 # %%
-# The epilogue takes half of a tile's columns at a time (``finish_columns``): with 128 × 256
-# tiles and GELU, a thread's 128 fp32 values, their activation and their 16-bit copy did not
-# fit in its 255 registers at once and spilled; halves fit, and the fused linear's fp16
-# products ran faster (``tools/experiments/matmul_epilogue_halves.py`` times both ways).
+# The epilogue takes half of a tile's columns at a time (``finish_columns``): with 128 × 256 tiles
+# and GELU, a thread's 128 fp32 values, their activation and their 16-bit copy did not fit in its
+# 255 registers at once and spilled; halves fit, and the fused linear's fp16 products ran faster
+# (``tools/experiments/matmul_epilogue_halves.py``).
 #
 # The last wave
 # -------------
-# Persistent programs do not remove the launch tail, they move it: at 3,072³ with
-# 128 × 256 tiles there are 288 tiles for 132 SMs, two full waves and a third of 24 tiles,
-# during which 108 SMs idle. This is where chapter 04's benchmark has us furthest behind
-# cuBLAS. So a kernel compiled with ``SPLIT_TAIL`` *splits* the last wave's tiles along K
-# when that wave would leave at least half of the SMs idle (split-K for the tail only, as
-# stream-K schedules do): each tail tile becomes ``splits`` shares of its K steps, one share
-# a program, enough to keep every SM busy (at most ``MAX_SPLITS``, at least 4 K steps a
-# share).
+# Persistent programs do not remove the launch tail, they move it: at 3,072³ with 128 × 256 tiles
+# there are 288 tiles for 132 SMs, two full waves and a third of 24 tiles, during which 108 SMs
+# idle. This is where chapter 04's benchmark has us furthest behind cuBLAS. So a kernel compiled
+# with ``SPLIT_TAIL`` *splits* the last wave's tiles along K when that wave would leave half of the
+# SMs idle or more (split-K for the tail only, as stream-K schedules do): each tail tile becomes
+# ``splits`` shares of its K steps, one a program (at most ``MAX_SPLITS``, at least 4 K steps).
 #
-# A share's product is only part of a tile. Each share stores its fp32 partial tile in a
-# scratch buffer and counts itself in with an atomic add on the tile's counter; the share
-# that arrives last (the atomic returns ``splits - 1``) sums the partial tiles, in share
-# order so that the result does not depend on who came last, runs the epilogue and sets the
-# counter back to zero for the next launch. Nobody waits: the other shares just go on.
-# ``publish`` in chapter 02 is the same pattern: a barrier so that every thread has stored,
-# then an atomic whose *release* makes the stores visible to the program that *acquires*.
+# Each share stores its fp32 partial tile in a scratch buffer and counts itself in with an atomic
+# add on the tile's counter; the share that arrives last (the atomic returns ``splits - 1``) sums
+# the partial tiles in share order, so that the result does not depend on who came last, runs the
+# epilogue and sets the counter back to zero for the next launch. Nobody waits. ``publish`` in
+# chapter 02 is the same pattern: a barrier so that every thread has stored, then an atomic whose
+# *release* makes the stores visible to the program that *acquires*.
 
 
 # @save matmul_hopper
@@ -273,19 +263,20 @@ def add_shares(
 
 
 # %%
-# The configs are chapter 04's minus its smallest tiles: this kernel only runs when the
-# output has a 128 × 128 tile for every SM (fp8 excepted), where small tiles do not win.
-# For tf32, deeper pipelines of thin K steps (``tools/experiments/linear_tiles.py``). Each
-# tile comes twice, with and without ``SPLIT_TAIL``, and the autotuner keeps the faster:
-# the split's code costs registers (up to 100 more a thread, and spills with GELU on
-# 128 × 256 tiles), which a product without a split tail should not pay. It times a split
-# config only where its tail would split (``tma_autotuned``, in ``matmul_tuning``).
+# The configs are chapter 04's minus its smallest tiles: this kernel only runs when the output has
+# a 128 × 128 tile for every SM (fp8 excepted), where small tiles do not win. For tf32, thin K
+# steps: 128 × 256 × 32 leads in each of the fused linear's products, and deeper pipelines of
+# 128 × 128 tiles follow (``tools/experiments/linear_tf32_parts.py``, ``linear_tiles.py``). Each
+# tile comes twice, with and without ``SPLIT_TAIL``, and the autotuner keeps the faster: the
+# split's code costs registers (up to 100 more a thread, and spills with GELU on 128 × 256
+# tiles), which a product without a split tail should not pay. It times a split config only
+# where its tail would split (``tma_autotuned``, in ``matmul_tuning``).
 #
-# One fp16 config runs *two* programs an SM (``PROGRAMS_PER_SM``): 128 × 128 tiles in 3
-# stages fit an SM's shared memory twice, and while one program runs a tile's epilogue the
-# other's products keep the tensor cores busy, an overlap cuBLAS gets from specialized warps
-# (Triton 3.6 does not specialize warps on Hopper). Up to 10% faster at small K and at
-# 3,072³, slower from K = 4,096 (``tools/experiments/matmul_two_per_sm.py``).
+# One fp16 config runs *two* programs an SM (``PROGRAMS_PER_SM``): 128 × 128 tiles in 3 stages fit
+# an SM's shared memory twice, and while one program runs a tile's epilogue the other's products
+# keep the tensor cores busy, an overlap cuBLAS gets from specialized warps (Triton 3.6 does not
+# specialize warps on Hopper). Up to 10% faster at small K and at 3,072³, slower from K = 4,096
+# (``tools/experiments/matmul_two_per_sm.py``). In tf32 none of two an SM came near.
 
 # @save matmul_hopper
 TMA_CONFIGS = [
@@ -303,6 +294,7 @@ TMA_CONFIGS = [
     tile_config(128, 128, 32, 5, 8, itemsize=4),
     tile_config(128, 128, 32, 4, 8, itemsize=4),
     tile_config(64, 256, 32, 4, 8, itemsize=4),
+    tile_config(128, 256, 32, 3, 8, itemsize=4),
 ]
 
 
@@ -333,24 +325,45 @@ MOST_PER_SM = max(c.kwargs.get("PROGRAMS_PER_SM", 1) for c in TMA_CONFIGS)
 # The launcher
 # ------------
 # ``tma_layout`` says whether a descriptor can describe an operand, and how (row- or
-# column-major); ``tma_applies`` asks it of both operands and of the output. The grid is
-# one program per SM, or two for a config that asks (a function of the chosen config; under
-# the interpreter ``sm_count()`` is 4, so that the loop over tiles still takes several
-# turns); programs without work return at once. The tail's
-# counters come from ``_core.zeroed``: kept per stream, zeroed once. Descriptors built
-# inside a kernel need a little global scratch memory for the descriptor itself, which
-# Triton asks for through the allocator set with ``triton.set_allocator``.
+# column-major); ``tma_applies`` asks it of both operands and of the output. The grid is one
+# program per SM, or two for a config that asks (under the interpreter ``sm_count()`` is 4, so
+# the loop over tiles still takes several turns). The tail's counters come from
+# ``_core.zeroed``, kept per stream and zeroed once. Descriptors built inside a kernel need a
+# little global scratch memory, which Triton asks for through ``triton.set_allocator``.
 #
 # One exception to reading transposes through strides: fp32 as tf32. Hopper's tensor-core
 # instruction (``wgmma``) reads 16-bit operands from shared memory in either order, but tf32
-# operands only *K-major*: A with its K index contiguous (row-major), B with its K index
-# contiguous (column-major). Triton handles the other orders, but slowly, so
-# ``tma_operands`` copies an fp32 operand that is not K-major into one that is, a pass over
-# the operand, when the dot runs as tf32. Exact fp32 (``"highest"``) does not use the tensor
-# cores and needs no copy. The copy is measured in the next section.
+# operands only *K-major*: A with its K index contiguous (row-major), B with its K index contiguous
+# (column-major). Triton handles the other orders, but slowly, so ``tma_operands`` copies an fp32
+# operand that is not K-major into one that is when the dot runs as tf32 (exact fp32,
+# ``"highest"``, does not use the tensor cores). torch's ``contiguous()`` moves a transposed fp32
+# matrix at under 1 TB/s, so the copy is ours, ``row_major``: a program loads a tile along the
+# source's contiguous axis and stores it along the copy's rows, Triton passing the tile through
+# shared memory, at a plain copy's speed (``tools/experiments/linear_tf32_parts.py``).
 
 
 # @save matmul_hopper
+@triton.jit
+def row_major_kernel(src_ptr, dst_ptr, R, C, src_stride_r, src_stride_c,
+        BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):  # fmt: skip
+    rows = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
+    cols = (tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)).to(tl.int64)
+    mask = (rows < R)[:, None] & (cols < C)[None, :]
+    src = src_ptr + rows[:, None] * src_stride_r + cols[None, :] * src_stride_c
+    tile = tl.load(src, mask=mask)  # along src's contiguous axis
+    tl.store(dst_ptr + rows[:, None] * C + cols[None, :], tile, mask=mask)
+
+
+def row_major(t, block_r=64, block_c=64, num_warps=4):
+    """A row-major copy of the 2-D ``t``: a transpose in memory when ``t`` is column-major."""
+    out = torch.empty(t.shape, device=t.device, dtype=t.dtype)
+    if out.numel():
+        grid = (triton.cdiv(t.shape[0], block_r), triton.cdiv(t.shape[1], block_c))
+        row_major_kernel[grid](t, out, *t.shape, *t.stride(), BLOCK_R=block_r,
+                               BLOCK_C=block_c, num_warps=num_warps)  # fmt: skip
+    return out
+
+
 def tma_scratch(size: int, alignment: int, stream):
     """Scratch memory for descriptors made inside kernels: Triton asks for it at launch."""
     return torch.empty(size, device="cpu" if INTERPRET else "cuda", dtype=torch.int8)
@@ -383,9 +396,9 @@ def tma_applies(a, b):
 def k_major_for_tf32(a, b):
     """``a`` and ``b`` with K contiguous, copying whichever is not."""
     if a.stride(1) != 1:
-        a = a.contiguous()
+        a = row_major(a)
     if b.stride(0) != 1:
-        b = b.mT.contiguous().mT
+        b = row_major(b.mT).mT
     return a, b
 
 
@@ -438,16 +451,11 @@ def launch_tma(
         a.stride(1) if a_column_major else a.stride(0),
         b.stride(1) if b_column_major else b.stride(0),
         bias.stride(0) if bias is not None else 0,
-        A_COLUMN_MAJOR=a_column_major,
-        B_COLUMN_MAJOR=b_column_major,
-        ACTIVATION=activation,
-        HAS_BIAS=bias is not None,
-        STORE_PREACTIVATION=pre is not None,
-        INPUT_PRECISION=dot_precision(a.dtype),
-        UPCAST=INTERPRET and a.dtype == torch.bfloat16,
-        NUM_SMS=sms,
-        ACCUMULATE=accumulate is not None,
-        **(config or {}),
+        A_COLUMN_MAJOR=a_column_major, B_COLUMN_MAJOR=b_column_major,
+        ACTIVATION=activation, HAS_BIAS=bias is not None,
+        STORE_PREACTIVATION=pre is not None, INPUT_PRECISION=dot_precision(a.dtype),
+        UPCAST=INTERPRET and a.dtype == torch.bfloat16, NUM_SMS=sms,
+        ACCUMULATE=accumulate is not None, **(config or {}),
     )  # fmt: skip
     return (out, pre) if return_preactivation else out
 
@@ -455,24 +463,21 @@ def launch_tma(
 # %%
 # When ``matmul`` uses it
 # -----------------------
-# Chapter 04's ``matmul`` calls this kernel on Hopper when ``tma_operands`` accepts the
-# operands and ``fills_the_gpu(M, N)``: the output has at least one 128 × 128 tile per SM.
-# Below that, a persistent program has no loop over tiles to spread its descriptor setup
-# over, and the recordings had the portable kernel faster at every such size (chapter 04's
-# square and skinny benchmarks show both). fp8 always takes this kernel, the only one we
-# measured for it.
+# Chapter 04's ``matmul`` calls this kernel on Hopper when ``tma_operands`` accepts the operands
+# and ``fills_the_gpu(M, N)``: the output has a 128 × 128 tile per SM. Below that a persistent
+# program has no loop over tiles to spread its setup over, and the recordings had the portable
+# kernel faster at every such size (chapter 04's benchmarks show both). fp8 always takes it.
 #
-# What the K-major copy is worth was measured at 4,096³ for each order of A and B, in fp32
-# as tf32 and in fp16, by ``tools/experiments/matmul_operand_order.py``: the descriptor
-# kernel with the operands as given, ``matmul`` (which copies), the portable kernel, and
-# torch. The log of the H100 run:
+# What the K-major copy is worth, measured at 4,096³ for each order of A and B, in fp32 as tf32
+# and in fp16 (``tools/experiments/matmul_operand_order.py``): the descriptor kernel with the
+# operands as given, ``matmul`` (which copies), the portable kernel, and torch. On the H100:
 
 experiments = bench.PACKAGE_RESULTS / "nvidia-h100-80gb-hbm3" / "experiments"
 print((experiments / "matmul_operand_order.log").read_text())
 
 # %%
-# In fp16 the order hardly matters. In fp32 the kernel is several times slower for every
-# order but the K-major one, and the copy recovers most of that; cuBLAS stays ahead in fp32.
+# In fp16 the order hardly matters. In fp32 the kernel is several times slower for every order but
+# the K-major one; the copy recovers most of that, ahead of cuBLAS in dW's order (A column-major).
 #
 # What the split tail is worth was measured by ``tools/experiments/matmul_tail_split.py``:
 # square products, each fp16 tile without the split and with ``MAX_SPLITS`` of 4, 8 and 16,
@@ -484,30 +489,28 @@ for index, line in enumerate(tail_log):
         print("\n".join(tail_log[index : index + 6]))
 
 # %%
-# With the tail split, 128 × 256 tiles go from behind the 128 × 128 ones to just ahead of
-# every tile at 3,072³, still well behind cuBLAS: a share of 9 or 10 K steps pays the
-# pipeline's start as a whole tile does, and the last share reads the others' partial tiles
-# before its epilogue. Smaller tiles lose with it, and it gained more before the epilogue
-# went to halves (``matmul_tail_split.log``). The autotuner keeps whichever is faster.
+# With the tail split, 128 × 256 tiles go from behind the 128 × 128 ones to just ahead of every
+# tile at 3,072³, still well behind cuBLAS: a share of 9 or 10 K steps pays the pipeline's start as
+# a whole tile does, and the last share reads the others' partial tiles before its epilogue.
+# Smaller tiles lose with it (``matmul_tail_split.log``). The autotuner keeps whichever is faster.
 #
 # fp8
 # ---
-# fp8 (e4m3: 4 bits of exponent, 3 of mantissa, largest finite value 448) halves the bytes of
-# fp16 and doubles the tensor-core rate. ``matmul`` takes e4m3 inputs on GPUs of compute
-# capability 8.9 or newer (and under the interpreter, which emulates them), accumulates in
-# fp32 and writes bf16, since a product of fp8 values soon leaves fp8's range. The tensor
-# cores want an fp8 B column-major (K-major), the layout ``torch._scaled_mm`` requires too.
+# fp8 (e4m3: 4 bits of exponent, 3 of mantissa, largest finite value 448) halves the bytes of fp16
+# and doubles the tensor-core rate. ``matmul`` takes e4m3 inputs on GPUs of compute capability 8.9
+# or newer (and under the interpreter, which emulates them), accumulates in fp32 and writes bf16,
+# since a product of fp8 values soon leaves fp8's range. The tensor cores want an fp8 B
+# column-major (K-major), the layout ``torch._scaled_mm`` requires too.
 #
 # Correctness
 # -----------
-# One call of chapter 04's harness, ``check_matmul.check``, checks this kernel as it checked
-# the portable one: against the fp64 product of the same inputs, with a bias, each activation
-# in turn and the pre-activation, for A and B as given, transposed in memory and A
-# row-strided, in fp16 and fp32 (bf16 on a GPU), skipping the layouts a descriptor cannot
-# describe; then fp8 with B column-major, values scaled by 4 to use e4m3's range. On Hopper
-# Triton's fp8 ``tl.dot`` accumulates in the tensor cores' fast mode, with fewer bits than
-# fp32, so fp8's absolute tolerance is doubled and its output is checked against the
-# activation of the (checked) pre-activation. The kernel also runs under the interpreter.
+# Chapter 04's harness, ``check_matmul.check``, checks this kernel against the fp64 product of
+# the same inputs, with a bias, each activation and the pre-activation, for A and B as given,
+# transposed in memory and A row-strided, in fp16 and fp32 (bf16 on a GPU), skipping layouts a
+# descriptor cannot describe; then fp8 with B column-major, values scaled by 4. Triton's fp8
+# ``tl.dot`` on Hopper accumulates in the tensor cores' fast mode, with fewer bits than fp32, so
+# fp8's absolute tolerance is doubled and its output is checked against the activation of the
+# (checked) pre-activation.
 
 if ON_HOPPER or tutorial.INTERPRET:
     check_matmul.check(
@@ -524,12 +527,11 @@ else:
 # %%
 # Benchmark: fp8
 # --------------
-# We compare ``matmul`` on fp8 inputs (B column-major, bf16 output) with
-# ``torch._scaled_mm``, PyTorch's fp8 matmul, which takes the same layout plus one fp32
-# scale per operand (we pass 1.0: our inputs are already in range). The dashed line is
-# cuBLAS in *fp16* at 4,096³, drawn for scale only: fp8's tensor cores are twice as fast, so
-# it is no limit here. The fair comparison is ``torch._scaled_mm``, measured in the same run,
-# and we print our share of it below the plot.
+# We compare ``matmul`` on fp8 inputs (B column-major, bf16 output) with ``torch._scaled_mm``,
+# PyTorch's fp8 matmul, which takes the same layout plus one fp32 scale per operand (we pass 1.0:
+# our inputs are already in range). The dashed line is cuBLAS in *fp16* at 4,096³, for scale only:
+# fp8's tensor cores are twice as fast. The fair comparison is ``torch._scaled_mm``, measured in
+# the same run; our share of it is printed below the plot.
 
 
 def make_fp8(provider: str, size: int, dtype: torch.dtype):
@@ -569,31 +571,30 @@ elif not has_fp8:
     print("This GPU has no fp8 tensor cores (compute capability below 8.9): skipped.")
 
 # %%
-# At the large sizes our fp8 kernel and ``torch._scaled_mm`` run level, close to twice our
-# fp16 rate of chapter 04; at the small ones ``torch._scaled_mm`` is ahead. One difference
-# favours us: ``_scaled_mm`` by default accumulates precisely (``use_fast_accum=False``),
-# while Triton's fp8 dot on Hopper uses the fast mode (``max_num_imprecise_acc``).
+# At the large sizes our fp8 kernel and ``torch._scaled_mm`` run level, close to twice our fp16
+# rate of chapter 04; at the small ones ``torch._scaled_mm`` is ahead. One difference favours us:
+# ``_scaled_mm`` by default accumulates precisely (``use_fast_accum=False``), while Triton's fp8
+# dot on Hopper uses the fast mode (``max_num_imprecise_acc``).
 #
 # What we learned
 # ---------------
-# * A tensor descriptor hands tile copies, edges included, to the TMA engine: no pointer
-#   blocks, no masks, threads free for the tensor cores.
-# * A persistent kernel launches one program per SM that loops over tiles; it pays off once
-#   the output has a tile for every SM, and below that the portable kernel is faster.
-# * Persistent programs still end in a last wave; splitting its tiles along K fills the idle
-#   SMs, each partial tile summed once, in a fixed order, by the last share to arrive.
-# * Operand layout can matter more than the kernel: tf32 on Hopper wants K-major operands,
-#   and a copy is cheaper than the slow path.
-# * fp8 doubles the tensor-core rate again; compare it with an fp8 library call, not an fp16
-#   one.
+# * A tensor descriptor hands tile copies, edges included, to the TMA engine: no pointer blocks,
+#   no masks, threads free for the tensor cores.
+# * A persistent kernel launches one program per SM that loops over tiles; it pays off once the
+#   output has a tile for every SM, and below that the portable kernel is faster.
+# * Persistent programs still end in a last wave; splitting its tiles along K fills the idle SMs,
+#   each partial tile summed once, in a fixed order, by the last share to arrive.
+# * Operand layout can matter more than the kernel: tf32 on Hopper wants K-major operands, and a
+#   copy is cheaper than the slow path, if the copy runs at copy speed.
+# * fp8 doubles the tensor-core rate again; compare it with an fp8 library call, not an fp16 one.
 #
 # Exercises
 # ---------
-# 1. Add per-row and per-column fp32 scales for fp8 inputs (as ``torch._scaled_mm`` takes)
-#    to the epilogue, and check against ``_scaled_mm`` with non-unit scales. Time both with
-#    the same accumulation: ``use_fast_accum=True``, or ``max_num_imprecise_acc=0`` here.
-# 2. Pipeline across tiles: ``tl.range(..., flatten=True)`` over the tile loop lets a
-#    program's loads for its next tile overlap this tile's epilogue. Measure it with and
-#    without an activation at 4,096³ and 8,192³; is it worth turning on?
+# 1. Add per-row and per-column fp32 scales for fp8 inputs (as ``torch._scaled_mm`` takes) to the
+#    epilogue, and check against ``_scaled_mm`` with non-unit scales. Time both with the same
+#    accumulation: ``use_fast_accum=True``, or ``max_num_imprecise_acc=0`` here.
+# 2. Pipeline across tiles: ``tl.range(..., flatten=True)`` over the tile loop lets a program's
+#    loads for its next tile overlap this tile's epilogue. Measure it with and without an
+#    activation at 4,096³ and 8,192³; is it worth turning on?
 # 3. Lower the ``fills_the_gpu`` threshold to half a tile per SM and rerun chapter 04's
 #    skinny benchmark. Where does the descriptor kernel start to lose, and why?

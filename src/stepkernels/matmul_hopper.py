@@ -35,9 +35,7 @@ def matmul_tma_kernel(
     SPLIT_TAIL: tl.constexpr = False, MAX_SPLITS: tl.constexpr = MAX_SPLITS,
     PROGRAMS_PER_SM: tl.constexpr = 1,
 ):  # fmt: skip
-    NUM_PROGRAMS: tl.constexpr = (
-        NUM_SMS * PROGRAMS_PER_SM
-    )  # the grid: a config's choice
+    NUM_PROGRAMS: tl.constexpr = NUM_SMS * PROGRAMS_PER_SM  # the grid
     # One descriptor per tensor. A column-major operand is described as its transpose.
     if A_COLUMN_MAJOR:
         a_desc = tl.make_tensor_descriptor(
@@ -99,8 +97,7 @@ def matmul_tma_kernel(
             else:
                 b = b_desc.load([off_k, off_n])
             if UPCAST:
-                a = a.to(tl.float32)
-                b = b.to(tl.float32)
+                a, b = a.to(tl.float32), b.to(tl.float32)
             acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
 
         finish = True
@@ -195,6 +192,7 @@ TMA_CONFIGS = [
     tile_config(128, 128, 32, 5, 8, itemsize=4),
     tile_config(128, 128, 32, 4, 8, itemsize=4),
     tile_config(64, 256, 32, 4, 8, itemsize=4),
+    tile_config(128, 256, 32, 3, 8, itemsize=4),
 ]
 
 
@@ -219,6 +217,27 @@ TMA_CONFIGS += [with_constants(config, SPLIT_TAIL=True) for config in TMA_CONFIG
 matmul_tma_tuned = lean(tma_autotuned(matmul_tma_kernel, TMA_CONFIGS))
 SCRATCH_PER_SM = max(scratch_per_sm(c.kwargs) for c in TMA_CONFIGS)
 MOST_PER_SM = max(c.kwargs.get("PROGRAMS_PER_SM", 1) for c in TMA_CONFIGS)
+
+
+@triton.jit
+def row_major_kernel(src_ptr, dst_ptr, R, C, src_stride_r, src_stride_c,
+        BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):  # fmt: skip
+    rows = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
+    cols = (tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)).to(tl.int64)
+    mask = (rows < R)[:, None] & (cols < C)[None, :]
+    src = src_ptr + rows[:, None] * src_stride_r + cols[None, :] * src_stride_c
+    tile = tl.load(src, mask=mask)  # along src's contiguous axis
+    tl.store(dst_ptr + rows[:, None] * C + cols[None, :], tile, mask=mask)
+
+
+def row_major(t, block_r=64, block_c=64, num_warps=4):
+    """A row-major copy of the 2-D ``t``: a transpose in memory when ``t`` is column-major."""
+    out = torch.empty(t.shape, device=t.device, dtype=t.dtype)
+    if out.numel():
+        grid = (triton.cdiv(t.shape[0], block_r), triton.cdiv(t.shape[1], block_c))
+        row_major_kernel[grid](t, out, *t.shape, *t.stride(), BLOCK_R=block_r,
+                               BLOCK_C=block_c, num_warps=num_warps)  # fmt: skip
+    return out
 
 
 def tma_scratch(size: int, alignment: int, stream):
@@ -253,9 +272,9 @@ def tma_applies(a, b):
 def k_major_for_tf32(a, b):
     """``a`` and ``b`` with K contiguous, copying whichever is not."""
     if a.stride(1) != 1:
-        a = a.contiguous()
+        a = row_major(a)
     if b.stride(0) != 1:
-        b = b.mT.contiguous().mT
+        b = row_major(b.mT).mT
     return a, b
 
 
@@ -308,15 +327,10 @@ def launch_tma(
         a.stride(1) if a_column_major else a.stride(0),
         b.stride(1) if b_column_major else b.stride(0),
         bias.stride(0) if bias is not None else 0,
-        A_COLUMN_MAJOR=a_column_major,
-        B_COLUMN_MAJOR=b_column_major,
-        ACTIVATION=activation,
-        HAS_BIAS=bias is not None,
-        STORE_PREACTIVATION=pre is not None,
-        INPUT_PRECISION=dot_precision(a.dtype),
-        UPCAST=INTERPRET and a.dtype == torch.bfloat16,
-        NUM_SMS=sms,
-        ACCUMULATE=accumulate is not None,
-        **(config or {}),
+        A_COLUMN_MAJOR=a_column_major, B_COLUMN_MAJOR=b_column_major,
+        ACTIVATION=activation, HAS_BIAS=bias is not None,
+        STORE_PREACTIVATION=pre is not None, INPUT_PRECISION=dot_precision(a.dtype),
+        UPCAST=INTERPRET and a.dtype == torch.bfloat16, NUM_SMS=sms,
+        ACCUMULATE=accumulate is not None, **(config or {}),
     )  # fmt: skip
     return (out, pre) if return_preactivation else out

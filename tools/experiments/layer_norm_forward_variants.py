@@ -12,13 +12,18 @@ past 32,768 twice (65% of a copy at 65,536). Two suspects, one at a time, at M =
   other chunks (``publish_and_wait``), merges the pairs by Chan's rule and writes its chunk of y
   from registers, so x is read once. If a sibling never publishes it walks the row itself.
 
-    python tools/experiments/layer_norm_forward_variants.py [--reload | --walked | --lanes]
+    python tools/experiments/layer_norm_forward_variants.py [--reload | --walked | --lanes | --inductor | --even]
 
 ``--walked`` times rows that fit one program read twice, as torch.compile's kernels do: a
 first walk loading ``evict_last`` (x stays in L2), a second loading ``evict_first``.
 ``--lanes`` times the same walks with per-lane accumulators as torch.compile's kernel keeps
 them (Welford's update in each lane, one reduction across lanes after the walk), the next
 suspect in ``layer_norm_forward_walked.log``; not yet run on a GPU.
+``--even`` times the one-block launches with and without masks (``EVEN``: N a power of two,
+every load and store unmasked, as in torch.compile's kernels, which know M and N when they
+compile), N = 4,096 to 32,768.
+``--inductor`` times both walks at the block and warps torch.compile's autotuner took at each
+size (``layer_norm_inductor_config.log``: 16 or 32 warps, blocks up to the whole row).
 ``--reload`` times only the split forward at M x N = 2^26, holding its chunk in registers
 across the wait or reading it again (from L2) after it, which frees registers for more
 programs per SM (Nsight Compute: 168 registers a thread in fp16, 3 programs an SM).
@@ -45,7 +50,9 @@ ROWS = 4096
 @triton.jit
 def rows_kernel(x_ptr, y_ptr, w_ptr, b_ptr, mean_ptr, rstd_ptr, M, N, eps,
         BLOCK_N: tl.constexpr, ROWS_PER_PROGRAM: tl.constexpr, NUM_STAGES: tl.constexpr,
-        X_EVICT: tl.constexpr, W_EVICT: tl.constexpr):  # fmt: skip
+        X_EVICT: tl.constexpr, W_EVICT: tl.constexpr, EVEN: tl.constexpr = False):  # fmt: skip
+    # EVEN: N == BLOCK_N and M a multiple of ROWS_PER_PROGRAM, so no load or store is masked
+    # (torch.compile's kernels know M and N when they compile, and drop such masks).
     n_blocks, grid_size = tl.cdiv(M, ROWS_PER_PROGRAM), tl.num_programs(axis=0)
     cols = tl.arange(0, BLOCK_N)
     col_mask = cols < N
@@ -54,17 +61,30 @@ def rows_kernel(x_ptr, y_ptr, w_ptr, b_ptr, mean_ptr, rstd_ptr, M, N, eps,
         row_mask = rows < M
         mask = row_mask[:, None] & col_mask[None, :]
         offsets = rows.to(tl.int64)[:, None] * N + cols[None, :]
-        x = tl.load(x_ptr + offsets, mask=mask, other=0.0, eviction_policy=X_EVICT)
-        x = x.to(tl.float32)
-        mean = tl.sum(x, axis=1) / N
-        centered = tl.where(mask, x - mean[:, None], 0.0)
-        rstd = 1.0 / tl.sqrt(tl.sum(centered * centered, axis=1) / N + eps)
-        w = tl.load(w_ptr + cols, mask=col_mask, other=0.0, eviction_policy=W_EVICT)
-        b = tl.load(b_ptr + cols, mask=col_mask, other=0.0, eviction_policy=W_EVICT)
+        if EVEN:
+            x = tl.load(x_ptr + offsets, eviction_policy=X_EVICT).to(tl.float32)
+            mean = tl.sum(x, axis=1) / BLOCK_N
+            centered = x - mean[:, None]
+            rstd = 1.0 / tl.sqrt(tl.sum(centered * centered, axis=1) / BLOCK_N + eps)
+            w = tl.load(w_ptr + cols, eviction_policy=W_EVICT)
+            b = tl.load(b_ptr + cols, eviction_policy=W_EVICT)
+        else:
+            x = tl.load(x_ptr + offsets, mask=mask, other=0.0, eviction_policy=X_EVICT)
+            x = x.to(tl.float32)
+            mean = tl.sum(x, axis=1) / N
+            centered = tl.where(mask, x - mean[:, None], 0.0)
+            rstd = 1.0 / tl.sqrt(tl.sum(centered * centered, axis=1) / N + eps)
+            w = tl.load(w_ptr + cols, mask=col_mask, other=0.0, eviction_policy=W_EVICT)
+            b = tl.load(b_ptr + cols, mask=col_mask, other=0.0, eviction_policy=W_EVICT)
         y = centered * rstd[:, None] * w.to(tl.float32) + b.to(tl.float32)
-        tl.store(y_ptr + offsets, y.to(y_ptr.dtype.element_ty), mask=mask)
-        tl.store(mean_ptr + rows, mean, mask=row_mask)
-        tl.store(rstd_ptr + rows, rstd, mask=row_mask)
+        if EVEN:
+            tl.store(y_ptr + offsets, y.to(y_ptr.dtype.element_ty))
+            tl.store(mean_ptr + rows, mean)
+            tl.store(rstd_ptr + rows, rstd)
+        else:
+            tl.store(y_ptr + offsets, y.to(y_ptr.dtype.element_ty), mask=mask)
+            tl.store(mean_ptr + rows, mean, mask=row_mask)
+            tl.store(rstd_ptr + rows, rstd, mask=row_mask)
 
 
 @triton.jit
@@ -165,6 +185,14 @@ def forward_walked(x, w, b, block=2048, warps=8, first="evict_last", second="evi
     return y, mean, rstd
 
 
+# (block, warps) torch.compile's autotuner took for its looped kernel at M = 4,096
+# (``layer_norm_inductor_config.log``)
+INDUCTOR_LAUNCH = {(torch.float16, 4096): (2048, 16), (torch.float16, 8192): (2048, 16),
+                   (torch.float16, 16384): (8192, 32), (torch.float16, 32768): (32768, 32),
+                   (torch.float32, 4096): (2048, 16), (torch.float32, 8192): (4096, 16),
+                   (torch.float32, 16384): (8192, 32), (torch.float32, 32768): (32768, 32)}  # fmt: skip
+
+
 def walked_sweep():
     """Rows that fit one program, read twice as torch.compile does, against ours (M = 4,096)."""
     for dtype, n_cols in itertools.product((torch.float16, torch.float32), (4096, 8192, 16384, 32768)):
@@ -177,11 +205,14 @@ def walked_sweep():
                  "package": bench.rate(nbytes, functools.partial(layer_norm_forward, x, w, b, 1e-5))}  # fmt: skip
         lanes = "--lanes" in sys.argv  # per-lane accumulators (torch.compile's way), hints on
         hint_choices = (True,) if lanes else (True, False)
-        for block, warps, hints in itertools.product((1024, 2048, 4096), (4, 8, 16), hint_choices):
+        launches = itertools.product((1024, 2048, 4096), (4, 8, 16), hint_choices, (lanes,))
+        if "--inductor" in sys.argv:  # torch.compile's own choice, both accumulations, hints on
+            launches = [(*INDUCTOR_LAUNCH[dtype, n_cols], True, kind) for kind in (False, True)]
+        for block, warps, hints, per_lane in launches:
             if block <= n_cols and block // (32 * warps) >= 4:
                 policies = ("evict_last", "evict_first") if hints else ("", "")
-                call = functools.partial(forward_walked, x, w, b, block, warps, *policies, lanes=lanes)
-                name = f"{'lanes' if lanes else 'walked'} {block}/{warps}w{' hints' if hints else ''}"
+                call = functools.partial(forward_walked, x, w, b, block, warps, *policies, lanes=per_lane)
+                name = f"{'lanes' if per_lane else 'walked'} {block}/{warps}w{' hints' if hints else ''}"
                 rated[name] = bench.rate(nbytes, call)
         fixed = "  ".join(f"{n} {rated.pop(n):,.0f}" for n in ("copy", "torch.compile", "package"))
         best = sorted(((r, n) for n, r in rated.items()), reverse=True)[:5]
@@ -234,14 +265,15 @@ def split_kernel(x_ptr, y_ptr, w_ptr, b_ptr, mean_ptr, rstd_ptr, stats_ptr, coun
 HINTS = {"no hints": ("", ""), "hints": ("evict_first", "evict_last")}
 
 
-def forward_rows(x, w, b, rows=1, warps=8, programs=None, stages=1, hints="no hints"):
+def forward_rows(x, w, b, rows=1, warps=8, programs=None, stages=1, hints="no hints", even=False):
     n_rows, n_cols = x.shape
     y, mean, rstd = torch.empty_like(x), torch.empty(n_rows, device=x.device), torch.empty(n_rows, device=x.device)
     grid = triton.cdiv(n_rows, rows)
     grid = min(grid, programs) if programs else grid
+    even = even and n_cols == triton.next_power_of_2(n_cols) and n_rows % rows == 0
     rows_kernel[(grid,)](x, y, w, b, mean, rstd, n_rows, n_cols, 1e-5,
         BLOCK_N=triton.next_power_of_2(n_cols), ROWS_PER_PROGRAM=rows, NUM_STAGES=stages,
-        X_EVICT=HINTS[hints][0], W_EVICT=HINTS[hints][1], num_warps=warps)  # fmt: skip
+        X_EVICT=HINTS[hints][0], W_EVICT=HINTS[hints][1], EVEN=even, num_warps=warps)  # fmt: skip
     return y, mean, rstd
 
 
@@ -284,6 +316,7 @@ def check():
         b = torch.randn(n_cols, generator=generator).to(_core.DEVICE)
         expected = torch.nn.functional.layer_norm(x.double(), (n_cols,), w.double(), b.double())
         for got in (forward_rows(x, w, b, rows=2, hints="hints"), forward_split(x, w, b, chunk),
+                    forward_rows(x, w, b, rows=1, even=True),
                     forward_walked(x, w, b, chunk), forward_walked(x, w, b, chunk, 4, "", ""),
                     forward_walked(x, w, b, chunk, lanes=True),
                     forward_split(x, w, b, chunk, reload=True)):  # fmt: skip
@@ -297,12 +330,16 @@ def check():
 def launches(n_cols):
     block = triton.next_power_of_2(n_cols)
     sms = _core.sm_count()
+    evens = (False, True) if "--even" in sys.argv else (False,)
     if block <= 32768:
-        for warps, grid, hints in itertools.product((4, 8, 16, 32), ("8/SM", "all"), HINTS):
+        for warps, grid, hints, even in itertools.product((4, 8, 16, 32), ("8/SM", "all"), HINTS, evens):
             if 8 <= block // (32 * warps) <= 64:
                 programs, stages = (8 * sms, 2) if grid == "8/SM" else (None, 1)
-                yield (f"rows {warps}w {grid} {hints}",
-                       lambda x, w, b, k=(warps, programs, stages, hints): forward_rows(x, w, b, 1, *k))  # fmt: skip
+                launch = (warps, programs, stages, hints, even)
+                yield (f"rows {warps}w {grid} {hints}{' even' if even else ''}",
+                       lambda x, w, b, k=launch: forward_rows(x, w, b, 1, *k))  # fmt: skip
+    if "--even" in sys.argv:
+        return
     for chunk, warps, hints in itertools.product((4096, 8192, 16384), (4, 8, 16), HINTS):
         if chunk < block and 8 <= chunk // (32 * warps) <= 64:
             yield (f"split {chunk}/{warps}w {hints}",
@@ -330,8 +367,11 @@ def time_one_size(dtype, n_cols, liger):
     fixed = [n for n in ("copy (same bytes)", "torch.compile", "liger_kernel", "package") if n in rated]
     head = "  ".join(f"{n} {rated[n]:,.0f}" for n in fixed)
     print(f"{_core.dtype_name(dtype)}, N = {n_cols:,}: {head}")
-    for kind in ("rows", "split"):
-        ranked = sorted(((r, n) for n, r in rated.items() if n.startswith(kind)), reverse=True)
+    for kind in ("rows", "split", "even"):
+        chosen = [(r, n) for n, r in rated.items() if n.startswith(kind) and not n.endswith("even")]
+        if kind == "even":
+            chosen = [(r, n) for n, r in rated.items() if n.endswith("even")]
+        ranked = sorted(chosen, reverse=True)
         if ranked:
             print(f"   {kind:5}: " + "  ".join(f"{n} {r:,.0f}" for r, n in ranked[:5]), flush=True)
 
@@ -347,10 +387,10 @@ def main():
     with bench.side_stream():
         if "--reload" in sys.argv:
             return reload_sweep()
-        if "--walked" in sys.argv or "--lanes" in sys.argv:
+        if "--walked" in sys.argv or "--lanes" in sys.argv or "--inductor" in sys.argv:
             return walked_sweep()
-        for dtype, n_cols in itertools.product((torch.float16, torch.float32),
-                                               (4096, 8192, 16384, 32768, 65536)):  # fmt: skip
+        sizes = (4096, 8192, 16384, 32768) if "--even" in sys.argv else (4096, 8192, 16384, 32768, 65536)
+        for dtype, n_cols in itertools.product((torch.float16, torch.float32), sizes):
             time_one_size(dtype, n_cols, liger)
 
 
