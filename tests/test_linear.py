@@ -1,12 +1,16 @@
 """linear and FusedLinear: forward and gradients against torch, empty and odd shapes, the
 custom operators' registrations, torch.compile, and refusals."""
 
+import importlib
+
 from conftest import random_tensor
 import pytest
 from stepkernels import FusedLinear, linear
 from stepkernels._core import DEVICE, ON_GPU
 from stepkernels.activations import ACTIVATIONS, activation_reference
 import torch
+
+linear_module = importlib.import_module("stepkernels.linear")  # the package's `linear` is the function
 
 DTYPES = (torch.float32, torch.float16) + ((torch.bfloat16,) if ON_GPU else ())  # no bf16 dot on CPU
 UNIT = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 4e-2}
@@ -101,6 +105,42 @@ def test_keep_and_recompute_give_the_same_bits(activation):
     kept = check((8, 12), 5, torch.float16, activation, recompute=False)
     recomputed = check((8, 12), 5, torch.float16, activation, recompute=True)
     assert all(map(torch.equal, kept, recomputed))
+
+
+@pytest.mark.parametrize("recompute", [False, True])
+@pytest.mark.parametrize("shape, out_features", [((70, 65), 67), ((1, 9), 130), ((33, 5), 1)])
+def test_transposed_dz_for_tf32(monkeypatch, shape, out_features, recompute):
+    # Where dW's product runs as tf32 on Hopper, the dZ kernel writes dZ^T as well; forced here
+    # (on every machine), the same forward and gradients as without it.
+    plain = check(shape, out_features, torch.float32, "gelu", recompute=recompute)
+    written_t, activation_backward = [], linear_module.activation_backward
+
+    def spy(*args, **kwargs):
+        result = activation_backward(*args, **kwargs)
+        written_t.append(result[2] is not None)
+        return result
+
+    monkeypatch.setattr(linear_module, "activation_backward", spy)
+    monkeypatch.setattr(linear_module, "copies_for_tf32", lambda dtype, M, N: True)
+    written = check(shape, out_features, torch.float32, "gelu", recompute=recompute)
+    assert written_t == [True]
+    for a, b in zip(plain, written, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("over_z", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("shape", [(1, 1), (70, 65), (3, 130), (129, 2)])
+def test_activation_backward_writes_dz_transposed(shape, dtype, over_z):
+    grad_y, z = random_tensor(shape, dtype, seed=3), random_tensor(shape, dtype, seed=4)
+    want, want_bias, none = linear_module.activation_backward(grad_y, z.clone(), "gelu", True)
+    grad_z, grad_bias, grad_z_t = linear_module.activation_backward(
+        grad_y, z, "gelu", True, over_z=over_z, transposed=True
+    )
+    assert none is None and grad_z_t.is_contiguous() and grad_z_t.shape == shape[::-1]
+    assert torch.equal(grad_z, want) and torch.equal(grad_z_t, want.T)
+    torch.testing.assert_close(grad_bias, want_bias)
+    assert (grad_z.data_ptr() == z.data_ptr()) == over_z
 
 
 def test_strided_input_and_broadcast_gradient():

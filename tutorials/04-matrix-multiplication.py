@@ -399,6 +399,13 @@ def fills_the_gpu(M: int, N: int) -> bool:
     return triton.cdiv(M, 128) * triton.cdiv(N, 128) >= sm_count()
 
 
+def copies_for_tf32(dtype, M: int, N: int) -> bool:
+    """Does ``matmul`` give an M × N product in ``dtype`` to chapter 07's kernel as tf32, which
+    copies operands that are not K-major?"""
+    tf32 = dtype == torch.float32 and dot_precision(dtype) == "tf32"
+    return tf32 and ON_HOPPER and fills_the_gpu(M, N)
+
+
 def matmul(
     a, b, activation=None, *, bias=None, return_preactivation=False, accumulate=None
 ):

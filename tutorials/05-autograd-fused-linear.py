@@ -117,12 +117,15 @@ print("strides: B, B^T in dA, A^T in dB:", *strides)
 # a row of partial sums, which a small ``sum`` turns into db: no atomics, the same db on every run.
 # dY may have any strides (``y.sum()``'s gradient has strides 0). The backward computes only the
 # gradients asked for, and a new empty tensor for the others: an operator's outputs may not alias.
+# In fp32 on Hopper, where dW's product runs as tf32 and wants dZ^T K-major (chapter 07), the
+# kernel also writes dZ^T, for half what a copy of dZ would cost in memory traffic.
 
 # @save linear
-from stepkernels._core import FLOAT_DTYPES, check_tensor, refuse_double_backward
+from stepkernels._core import refuse_double_backward
 from stepkernels.activations import activation_derivative, check_activation
+from stepkernels.arguments import linear_arguments
 from stepkernels.launch import lean
-from stepkernels.matmul import matmul
+from stepkernels.matmul import copies_for_tf32, matmul
 import torch
 from torch import Tensor, nn
 import triton
@@ -132,10 +135,10 @@ import triton.language as tl
 @lean  # cheap repeated launches: chapter 08
 @triton.jit
 def activation_backward_kernel(
-    grad_y_ptr, z_ptr, grad_z_ptr, bias_partial_ptr,
+    grad_y_ptr, z_ptr, grad_z_ptr, grad_z_t_ptr, bias_partial_ptr,
     M, N,
     stride_grad_y_m, stride_grad_y_n, stride_z_m, stride_z_n,
-    ACTIVATION: tl.constexpr, BIAS_GRAD: tl.constexpr,
+    ACTIVATION: tl.constexpr, BIAS_GRAD: tl.constexpr, TRANSPOSED: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
     block_m = tl.program_id(axis=0)
@@ -153,6 +156,9 @@ def activation_backward_kernel(
     grad_z = grad_y * activation_derivative(z, ACTIVATION, grad_z_ptr.dtype.element_ty)
     grad_z_ptrs = grad_z_ptr + rows[:, None] * N + columns[None, :]
     tl.store(grad_z_ptrs, grad_z.to(grad_z_ptr.dtype.element_ty), mask=mask)
+    if TRANSPOSED:  # dZ^T too (N x M, row-major): dW's K-major operand
+        grad_z_t_ptrs = grad_z_t_ptr + columns[None, :].to(tl.int64) * M + rows[:, None]
+        tl.store(grad_z_t_ptrs, grad_z.to(grad_z_t_ptr.dtype.element_ty), mask=mask)
     if BIAS_GRAD:  # masked lanes hold dY = 0, so they add nothing to the column sums
         partial_ptrs = bias_partial_ptr + block_m * N + columns
         tl.store(partial_ptrs, tl.sum(grad_z, axis=0), mask=columns < N)
@@ -161,20 +167,24 @@ def activation_backward_kernel(
 ACTIVATION_BACKWARD_BLOCK = {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4}
 
 
-def activation_backward(grad_y, z, activation, bias_grad: bool, over_z=False):
-    """dZ = dY * act'(Z) in Z's dtype (over Z if ``over_z``); db (fp32) from block sums."""
+def activation_backward(grad_y, z, activation, bias_grad: bool, over_z=False,
+        transposed=False):  # fmt: skip
+    """dZ = dY * act'(Z) in Z's dtype (over Z if ``over_z``); db (fp32) from block sums;
+    dZ^T, contiguous, if ``transposed`` (else None)."""
     M, N = z.shape
     grad_z = z if over_z else torch.empty((M, N), device=z.device, dtype=z.dtype)
+    grad_z_t = z.new_empty((N, M)) if transposed else None
     blocks_m = triton.cdiv(M, ACTIVATION_BACKWARD_BLOCK["BLOCK_M"])
     partial = torch.empty((blocks_m, N), device=z.device, dtype=torch.float32)
     if grad_z.numel() > 0:
         grid = (blocks_m, triton.cdiv(N, ACTIVATION_BACKWARD_BLOCK["BLOCK_N"]))
         activation_backward_kernel[grid](
-            grad_y, z, grad_z, partial, M, N,
+            grad_y, z, grad_z, grad_z if grad_z_t is None else grad_z_t, partial, M, N,
             grad_y.stride(0), grad_y.stride(1), z.stride(0), z.stride(1),
-            ACTIVATION=activation, BIAS_GRAD=bias_grad, **ACTIVATION_BACKWARD_BLOCK,
+            ACTIVATION=activation, BIAS_GRAD=bias_grad, TRANSPOSED=transposed,
+            **ACTIVATION_BACKWARD_BLOCK,
         )  # fmt: skip
-    return grad_z, (partial.sum(dim=0) if bias_grad else None)
+    return grad_z, (partial.sum(dim=0) if bias_grad else None), grad_z_t
 
 
 def fused_linear_forward(x, weight, bias, activation, keep_z):
@@ -186,17 +196,22 @@ def fused_linear_forward(x, weight, bias, activation, keep_z):
 def fused_linear_backward(grad_y, x, weight, bias, z, activation, needs_grad):
     need_x, need_weight, need_bias = needs_grad
     if activation is None:  # act' = 1: dZ is dY itself
-        grad_z = grad_y
+        grad_z, grad_z_t = grad_y, None
         grad_bias = grad_y.sum(dim=0, dtype=torch.float32) if need_bias else None
     else:
         again = z is None  # recompute: the forward product, without the activation,
         z = matmul(x, weight.mT, None, bias=bias) if again else z  # then dZ over it
-        grad_z, grad_bias = activation_backward(grad_y, z, activation, need_bias, again)
+        # dZ^T from the dZ kernel where dW's product would copy it (fp32 as tf32)
+        transposed = need_weight and copies_for_tf32(x.dtype, *weight.shape)
+        grad_z, grad_bias, grad_z_t = activation_backward(
+            grad_y, z, activation, need_bias, again, transposed
+        )
     return (
         matmul(grad_z, weight) if need_x else x.new_empty(0),
-        matmul(grad_z.mT, x) if need_weight else x.new_empty(0),  # dZ^T: a view
+        matmul(grad_z.mT if grad_z_t is None else grad_z_t, x)  # dZ^T: a view, or a copy
+        if need_weight else x.new_empty(0),
         grad_bias.to(x.dtype) if need_bias else x.new_empty(0),
-    )
+    )  # fmt: skip
 
 
 # %%
@@ -288,26 +303,11 @@ class FusedLinearFunction(torch.autograd.Function):
 # @save linear
 
 
-def check_linear_inputs(x, weight, bias, activation):
-    check_tensor(x, "x", FLOAT_DTYPES)
-    check_tensor(weight, "weight", (x.dtype,))
-    if bias is not None:
-        check_tensor(bias, "bias", (x.dtype,))
-    bad = weight.dim() != 2 or x.dim() == 0 or x.shape[-1] != weight.shape[1]
-    if bad or not (bias is None or bias.shape == weight.shape[:1]):
-        raise ValueError(
-            "x must be (..., in_features), weight (out_features, in_features) and bias "
-            f"(out_features,) or None, got shapes {tuple(x.shape)}, {tuple(weight.shape)} "
-            f"and {None if bias is None else tuple(bias.shape)}: the transposed weight?"
-        )
-    check_activation(activation)
-
-
 def linear(x, weight, bias=None, activation=None, *, recompute=False):
     """``activation(x @ weight.T + bias)`` in one kernel, differentiable, for weight and bias
     as ``nn.Linear`` holds them; ``recompute``: recompute x @ weight.T + bias in the backward
     instead of keeping it from the forward."""
-    check_linear_inputs(x, weight, bias, activation)
+    linear_arguments(x, weight, bias, activation)  # raises, saying what to do
     tensors = (x, weight) if bias is None else (x, weight, bias)
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
     rows = x.reshape(x.shape[:-1].numel(), x.shape[-1])

@@ -51,6 +51,23 @@ def accumulate_arguments(out, a, b, activation, return_preactivation, dtype):
         raise ValueError("accumulate takes no activation and no return_preactivation")
 
 
+def linear_arguments(x, weight, bias, activation) -> None:
+    """Chapter 05's ``linear``: x (..., in_features), weight (out_features, in_features) and
+    bias (out_features,) or None, one float dtype; a known activation."""
+    check_tensor(x, "x", FLOAT_DTYPES)
+    check_tensor(weight, "weight", (x.dtype,))
+    if bias is not None:
+        check_tensor(bias, "bias", (x.dtype,))
+    bad = weight.dim() != 2 or x.dim() == 0 or x.shape[-1] != weight.shape[1]
+    if bad or not (bias is None or bias.shape == weight.shape[:1]):
+        raise ValueError(
+            "x must be (..., in_features), weight (out_features, in_features) and bias "
+            f"(out_features,) or None, got shapes {tuple(x.shape)}, {tuple(weight.shape)} "
+            f"and {None if bias is None else tuple(bias.shape)}: the transposed weight?"
+        )
+    check_activation(activation)
+
+
 def layer_norm_arguments(x, normalized_shape, weight, bias, eps, reduction, block_size, dtypes,
         reductions):  # fmt: skip
     """``normalized_shape`` as a tuple, once chapter 03's ``layer_norm`` arguments pass."""
