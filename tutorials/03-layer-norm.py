@@ -503,7 +503,9 @@ if backward is not None:
 # backward also writes and reads its partial sums, a larger share of the traffic the shorter the
 # rows. Where the ratio to the best peer is under 1, a peer is ahead: in the forward on rows that
 # fit a program, torch.compile or Liger-Kernel by a few percent. Cache hints, warps and grids did
-# not close that (``tools/experiments/layer_norm_forward_variants.py``); we have not found why.
+# not close that, nor did torch.compile's own launch in our kernels, nor dropping the masks
+# (``tools/experiments/layer_norm_forward_variants.py``); we have not found why. The gaps are the
+# size of the spread between two timings of one launch in one run (up to 2%).
 # The two-stage reduction never waits for a lock: with its repeatability, the count above makes
 # it the default. Dotted lines are calls from Python: up to N = 4,096 our calls' CPU time
 # (printed) outlasts the kernels.
