@@ -518,6 +518,8 @@ if square_results is not None:  # our share of cuBLAS; the descriptor kernel's g
 # On large squares we run close to cuBLAS, mostly within a few percent (its two lines differ
 # by as much). We trail on small products, where fixed costs weigh, and where tiles fill the
 # last wave poorly (3,072³: 288 tiles of 128 × 256 for 132 SMs; chapter 07 splits that wave).
+# Under the H100's power cap one launch moves by 5 to 15% between two timings of a run
+# (``tools/experiments/matmul_deeper_stages.py``), more than the gaps at 6,144³ and 8,192³.
 #
 # Benchmark: what the program order is worth
 # ------------------------------------------
