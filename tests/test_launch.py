@@ -9,6 +9,8 @@ from stepkernels import layer_norm, matmul, softmax
 from stepkernels._core import ON_GPU
 from stepkernels.launch import LeanKernel, triton_launches
 import torch
+import triton
+import triton.language as tl
 
 softmax_module = sys.modules["stepkernels.softmax"]
 
@@ -37,6 +39,24 @@ def test_unspecialized_integers_are_keyed_by_width_only():
     assert key(5) == key(2**30) == key(1)
     assert key(2**31) != key(5)  # u32
     assert key(2**40) != key(2**31)  # i64
+
+
+@triton.jit
+def fill_kernel(out_ptr, n, BLOCK: tl.constexpr):
+    offsets = tl.arange(0, BLOCK)
+    tl.store(out_ptr + offsets, 1.0, mask=offsets < n)
+
+
+def test_forget_drops_launchers_and_the_autotuners_choices():
+    autotuned = triton.autotune([triton.Config({"BLOCK": 16})], key=["n"])(fill_kernel)
+    tuned, plain = LeanKernel(autotuned), LeanKernel(fill_kernel)
+    assert tuned.tuned is tuned.kernel and plain.tuned is None
+    tuned.kernel.cache[("shape",)] = "a config"  # as a tuning leaves them
+    for kernel in (tuned, plain):
+        kernel.entries[("key",)] = "a launcher"
+        kernel.forget()
+        assert kernel.entries == {}
+    assert ("shape",) not in tuned.kernel.cache
 
 
 @pytest.mark.skipif(not ON_GPU, reason="lean launches are taken on a GPU only")

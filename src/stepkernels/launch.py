@@ -62,6 +62,8 @@ class LeanKernel:
         self.runtime = None  # Triton's driver and knobs, bound at the first launch
         self.always_slow = INTERPRET  # the interpreter's kernels are Python functions
         self.unspecialized: set = set()
+        tuned = kernel if isinstance(kernel, triton.runtime.Autotuner) else None
+        self.tuned = tuned
         if INTERPRET:
             return
         jit = kernel
@@ -76,13 +78,18 @@ class LeanKernel:
         self.unspecialized = {
             index for index, p in enumerate(jit.params) if p.do_not_specialize
         }
-        tuned = kernel if isinstance(kernel, triton.runtime.Autotuner) else None
-        self.tuned = tuned
         hooks = tuned is not None and (
             tuned.user_defined_pre_hook
             or any(c.pre_hook is not None for c in tuned.configs)
         )
         self.always_slow = hooks
+
+    def forget(self):
+        """Drop the launchers kept here and, for an autotuned kernel, its choices: the next
+        call with any key tunes (if autotuned) and goes through Triton again."""
+        self.entries.clear()
+        if self.tuned is not None:
+            self.tuned.cache.clear()
 
     def __getattr__(self, name):
         """The wrapped kernel's attributes (``fn``, ``cache``, ``best_config``...)."""

@@ -62,8 +62,7 @@ def chosen():
             a, b = (torch.randn(size, size, device=DEVICE, dtype=dtype) for _ in "ab")
             line = f"{str(dtype)[6:]:8} {size}:"
             for _ in range(3):
-                matmul_tma_tuned.kernel.cache.clear()
-                matmul_tma_tuned.entries.clear()
+                matmul_tma_tuned.forget()
                 rate = bench.rate(2 * size**3, functools.partial(matmul_tma, a, b), "TFLOP/s")
                 kwargs = matmul_tma_tuned.kernel.best_config.all_kwargs()
                 shown = "x".join(str(kwargs[k]) for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K"))
