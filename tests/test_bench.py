@@ -5,6 +5,7 @@ import os
 from pathlib import Path
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import matplotlib.pyplot as plt
 import pytest
@@ -309,3 +310,59 @@ def test_gpu_state_is_recorded_beside_a_gpu_measurement():
     else:
         clock = state["sm_clock_mhz"]
         assert state["busy_samples"] > 0 and 0 < clock["median"] <= clock["max_possible"]
+
+
+class FakeTimings:
+    """Stands in for the GPU in ``bench.measure_on_stream``: each provider's timed call logs
+    its name and takes a fixed time, so the order of turns and the values can be checked."""
+
+    def __init__(self, monkeypatch, ms, fits_together=True):
+        self.log, self.ms, self.alive = [], ms, set()
+        self.fits_together = fits_together
+
+        def make(provider, n, dtype):
+            if provider == "broken":
+                raise RuntimeError("operation not permitted when stream is capturing")
+            if self.alive and not self.fits_together:
+                raise torch.OutOfMemoryError("no room beside the others")
+            self.alive.add(provider)
+            return lambda: self.log.append(provider)
+
+        def do_bench(fn, warmup=25, rep=100, quantiles=None, return_mode="mean"):
+            assert return_mode == "all"
+            fn()  # a replay logs its provider; the samples spread around its time
+            provider = self.log[-1]
+            return [self.ms[provider] * f for f in (0.9, 1.0, 1.0, 1.1)]
+
+        self.bench = copy_benchmark(make=make, user_timing=False)
+        monkeypatch.setattr(bench, "capture", lambda fn: SimpleNamespace(replay=fn))
+        monkeypatch.setattr(bench.triton.testing, "do_bench", do_bench)
+        monkeypatch.setattr(bench.torch.cuda, "empty_cache", self.alive.clear)
+
+
+def test_providers_of_a_point_are_timed_in_turns(monkeypatch):
+    fake = FakeTimings(monkeypatch, {"triton": 0.5, "torch": 1.0})
+    fake.bench.x_values = [2**10]
+    points = bench.measure_on_stream(fake.bench)
+    assert fake.log == ["triton", "torch"] * bench.ROUNDS  # alternating, not one then the other
+    rates = {p.provider: p for p in points}
+    work = 2 * 2**10 * 4
+    assert rates["triton"].value == pytest.approx(bench.per_time(work, 0.5, "GB/s"))
+    assert rates["torch"].value == pytest.approx(bench.per_time(work, 1.0, "GB/s"))
+    assert rates["triton"].low < rates["triton"].value < rates["triton"].high
+
+
+def test_providers_that_do_not_fit_together_are_timed_one_at_a_time(monkeypatch):
+    fake = FakeTimings(monkeypatch, {"triton": 0.5, "torch": 1.0}, fits_together=False)
+    fake.bench.x_values = [2**10]
+    points = bench.measure_on_stream(fake.bench)
+    assert [p.provider for p in points] == ["triton", "torch"]
+    assert fake.log == ["triton"] * bench.ROUNDS + ["torch"] * bench.ROUNDS
+
+
+def test_a_call_that_cannot_be_captured_is_skipped_and_the_others_measured(monkeypatch, capsys):
+    fake = FakeTimings(monkeypatch, {"triton": 0.5, "torch": 1.0})
+    fake.bench.x_values, fake.bench.providers = [2**10], ["triton", "broken", "torch"]
+    points = bench.measure_on_stream(fake.bench)
+    assert [p.provider for p in points] == ["triton", "torch"]
+    assert "broken at elements=1024: skipped" in capsys.readouterr().out

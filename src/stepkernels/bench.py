@@ -310,8 +310,9 @@ def copy_of(nbytes: int, block: int = COPY_BLOCK, warps: int = COPY_WARPS) -> Ca
 
 
 TIMING = (
-    "GPU time of CUDA-graph replays (do_bench, L2 flushed); call_value: do_bench of the "
-    "call from Python; cpu_us: CPU time of one call issued back to back"
+    "GPU time of CUDA-graph replays (do_bench, L2 flushed), a point's providers in 5 turns "
+    "of 40 ms, median of all replays; call_value: do_bench of the call from Python; cpu_us: "
+    "CPU time of one call issued back to back"
 )
 
 
@@ -431,48 +432,106 @@ def measure_on_stream(bench: Benchmark) -> list[Point]:
     points = []
     for dtype in bench.dtypes:
         for x in bench.x_values:
-            for provider in bench.providers:
-                if bench.unit in (CPU_UNIT, MEMORY_UNIT):
+            if bench.unit in (CPU_UNIT, MEMORY_UNIT):
+                for provider in bench.providers:
                     measured = cpu_us if bench.unit == CPU_UNIT else peak_memory_gib
                     value = measured(make_call(bench, provider, x, dtype))
                     points.append(Point(provider, dtype_name(dtype), x, value))
                     torch.cuda.empty_cache()
-                    continue
-                try:
-                    fn = make_call(bench, provider, x, dtype)
-                    gpu_time = bench.gpu_time and provider not in bench.uncapturable
-                    if gpu_time:
-                        ms, q20, q80 = measure_ms(fn)
-                    else:
-                        fn()  # compile and capture before timing
-                        ms, q20, q80 = triton.testing.do_bench(
-                            fn, quantiles=[0.5, 0.2, 0.8]
-                        )
-                    # the call from Python, unless the value is that already, and its CPU
-                    timed = bench.user_timing and provider != COPY_PROVIDER
-                    call = call_ms(fn) if timed and gpu_time else None
-                    if timed and bench.gpu_time and not gpu_time:
-                        call = ms  # uncapturable: its value is the call already
-                    cpu = cpu_us(fn, cpu_calls(ms)) if timed else None
-                except torch.OutOfMemoryError:
-                    print(
-                        f"  {provider} at {bench.x_name}={x}: out of GPU memory, skipped"
-                    )
-                    continue
-                except RuntimeError as error:  # a call a CUDA graph cannot capture
-                    print(f"  {provider} at {bench.x_name}={x}: skipped, {error}")
-                    continue
-                finally:
-                    torch.cuda.empty_cache()
-                work = bench.work(x, dtype)
-                value, low, high = (
-                    per_time(work, t, bench.unit) for t in (ms, q80, q20)
-                )
-                call = None if call is None else per_time(work, call, bench.unit)
-                points.append(
-                    Point(provider, dtype_name(dtype), x, value, low, high, call, cpu)
-                )
+                continue
+            try:
+                points += timed_in_turn(bench, x, dtype, bench.providers)
+                continue
+            except (
+                torch.OutOfMemoryError
+            ):  # leave the handler (its traceback holds inputs)
+                pass
+            for provider in bench.providers:  # not all at once: each on its own
+                points += timed_in_turn(bench, x, dtype, [provider])
     return points
+
+
+# A point's providers are timed in turn, ROUNDS times ROUND_MS each, rather than one after
+# the other: under the H100's power cap the clock moves by 5-15% over seconds, and turns
+# give every provider, the copy of the same bytes included, the same share of its moves.
+ROUNDS, ROUND_MS = 5, 40
+
+
+@dataclass
+class Prepared:
+    call: Callable  # the call, as a user makes it; it also keeps the inputs alive
+    timer: Callable  # what the rounds time: the call's CUDA graph replayed, or the call
+    captured: bool
+    call_ms: float | None = None
+    cpu_us: float | None = None
+
+
+def prepare(bench: Benchmark, provider: str, x, dtype) -> Prepared:
+    """Build the provider's call at (x, dtype), capture it, and time it as called from Python
+    now, before the next provider's ``compile_static`` resets dynamo (which would make a
+    compiled call compile again)."""
+    fn = make_call(bench, provider, x, dtype)
+    captured = bench.gpu_time and provider not in bench.uncapturable
+    if captured:
+        prepared = Prepared(fn, capture(fn).replay, True)
+    else:
+        fn()  # compile and capture before timing
+        prepared = Prepared(fn, fn, False)
+    if bench.user_timing and provider != COPY_PROVIDER:
+        if captured:
+            prepared.call_ms = call_ms(fn)
+        estimate = prepared.call_ms or triton.testing.do_bench(fn, warmup=5, rep=20)
+        prepared.cpu_us = cpu_us(fn, cpu_calls(estimate))
+    return prepared
+
+
+def timed_in_turn(bench: Benchmark, x, dtype, providers: list) -> list[Point]:
+    """The points of ``providers`` at (x, dtype): each is prepared, then their GPU times are
+    taken in ROUNDS turns. Raises OutOfMemoryError if several do not fit at once."""
+    prepared = {}
+    try:
+        for provider in providers:
+            try:
+                prepared[provider] = prepare(bench, provider, x, dtype)
+            except torch.OutOfMemoryError:  # a RuntimeError too, but not one to skip
+                raise
+            except RuntimeError as error:  # a call a CUDA graph cannot capture
+                print(f"  {provider} at {bench.x_name}={x}: skipped, {error}")
+        samples = {provider: [] for provider in prepared}
+        for _ in range(ROUNDS):
+            for provider, p in prepared.items():
+                samples[provider] += triton.testing.do_bench(
+                    p.timer, warmup=ROUND_MS // 4, rep=ROUND_MS, return_mode="all"
+                )
+        points, work = [], bench.work(x, dtype)
+        for provider, p in prepared.items():
+            q20, median, q80 = quantiles(samples[provider], (0.2, 0.5, 0.8))
+            value, low, high = (
+                per_time(work, t, bench.unit) for t in (median, q80, q20)
+            )
+            call = p.call_ms
+            if bench.user_timing and bench.gpu_time and not p.captured:
+                call = median  # uncapturable: its value is the call already
+            call = None if call is None else per_time(work, call, bench.unit)
+            points.append(
+                Point(provider, dtype_name(dtype), x, value, low, high, call, p.cpu_us)
+            )
+        return points
+    except torch.OutOfMemoryError:
+        if len(providers) > 1:
+            raise
+        print(f"  {providers[0]} at {bench.x_name}={x}: out of GPU memory, skipped")
+        return []
+    finally:
+        prepared.clear()
+        torch.cuda.empty_cache()
+
+
+def quantiles(samples: list[float], qs: tuple) -> list[float]:
+    """The ``qs`` quantiles of ``samples``, interpolated between the nearest two, as
+    ``torch.quantile`` (and do_bench's ``quantiles``) take them."""
+    as_tensor = functools.partial(torch.tensor, dtype=torch.float64)
+    return torch.quantile(as_tensor(samples), as_tensor(qs)).tolist()
 
 
 def record(
