@@ -515,11 +515,11 @@ if square_results is not None:  # our share of cuBLAS; the descriptor kernel's g
     print_ratios(square_results, [2048, 4096, 8192], theirs="triton (portable)")
 
 # %%
-# On large squares we run close to cuBLAS, mostly within a few percent (its two lines differ
-# by as much). We trail on small products, where fixed costs weigh, and where tiles fill the
-# last wave poorly (3,072³: 288 tiles of 128 × 256 for 132 SMs; chapter 07 splits that wave).
-# Under the H100's power cap one launch moves by 5 to 15% between two timings of a run
-# (``tools/experiments/matmul_deeper_stages.py``), more than the gaps at 6,144³ and 8,192³.
+# On large squares we run within a few percent of cuBLAS (torch and torch.compile make the same
+# cuBLAS call: their lines agree). We trail on small products, where fixed costs weigh, and where
+# tiles fill the last wave poorly (3,072³: 288 tiles of 128 × 256 for 132 SMs; chapter 07 splits
+# that wave). Under the H100's power cap one launch moves by 5 to 15% between timings seconds
+# apart (``tools/experiments/matmul_deeper_stages.py``), so providers are timed in turns.
 #
 # Benchmark: what the program order is worth
 # ------------------------------------------

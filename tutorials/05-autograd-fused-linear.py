@@ -577,11 +577,11 @@ for name, backward, per_activation in [
 
 # %%
 # In fp16 with GELU (an erfc of one ``rsqrt`` and one ``exp2``, chapter 04) the forward runs ahead
-# of eager PyTorch, whose GELU is a kernel of its own, except at K = 8,192, where cuBLAS's product
-# leads; forward + backward about level (two programs an SM hide the epilogue, chapter 07).
-# Cheap activations are nearly free in the epilogue, where PyTorch runs extra kernels: fusion
-# wins, most for squared ReLU. Recomputing Z costs a fourth product. fp32 runs as tf32 on K-major
-# copies (chapter 07). Dotted lines: calls from Python, whose CPU outlasts small products.
+# of eager PyTorch, whose GELU is a kernel of its own; forward + backward about level (chapter 07:
+# two programs an SM hide the epilogue). Cheap activations are nearly free in the epilogue, where
+# PyTorch runs extra kernels: fusion wins, most for squared ReLU; with none, nothing is fused and
+# cuBLAS leads. Recomputing Z costs a fourth product. fp32 runs as tf32 on K-major copies (chapter
+# 07). Dotted lines: calls from Python, whose CPU outlasts small products.
 #
 # What we learned
 # ---------------

@@ -191,11 +191,12 @@ GROUP_SIZE_M = 64
 def backward_config(n_cols, n_rows, block_size=None, rows_per_program=None, itemsize=4):
     max_block = block_size or BACKWARD_MAX_BLOCK
     block = triton.next_power_of_2(n_cols)
-    if block > max_block:  # split (chapter 13): 4 rows of 1,024 columns at a time
+    if block > max_block:  # split (chapter 13): 8 (16-bit) or 4 rows of 1,024 columns
         chunk = min(
             max_block, max(1024, triton.next_power_of_2(triton.cdiv(n_cols, 64)))
         )
-        batch = max(1, min(4, 4096 // chunk, triton.next_power_of_2(n_rows)))
+        values = 8192 if itemsize < 4 else 4096  # a batch; fp32 spills at 8,192
+        batch = max(1, min(values // chunk, triton.next_power_of_2(n_rows)))
         groups = 4 if INTERPRET else 32  # of up to 128 rows; CPU: few
         rows = rows_per_program or triton.next_power_of_2(triton.cdiv(n_rows, groups))
         rows = min(128, max(batch, rows))

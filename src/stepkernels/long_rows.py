@@ -3,6 +3,7 @@
 # Generated from tutorials/13-long-rows.py by tools/export.py: edit the chapter, then `make
 # export`.
 
+from stepkernels._core import INTERPRET
 from stepkernels.launch import lean
 from stepkernels.layer_norm import flush_partials
 from stepkernels.softmax import MAX_POLLS, publish, publish_and_wait, wait_for
@@ -87,6 +88,19 @@ def split_forward(tensors, strides, affine, n_rows, n_cols, eps, config):
         **config)  # fmt: skip
 
 
+OPAQUE_MOVES = tl.constexpr(not INTERPRET)  # the interpreter runs no inline assembly
+
+
+@triton.jit
+def opaque(x):
+    """x, through a move the compiler cannot see into (16-bit values two a register)."""
+    if OPAQUE_MOVES:
+        pack: tl.constexpr = 2 if x.dtype.primitive_bitwidth == 16 else 1
+        return tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [x], dtype=x.dtype,
+                                         is_pure=False, pack=pack)  # fmt: skip
+    return x
+
+
 @triton.jit
 def load_rows(ptr, row_stride, rows, cols, mask):
     offsets = rows.to(tl.int64)[:, None] * row_stride + cols[None, :]
@@ -115,14 +129,17 @@ def layer_norm_backward_split_kernel(x_ptr, dy_ptr, dx_ptr, weight_ptr, mean_ptr
     for start in range(first, last, BATCH):
         rows = start + in_batch
         row_ok = rows < last
-        x, dy = x_next.to(tl.float32), dy_next.to(tl.float32)
+        x_held, dy_held = x_next, dy_next  # as loaded: all that crosses the wait
         mean = tl.load(mean_ptr + rows, mask=row_ok, other=0.0)[:, None]
         rstd = tl.load(rstd_ptr + rows, mask=row_ok, other=0.0)[:, None]
-        x_hat, wdy = (x - mean) * rstd, w * dy if HAS_WEIGHT else dy
+        dy = dy_held.to(tl.float32)
+        x_hat, wdy = (x_held.to(tl.float32) - mean) * rstd, w * dy if HAS_WEIGHT else dy
         # [row, 2, CHUNKS_POW2]: each chunk's part of the two sums of each row
         parts = sums_ptr + rows.to(tl.int64) * 2 * CHUNKS_POW2
         tl.store(parts + chunk, tl.sum(x_hat * wdy, axis=1), mask=row_ok)
         tl.store(parts + CHUNKS_POW2 + chunk, tl.sum(wdy, axis=1), mask=row_ok)
+        dw += tl.sum(dy * x_hat, axis=0)  # rows past the group: dy = 0
+        db += tl.sum(dy, axis=0)
         batch = group * tl.cdiv(ROWS_PER_PROGRAM, BATCH) + (start - first) // BATCH
         publish(counter_ptr, batch)
         # The next batch's loads, in flight while we wait
@@ -152,13 +169,15 @@ def layer_norm_backward_split_kernel(x_ptr, dy_ptr, dx_ptr, weight_ptr, mean_ptr
                     wdy_walked *= w_walked.to(tl.float32)[None, :]
                 sum_1 += tl.sum(x_hat_walked * wdy_walked, axis=1)
                 sum_2 += tl.sum(wdy_walked, axis=1)
+        x_hat = (opaque(x_held).to(tl.float32) - mean) * rstd  # converted again
+        wdy = opaque(dy_held).to(tl.float32)
+        if HAS_WEIGHT:
+            wdy *= w
         dx = (wdy - (x_hat * (sum_1 / N)[:, None] + (sum_2 / N)[:, None])) * rstd
         dx_ptrs = dx_ptr + rows.to(tl.int64)[:, None] * dx_row_stride + cols[None, :]
         tl.store(
             dx_ptrs, dx.to(dx_ptr.dtype.element_ty), mask=row_ok[:, None] & col_mask
         )
-        dw += tl.sum(dy * x_hat, axis=0)  # rows past the group: dy = 0
-        db += tl.sum(dy, axis=0)
     if REDUCTION != "none":
         slot = group % GROUP_SIZE_M if REDUCTION == "lock" else group
         flush_partials(partial_ptr, lock_ptr, dw, db, cols, col_mask, N, slot,
