@@ -195,7 +195,8 @@ def backward_config(n_cols, n_rows, block_size=None, rows_per_program=None, item
         chunk = min(
             max_block, max(1024, triton.next_power_of_2(triton.cdiv(n_cols, 64)))
         )
-        values = 8192 if itemsize < 4 else 4096  # a batch; fp32 spills at 8,192
+        # values a batch: fp32 spills at 8,192, and so does 16-bit in chunks of 4,096
+        values = 8192 if itemsize < 4 and chunk <= 2048 else 4096
         batch = max(1, min(values // chunk, triton.next_power_of_2(n_rows)))
         groups = 4 if INTERPRET else 32  # of up to 128 rows; CPU: few
         rows = rows_per_program or triton.next_power_of_2(triton.cdiv(n_rows, groups))

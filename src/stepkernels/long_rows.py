@@ -138,8 +138,10 @@ def layer_norm_backward_split_kernel(x_ptr, dy_ptr, dx_ptr, weight_ptr, mean_ptr
         parts = sums_ptr + rows.to(tl.int64) * 2 * CHUNKS_POW2
         tl.store(parts + chunk, tl.sum(x_hat * wdy, axis=1), mask=row_ok)
         tl.store(parts + CHUNKS_POW2 + chunk, tl.sum(wdy, axis=1), mask=row_ok)
-        dw += tl.sum(dy * x_hat, axis=0)  # rows past the group: dy = 0
-        db += tl.sum(dy, axis=0)
+        narrow: tl.constexpr = x_held.dtype.primitive_bitwidth < 32  # 16-bit values
+        if narrow:  # add the batch to dW and dB now: no fp32 value crosses the wait
+            dw += tl.sum(dy * x_hat, axis=0)  # rows past the group: dy = 0
+            db += tl.sum(dy, axis=0)
         batch = group * tl.cdiv(ROWS_PER_PROGRAM, BATCH) + (start - first) // BATCH
         publish(counter_ptr, batch)
         # The next batch's loads, in flight while we wait
@@ -169,15 +171,19 @@ def layer_norm_backward_split_kernel(x_ptr, dy_ptr, dx_ptr, weight_ptr, mean_ptr
                     wdy_walked *= w_walked.to(tl.float32)[None, :]
                 sum_1 += tl.sum(x_hat_walked * wdy_walked, axis=1)
                 sum_2 += tl.sum(wdy_walked, axis=1)
-        x_hat = (opaque(x_held).to(tl.float32) - mean) * rstd  # converted again
-        wdy = opaque(dy_held).to(tl.float32)
-        if HAS_WEIGHT:
-            wdy *= w
+        if narrow:  # converted again (fp32: kept, the conversion was free)
+            x_hat = (opaque(x_held).to(tl.float32) - mean) * rstd
+            wdy = opaque(dy_held).to(tl.float32)
+            if HAS_WEIGHT:
+                wdy *= w
         dx = (wdy - (x_hat * (sum_1 / N)[:, None] + (sum_2 / N)[:, None])) * rstd
         dx_ptrs = dx_ptr + rows.to(tl.int64)[:, None] * dx_row_stride + cols[None, :]
         tl.store(
             dx_ptrs, dx.to(dx_ptr.dtype.element_ty), mask=row_ok[:, None] & col_mask
         )
+        if not narrow:
+            dw += tl.sum(dy * x_hat, axis=0)
+            db += tl.sum(dy, axis=0)
     if REDUCTION != "none":
         slot = group % GROUP_SIZE_M if REDUCTION == "lock" else group
         flush_partials(partial_ptr, lock_ptr, dw, db, cols, col_mask, N, slot,
