@@ -175,14 +175,14 @@ def split_forward(tensors, strides, affine, n_rows, n_cols, eps, config):
 # other chunks catch up. Chapter 03's rule: chunks of 1,024 columns, groups of 128 rows, 4 warps
 # (``layer_norm_split_backward.py --batched``), and 8 rows a batch in 16-bit, 4 in fp32.
 #
-# What the wait holds sets how many batches fit. The batch's dW and dB are added before it, so
-# only x and dy cross it, as loaded: 16-bit values, two a register. After the wait we convert
-# them again and recompute x_hat and w dy, which is cheap. But a compiler sees that the
-# conversion was done before and keeps its fp32 result instead, twice the registers; ``opaque``
-# hides the value behind a register move in inline PTX, which it cannot see into. That made room
-# for 8 rows of fp16 a batch, with few spills: 1,945 to 2,032 GB/s at N = 16,384 to 65,536,
-# against 1,688 to 1,712 holding fp32 results in batches of 4 (and 973 to 982 for 8 rows in
-# fp32, whose spills cost more than the batch gains; ``layer_norm_split_backward_narrow.log``).
+# What the wait holds sets how many batches fit. In 16-bit the batch's dW and dB are added before
+# it, so only x and dy cross it, as loaded: two values a register. After the wait we convert them
+# again and recompute x_hat and w dy, which is cheap. But a compiler sees that the conversion was
+# done before and keeps its fp32 result instead, twice the registers; ``opaque`` hides the value
+# behind a register move in inline PTX, which it cannot see into. That made room for 8 rows of fp16
+# a batch: 1,945 to 2,032 GB/s at N = 16,384 to 65,536 in a first timing, against 1,680 to 1,712 for
+# the kernel before (``layer_norm_split_backward_narrow.log``). fp32 keeps its values, whose
+# conversion was free, and its batches of 4: 8 rows spill and ran at under 1,000.
 
 
 # @save long_rows
@@ -390,8 +390,8 @@ if results is not None:
 # fp16 by far. An fp16 value is half the bytes, so a kernel bound by memory would handle twice as
 # many a second as in fp32; ours handles fewer (printed), as chapter 02's split softmax did
 # until its way out walked in small blocks. Nsight Compute names one cause: registers. The
-# backward holds two batches of x and dy and its sums, 224 registers a thread in fp16, so only 2
-# programs of 4 warps fit an SM, too few loads in flight (the results' ``NOTES.md``; exercise 2).
+# backward holds two batches of x and dy, over 200 registers a thread, so only 2 programs of 4
+# warps fit an SM, too few loads in flight even with 8 rows of fp16 a batch (exercise 2).
 #
 # What we learned
 # ---------------
@@ -410,6 +410,7 @@ if results is not None:
 #    often does a program take the way out, and what does each time cost?
 # 2. The backward holds the next batch and the current one at once. Read the current one again
 #    after the wait instead, as the forward does, or take 2 rows a batch: how many registers
-#    (``kernel[grid](...).n_regs``), programs per SM and GB/s does each give, fp16 and fp32?
+#    (``kernel[grid](...).n_regs``), programs per SM and GB/s does each give? Drop ``opaque``:
+#    what do the registers and the spills become?
 # 3. The forward waits once per row. Give each program two rows (a 2-D tile, as the backward's
 #    batches): does one wait per two rows pay for the registers it takes?
