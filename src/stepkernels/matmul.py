@@ -96,8 +96,7 @@ def tile_config(block_m, block_n, block_k, stages, warps, itemsize, group_size_m
     return made
 
 
-# (BLOCK_M, BLOCK_N, BLOCK_K, num_stages, num_warps) per input itemsize: 2 (fp16, bf16; the
-# first is the interpreter's), 1 (fp8), 4 (fp32).
+# (BLOCK_M, BLOCK_N, BLOCK_K, num_stages, num_warps) by itemsize; the interpreter takes 2's first
 PORTABLE_TILES = {
     2: [(128, 128, 64, 4, 8), (128, 256, 64, 3, 8), (256, 128, 64, 3, 8),
         (128, 128, 64, 4, 4), (64, 128, 64, 4, 4), (64, 64, 64, 5, 4)],
@@ -193,11 +192,15 @@ def fills_the_gpu(M: int, N: int) -> bool:
     return triton.cdiv(M, 128) * triton.cdiv(N, 128) >= sm_count()
 
 
+def on_descriptors(dtype, M: int, N: int) -> bool:
+    """Does ``matmul`` give an M × N product in ``dtype`` to chapter 07's kernel?"""
+    return ON_HOPPER and (dtype.itemsize == 1 or fills_the_gpu(M, N))
+
+
 def copies_for_tf32(dtype, M: int, N: int) -> bool:
-    """Does ``matmul`` give an M × N product in ``dtype`` to chapter 07's kernel as tf32, which
-    copies operands that are not K-major?"""
+    """tf32 on chapter 07's kernel, which copies operands that are not K-major?"""
     tf32 = dtype == torch.float32 and dot_precision(dtype) == "tf32"
-    return tf32 and ON_HOPPER and fills_the_gpu(M, N)
+    return tf32 and on_descriptors(dtype, M, N)
 
 
 def matmul(
@@ -213,7 +216,7 @@ def matmul(
         accumulate_arguments(
             accumulate, a, b, activation, return_preactivation, output_dtype(a.dtype)
         )
-    if ON_HOPPER and (a.dtype.itemsize == 1 or fills_the_gpu(a.shape[0], b.shape[1])):
+    if on_descriptors(a.dtype, a.shape[0], b.shape[1]):
         from stepkernels.matmul_hopper import launch_tma, tma_operands
 
         operands = tma_operands(a, b)
