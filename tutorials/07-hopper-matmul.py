@@ -334,15 +334,15 @@ MOST_PER_SM = max(c.kwargs.get("PROGRAMS_PER_SM", 1) for c in TMA_CONFIGS)
 # One exception to reading transposes through strides: fp32 as tf32. Hopper's tensor-core
 # instruction (``wgmma``) reads 16-bit operands from shared memory in either order, but tf32
 # operands only *K-major*: A with its K index contiguous (row-major), B with its K index contiguous
-# (column-major). Triton handles the other orders, but slowly, so ``tma_operands`` copies an fp32
-# operand that is not K-major into one that is when the dot runs as tf32 (exact fp32,
-# ``"highest"``, does not use the tensor cores). torch's ``contiguous()`` moves a transposed fp32
-# matrix at under 1 TB/s, so the copy is ours, ``row_major``: a program loads a tile along the
-# source's contiguous axis and stores it along the copy's rows, Triton passing the tile through
-# shared memory, at a plain copy's speed (``tools/experiments/linear_tf32_parts.py``).
+# (column-major). Other orders run slowly, so ``tma_operands`` copies an fp32 operand that is not
+# K-major into one that is when the dot runs as tf32. torch's ``contiguous()`` moves a transposed
+# fp32 matrix at under a TB/s, so the copy is ours, ``row_major``: a program loads a tile along the
+# source's contiguous axis and stores it along the copy's rows, through shared memory, at a plain
+# copy's speed (``tools/experiments/linear_tf32_parts.py``).
 
 
 # @save matmul_hopper
+@lean
 @triton.jit
 def row_major_kernel(src_ptr, dst_ptr, R, C, src_stride_r, src_stride_c,
         BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):  # fmt: skip

@@ -219,6 +219,7 @@ SCRATCH_PER_SM = max(scratch_per_sm(c.kwargs) for c in TMA_CONFIGS)
 MOST_PER_SM = max(c.kwargs.get("PROGRAMS_PER_SM", 1) for c in TMA_CONFIGS)
 
 
+@lean
 @triton.jit
 def row_major_kernel(src_ptr, dst_ptr, R, C, src_stride_r, src_stride_c,
         BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):  # fmt: skip
