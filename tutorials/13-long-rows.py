@@ -219,6 +219,7 @@ def layer_norm_backward_split_kernel(x_ptr, dy_ptr, dx_ptr, weight_ptr, mean_ptr
     if HAS_WEIGHT:
         w = tl.load(weight_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
     dw, db = tl.zeros([BLOCK_N], tl.float32), tl.zeros([BLOCK_N], tl.float32)
+    narrow: tl.constexpr = x_ptr.dtype.element_ty.primitive_bitwidth < 32  # 16-bit x
     first = group * ROWS_PER_PROGRAM
     last = tl.minimum(first + ROWS_PER_PROGRAM, M)
     mask = (first + in_batch < last)[:, None] & col_mask[None, :]
@@ -236,7 +237,6 @@ def layer_norm_backward_split_kernel(x_ptr, dy_ptr, dx_ptr, weight_ptr, mean_ptr
         parts = sums_ptr + rows.to(tl.int64) * 2 * CHUNKS_POW2
         tl.store(parts + chunk, tl.sum(x_hat * wdy, axis=1), mask=row_ok)
         tl.store(parts + CHUNKS_POW2 + chunk, tl.sum(wdy, axis=1), mask=row_ok)
-        narrow: tl.constexpr = x_held.dtype.primitive_bitwidth < 32  # 16-bit values
         if narrow:  # add the batch to dW and dB now: no fp32 value crosses the wait
             dw += tl.sum(dy * x_hat, axis=0)  # rows past the group: dy = 0
             db += tl.sum(dy, axis=0)

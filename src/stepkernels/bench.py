@@ -442,10 +442,8 @@ def measure_on_stream(bench: Benchmark) -> list[Point]:
             try:
                 points += timed_in_turn(bench, x, dtype, bench.providers)
                 continue
-            except (
-                torch.OutOfMemoryError
-            ):  # leave the handler (its traceback holds inputs)
-                pass
+            except torch.OutOfMemoryError:
+                pass  # out of the handler first: its traceback holds the inputs
             for provider in bench.providers:  # not all at once: each on its own
                 points += timed_in_turn(bench, x, dtype, [provider])
     return points
