@@ -1,0 +1,120 @@
+"""Chapter 03's one-block layer-norm backward over launches, and what its second kernel costs.
+
+Run from the repository root (``PYTHONPATH=src``)::
+
+    python tools/experiments/layer_norm_backward_launch.py   # GPU: time; CPU: check
+
+At M = 4,096 rows of N = 4,096 and 8,192 columns, fp16 and fp32, GB/s of the backward's
+compulsory bytes (x and dy read, dx written; the benchmark's count):
+
+* the package's two-stage backward, and ``sum_partials_kernel`` alone on its partials (the
+  second kernel: how much of the gap to a copy it is);
+* the backward kernel over rows a program (8 to 64: programs per SM), warps (4 to 16) and
+  pipeline stages (2 to 4), two-stage reduction included; the five best, then those and the
+  package timed again in alternation, since one launch moves by 1-2% from timing to timing.
+"""
+
+import itertools
+
+from stepkernels import _core, bench
+from stepkernels.layer_norm import (
+    backward_config,
+    layer_norm_backward,
+    layer_norm_forward,
+    sum_partials_kernel,
+)
+import torch
+import triton
+
+N_ROWS = 4096
+
+
+def inputs(n_rows, n_cols, dtype):
+    x = torch.randn(n_rows, n_cols, device=_core.DEVICE, dtype=dtype)
+    weight, bias = (torch.randn(n_cols, device=x.device, dtype=dtype) for _ in "wb")
+    _, mean, rstd = layer_norm_forward(x, weight, bias, 1e-5)
+    return torch.randn_like(x), x, weight, mean, rstd
+
+
+def sum_alone(n_partials, n_cols, dtype):
+    """The second kernel as the package launches it, on ``n_partials`` rows of partials."""
+    partials = torch.randn(n_partials, 2, n_cols, device=_core.DEVICE)
+    dw, db = (torch.empty(n_cols, device=partials.device, dtype=dtype) for _ in "wb")
+    block_n = min(128, max(16, triton.next_power_of_2(triton.cdiv(n_cols, 2 * _core.sm_count()))))
+
+    def call():
+        sum_partials_kernel[(triton.cdiv(n_cols, block_n),)](
+            partials, partials, dw, db, n_partials, n_cols, HAS_COUNTS=False, HAS_DW=True,
+            HAS_DB=True, BLOCK_P=32, BLOCK_N=block_n, num_warps=4,
+        )  # fmt: skip
+        return dw, db
+
+    return call, partials
+
+
+def launches(n_cols, itemsize):
+    block = triton.next_power_of_2(n_cols)
+    for rows, warps, stages in itertools.product((8, 16, 32, 64), (4, 8, 16), (2, 3, 4)):
+        per_thread = block // (32 * warps)
+        if not 4 <= per_thread <= 64 or stages * 2 * block * itemsize > 160 * 1024:
+            continue
+        yield dict(BLOCK_N=block, ROWS_PER_PROGRAM=rows, NUM_STAGES=stages, num_warps=warps)
+
+
+def label(config):
+    return f"rows {config['ROWS_PER_PROGRAM']} w{config['num_warps']} st{config['NUM_STAGES']}"
+
+
+def check():
+    for dtype in (torch.float32, torch.float16):
+        args = inputs(37, 1000, dtype)
+        want = layer_norm_backward(*args)
+        configs = list(launches(1000, args[1].element_size()))
+        assert configs
+        for config in configs:
+            got = layer_norm_backward(*args, config=config)
+            torch.testing.assert_close(got[0], want[0], rtol=0, atol=0)
+            for ours, theirs in zip(got[1:], want[1:], strict=True):
+                torch.testing.assert_close(ours, theirs, rtol=2e-3, atol=2e-3)
+        call, partials = sum_alone(5, 100, dtype)
+        dw, db = call()
+        torch.testing.assert_close(dw, partials[:, 0].sum(0).to(dtype), rtol=1e-3, atol=1e-3)
+    print("every launch gives the package's dx (bit for bit), dW and dB")
+
+
+def sweep():
+    for dtype, n_cols in itertools.product((torch.float16, torch.float32), (4096, 8192)):
+        args = inputs(N_ROWS, n_cols, dtype)
+        size = args[1].element_size()
+        nbytes = 3 * args[1].numel() * size
+        copy = bench.rate(nbytes, bench.copy_of(nbytes))
+        package = backward_config(n_cols, N_ROWS, itemsize=size)
+        n_partials = triton.cdiv(N_ROWS, package["ROWS_PER_PROGRAM"])
+        summing, _ = sum_alone(n_partials, n_cols, dtype)
+        sum_us = bench.measure_ms(summing)[0] * 1e3
+        whole_us = bench.measure_ms(lambda a=args: layer_norm_backward(*a))[0] * 1e3
+        name = f"{_core.dtype_name(dtype)}, N = {n_cols:,}"
+        print(f"{name}: copy {copy:,.0f} GB/s; package ({label(package)}) {whole_us:.1f} µs, "
+              f"{nbytes / whole_us / 1e3:,.0f} GB/s ({nbytes / whole_us / 1e3 / copy:.0%}); "
+              f"sum_partials alone on {n_partials} partials {sum_us:.1f} µs")  # fmt: skip
+        rated = []
+        for config in launches(n_cols, size):
+            call = lambda a=args, c=config: layer_norm_backward(*a, config=c)
+            rated.append((bench.rate(nbytes, call), label(config), config))
+        rated.sort(key=lambda r: -r[0])
+        print("  best five:", "; ".join(f"{r[1]} {r[0]:,.0f}" for r in rated[:5]))
+        again = {"package": package, **{r[1]: r[2] for r in rated[:3]}}
+        totals = dict.fromkeys(again, 0.0)
+        for _ in range(3):  # alternating, to see past drift
+            for key, config in again.items():
+                call = lambda a=args, c=config: layer_norm_backward(*a, config=c)
+                totals[key] += bench.rate(nbytes, call) / 3
+        print("  again, mean of 3 alternating:",
+              "; ".join(f"{k} {v:,.0f} ({v / copy:.0%})" for k, v in totals.items()))  # fmt: skip
+
+
+if __name__ == "__main__":
+    check()
+    if _core.ON_GPU:
+        with bench.side_stream():
+            sweep()
