@@ -183,7 +183,7 @@ def sum_partials_kernel(partial_ptr, visits_ptr, dw_ptr, db_ptr, num_partials, N
 
 REDUCTIONS = ("two-stage", "lock")
 BACKWARD_MAX_BLOCK = 8192  # longer rows are split over programs
-BACKWARD_STAGES, BACKWARD_STAGE_BYTES = 3, 96 * 1024  # pipelined loads of x and dy
+BACKWARD_STAGES, BACKWARD_STAGE_BYTES = 4, 96 * 1024  # pipelined loads of x and dy
 GROUP_SIZE_M = 64
 
 
@@ -253,10 +253,11 @@ def layer_norm_backward(dy2d, x2d, weight, mean, rstd, want_dw=True, want_db=Tru
                                                   num_locks, **options, **config)  # fmt: skip
     if mode != "none":  # narrow column blocks: two programs per SM whenever N allows
         block_n = triton.next_power_of_2(triton.cdiv(n_cols, 2 * sm_count()))
-        block_n = min(128, max(16, block_n))
+        block_n = min(128, max(16, block_n))  # and tiles of up to 4,096 partial sums
+        block_p = min(triton.next_power_of_2(partials.shape[0]), max(32, 4096 // block_n))
         sum_partials_kernel[(triton.cdiv(n_cols, block_n),)](partials, locks[num_locks:],
             dx if dw is None else dw, dx if db is None else db, partials.shape[0], n_cols,
-            HAS_COUNTS=mode == "lock", HAS_DW=want_dw, HAS_DB=want_db, BLOCK_P=32,
+            HAS_COUNTS=mode == "lock", HAS_DW=want_dw, HAS_DB=want_db, BLOCK_P=block_p,
             BLOCK_N=block_n, num_warps=4)  # fmt: skip
     return dx, dw, db
 
