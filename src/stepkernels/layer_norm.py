@@ -254,7 +254,8 @@ def layer_norm_backward(dy2d, x2d, weight, mean, rstd, want_dw=True, want_db=Tru
     if mode != "none":  # narrow column blocks: two programs per SM whenever N allows
         block_n = triton.next_power_of_2(triton.cdiv(n_cols, 2 * sm_count()))
         block_n = min(128, max(16, block_n))  # and tiles of up to 4,096 partial sums
-        block_p = min(triton.next_power_of_2(partials.shape[0]), max(32, 4096 // block_n))
+        most = max(32, 4096 // block_n)
+        block_p = min(triton.next_power_of_2(partials.shape[0]), most)
         sum_partials_kernel[(triton.cdiv(n_cols, block_n),)](partials, locks[num_locks:],
             dx if dw is None else dw, dx if db is None else db, partials.shape[0], n_cols,
             HAS_COUNTS=mode == "lock", HAS_DW=want_dw, HAS_DB=want_db, BLOCK_P=block_p,
