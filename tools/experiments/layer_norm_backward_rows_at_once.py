@@ -16,15 +16,17 @@ The variant replaces the package's kernel in ``stepkernels.layer_norm`` for the 
 call (an experiment only), so partials and ``sum_partials_kernel`` are the package's. On a GPU
 it times M = 4,096 rows of N = 4,096 and 8,192 in fp16 and fp32, over R (1, 2, 4), warps and
 stages, 32 rows a program, alternating with the package, in GB/s of the compulsory bytes (x and
-dy read, dx written). ``--registers`` compiles the variant for sm_90 without a GPU.
+dy read, dx written). ``--registers`` compiles the variant for sm_90 without a GPU; ``--sass``
+(likewise) counts the SASS instructions of the package's row loop per element, by opcode.
 """
 
+import collections
 import contextlib
 import itertools
 import os
 import sys
 
-if "--registers" in sys.argv:
+if {"--registers", "--sass"} & set(sys.argv):
     os.environ["TRITON_INTERPRET"] = "0"  # compiled for sm_90, not interpreted
 
 sys.path.insert(0, os.path.dirname(__file__))  # sm90, beside this script
@@ -145,30 +147,57 @@ def sweep():
               "; ".join(f"{k} {v:,.0f} ({v / copy:.0%})" for k, v in totals.items()), flush=True)  # fmt: skip
 
 
+def compiled_sm90(kernel, dtype, warps, stages=3, **constants):
+    """``kernel`` (the package's or the variant) compiled for sm_90 at N = 4,096."""
+    signature = {"x_ptr": f"*{dtype}", "dy_ptr": f"*{dtype}", "dx_ptr": f"*{dtype}",
+                     "weight_ptr": f"*{dtype}", "mean_ptr": "*fp32", "rstd_ptr": "*fp32",
+                     "partial_ptr": "*fp32", "lock_ptr": "*fp32", "x_row_stride": "i32",
+                     "dy_row_stride": "i32", "dx_row_stride": "i32", "M": "i32", "N": "i32",
+                     "num_locks": "i32"}  # fmt: skip
+    constants = dict(BLOCK_N=4096, ROWS_PER_PROGRAM=32, HAS_WEIGHT=True, REDUCTION="two-stage",
+                     GROUP_SIZE_M=64, NUM_STAGES=stages, **constants)  # fmt: skip
+    aligned = [name for name in signature if name.endswith(("_ptr", "_stride")) or name == "N"]
+    return sm90.compile_sm90(kernel, signature, constants, aligned, num_warps=warps)
+
+
 def registers():
     for dtype, rows_at_once, warps in itertools.product(("fp16", "fp32"), (1, 2, 4), (4, 8, 16)):
         per_thread = rows_at_once * 4096 // (32 * warps)
         if not 8 <= per_thread <= 64:
             continue
-        signature = {"x_ptr": f"*{dtype}", "dy_ptr": f"*{dtype}", "dx_ptr": f"*{dtype}",
-                     "weight_ptr": f"*{dtype}", "mean_ptr": "*fp32", "rstd_ptr": "*fp32",
-                     "partial_ptr": "*fp32", "lock_ptr": "*fp32", "x_row_stride": "i32",
-                     "dy_row_stride": "i32", "dx_row_stride": "i32", "M": "i32", "N": "i32",
-                     "num_locks": "i32"}  # fmt: skip
-        constants = dict(BLOCK_N=4096, ROWS_PER_PROGRAM=32, HAS_WEIGHT=True,
-                         REDUCTION="two-stage", GROUP_SIZE_M=64, NUM_STAGES=3,
-                         ROWS_AT_ONCE=rows_at_once)  # fmt: skip
-        aligned = ("x_row_stride", "dy_row_stride", "dx_row_stride", "N")
-        compiled = sm90.compile_sm90(backward_rows_at_once, signature, constants, aligned,
-                                     num_warps=warps)  # fmt: skip
+        compiled = compiled_sm90(backward_rows_at_once, dtype, warps, ROWS_AT_ONCE=rows_at_once)
         usage = sm90.nvidia_tool("cuobjdump", "-res-usage", sm90.cubin_file(compiled))
         regs, stack = (int(re.search(rf"{k}:(\d+)", usage).group(1)) for k in ("REG", "STACK"))
         print(f"{dtype}, N = 4,096, R = {rows_at_once}, {warps} warps: {regs} registers, "
               f"{stack} B of stack")  # fmt: skip
 
 
+def sass():
+    """SASS instructions of the package's row loop per element a thread holds, by opcode."""
+    for dtype, stages in (("fp16", 4), ("fp32", 3)):
+        compiled = compiled_sm90(package.layer_norm_backward_kernel, dtype, 4, stages)
+        lines = sm90.nvidia_tool("nvdisasm", "-c", sm90.cubin_file(compiled)).splitlines()
+        labels = {m.group(1): i for i, line in enumerate(lines)
+                  if (m := re.match(r"^(\.L_x_\d+):", line))}  # fmt: skip
+        for end, line in enumerate(lines):
+            jump = re.search(r"BRA `\((\.L_x_\d+)\)", line)
+            if jump and labels.get(jump.group(1), end) < end:  # a branch back: the row loop
+                break
+        counts = collections.Counter()
+        for line in lines[labels[jump.group(1)] : end + 1]:
+            op = re.search(r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]+)", line)
+            if op:
+                counts[op.group(1)] += 1
+        per_element = 4096 // (4 * 32)
+        top = ", ".join(f"{k} {v / per_element:.2f}" for k, v in counts.most_common(12))
+        print(f"{dtype}, N = 4,096, 4 warps, {stages} stages: "
+              f"{sum(counts.values()) / per_element:.1f} instructions an element ({top})")  # fmt: skip
+
+
 if __name__ == "__main__":
-    if "--registers" in sys.argv:
+    if "--sass" in sys.argv:
+        sass()
+    elif "--registers" in sys.argv:
         registers()
     else:
         check()
