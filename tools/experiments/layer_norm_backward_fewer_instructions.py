@@ -1,0 +1,158 @@
+"""Chapter 03's one-block layer-norm backward with fewer instructions an element.
+
+Run from the repository root (``PYTHONPATH=src``)::
+
+    python tools/experiments/layer_norm_backward_fewer_instructions.py   # GPU: time; CPU: check
+    TRITON_INTERPRET=0 PYTHONPATH=src python tools/experiments/layer_norm_backward_fewer_instructions.py --sass
+
+The package's row loop issues about 19 SASS instructions an element in fp16 and in fp32
+(``layer_norm_backward_rows_at_once.log``): per byte, twice as many in fp16, which reaches 83%
+of a copy at M = N = 4,096 against 91% in fp32. Each variant removes some, one change at a time:
+
+* ``mask``: the row's mask as ``col_mask & (row < M)`` instead of ``cols < where(row < M, N, 0)``
+  (``row < M`` broadcast over the columns: a scalar there fails in Triton 3.9's interpreter);
+* ``dx``: dx = (wdy rstd - c2 rstd) - x_hat (c1 rstd), two FFMAs where the package has an FFMA,
+  an FADD and an FMUL (the same conditioning: a difference of the same terms);
+* ``x_hat``: x_hat = x rstd - mean rstd, one FFMA for an FADD and an FMUL. It cancels where the
+  mean is large next to the spread, so it is only a candidate for 16-bit inputs, whose own
+  rounding (2^-11 of x) is far above the error it adds (2^-24 of mean rstd);
+* ``all``: the three together.
+
+``--sass`` compiles each for sm_90 without a GPU and counts the row loop's instructions an
+element. On a GPU: each against the package, alternating, at M = 4,096 and N = 1,024 to 8,192,
+in GB/s of the compulsory bytes (x and dy read, dx written).
+"""
+
+import collections
+import contextlib
+import itertools
+import os
+import re
+import sys
+
+if "--sass" in sys.argv:
+    os.environ["TRITON_INTERPRET"] = "0"  # compiled for sm_90, not interpreted
+
+sys.path.insert(0, os.path.dirname(__file__))  # sm90, beside this script
+
+import sm90  # noqa: E402
+from stepkernels import _core, bench  # noqa: E402
+from stepkernels import layer_norm as _unused  # noqa: E402, F401  (the module, below)
+import torch  # noqa: E402
+
+package = sys.modules["stepkernels.layer_norm"]
+
+MASK = (
+    "        mask, row64 = cols < tl.where(row < M, N, 0), row.to(tl.int64)\n",
+    "        mask, row64 = col_mask & (cols * 0 + row < M), row.to(tl.int64)\n",
+    1,
+)
+DX = (
+    "        dx = (wdy - (x_hat * c1 + c2)) * rstd\n",
+    "        dx = (wdy * rstd - c2 * rstd) - x_hat * (c1 * rstd)\n",
+    1,
+)
+X_HAT = (
+    "x_hat, wdy = (x - mean) * rstd, ",
+    "x_hat, wdy = x * rstd - mean * rstd, ",
+    1,
+)
+CHANGES = {"mask": [MASK], "dx": [DX], "x_hat": [X_HAT], "all": [MASK, DX, X_HAT]}
+VARIANTS = {
+    name: sm90.kernel_variant(package.layer_norm_backward_kernel, f"ln_backward_{name}", changes)
+    for name, changes in CHANGES.items()
+}
+
+
+@contextlib.contextmanager
+def in_package(kernel):
+    kept = package.layer_norm_backward_kernel
+    package.layer_norm_backward_kernel = kernel
+    try:
+        yield
+    finally:
+        package.layer_norm_backward_kernel = kept
+
+
+def backward(name, args):
+    if name == "package":
+        return package.layer_norm_backward(*args)
+    with in_package(VARIANTS[name]):
+        return package.layer_norm_backward(*args)
+
+
+def inputs(n_rows, n_cols, dtype, offset=0.0):
+    x = torch.randn(n_rows, n_cols, device=_core.DEVICE, dtype=dtype) + offset
+    weight, bias = (torch.randn(n_cols, device=x.device, dtype=dtype) for _ in "wb")
+    _, mean, rstd = package.layer_norm_forward(x, weight, bias, 1e-5)
+    return torch.randn_like(x), x, weight, mean, rstd
+
+
+def check():
+    """Each variant against the package, also on rows whose mean is 100 standard deviations."""
+    for dtype, offset in itertools.product((torch.float32, torch.float16), (0.0, 100.0)):
+        args = inputs(37, 300, dtype, offset)
+        want = backward("package", args)
+        for name in VARIANTS:
+            got = backward(name, args)
+            worst = max((a.float() - b.float()).abs().max().item() for a, b in zip(got, want, strict=True))
+            tolerance = 2e-3 if dtype == torch.float16 else 1e-4 if offset else 1e-5
+            print(f"{_core.dtype_name(dtype)}, mean {offset:g}: {name} largest difference "
+                  f"from the package {worst:.2e}")  # fmt: skip
+            if name not in ("x_hat", "all") or dtype == torch.float16:
+                assert worst <= tolerance * max(1.0, want[1].abs().max().item()), name
+
+
+def sass():
+    for dtype, name in itertools.product(("fp16", "fp32"), ("package", *VARIANTS)):
+        kernel = package.layer_norm_backward_kernel if name == "package" else VARIANTS[name]
+        signature = {"x_ptr": f"*{dtype}", "dy_ptr": f"*{dtype}", "dx_ptr": f"*{dtype}",
+                     "weight_ptr": f"*{dtype}", "mean_ptr": "*fp32", "rstd_ptr": "*fp32",
+                     "partial_ptr": "*fp32", "lock_ptr": "*fp32", "x_row_stride": "i32",
+                     "dy_row_stride": "i32", "dx_row_stride": "i32", "M": "i32", "N": "i32",
+                     "num_locks": "i32"}  # fmt: skip
+        config = package.backward_config(4096, 4096, itemsize=2 if dtype == "fp16" else 4)
+        constants = dict(BLOCK_N=4096, ROWS_PER_PROGRAM=32, HAS_WEIGHT=True, REDUCTION="two-stage",
+                         GROUP_SIZE_M=64, NUM_STAGES=config["NUM_STAGES"])  # fmt: skip
+        aligned = [k for k in signature if k.endswith(("_ptr", "_stride")) or k == "N"]
+        compiled = sm90.compile_sm90(kernel, signature, constants, aligned,
+                                     num_warps=config["num_warps"])  # fmt: skip
+        lines = sm90.nvidia_tool("nvdisasm", "-c", sm90.cubin_file(compiled)).splitlines()
+        labels = {m.group(1): i for i, line in enumerate(lines)
+                  if (m := re.match(r"^(\.L_x_\d+):", line))}  # fmt: skip
+        for end, line in enumerate(lines):
+            jump = re.search(r"BRA `\((\.L_x_\d+)\)", line)
+            if jump and labels.get(jump.group(1), end) < end:  # a branch back: the row loop
+                break
+        counts = collections.Counter()
+        for line in lines[labels[jump.group(1)] : end + 1]:
+            op = re.search(r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]+)", line)
+            if op:
+                counts[op.group(1)] += 1
+        per_element = 4096 // (config["num_warps"] * 32)
+        fp = sum(counts[k] for k in ("FFMA", "FMUL", "FADD")) / per_element
+        print(f"{dtype}, N = 4,096, {name}: {sum(counts.values()) / per_element:.1f} "
+              f"instructions an element, {fp:.2f} of them FFMA, FMUL or FADD")  # fmt: skip
+
+
+def sweep():
+    for dtype, n_cols in itertools.product((torch.float16, torch.float32), (1024, 2048, 4096, 8192)):
+        args = inputs(4096, n_cols, dtype)
+        nbytes = 3 * args[1].numel() * args[1].element_size()
+        copy = bench.rate(nbytes, bench.copy_of(nbytes))
+        names = ["package", *(n for n in VARIANTS if n != "x_hat" or dtype == torch.float16)]
+        totals = dict.fromkeys(names, 0.0)
+        for _, name in itertools.product(range(3), names):  # alternating, to see past drift
+            totals[name] += bench.rate(nbytes, lambda n=name, a=args: backward(n, a)) / 3
+        print(f"{_core.dtype_name(dtype)}, N = {n_cols:,}: copy {copy:,.0f};",
+              "; ".join(f"{k} {v:,.0f} ({v / copy:.0%})" for k, v in totals.items()), flush=True)  # fmt: skip
+
+
+if __name__ == "__main__":
+    if "--sass" in sys.argv:
+        sass()
+    else:
+        check()
+        if _core.ON_GPU:
+            with bench.side_stream():
+                sweep()
