@@ -338,11 +338,11 @@ def layer_norm_backward(dy2d, x2d, weight, mean, rstd, want_dw=True, want_db=Tru
                                                   num_locks, **options, **config)  # fmt: skip
     if mode != "none":  # narrow column blocks: two programs per SM whenever N allows
         block_n = triton.next_power_of_2(triton.cdiv(n_cols, 2 * sm_count()))
-        block_n = min(128, max(16, block_n))  # and tiles of up to 4,096 partial sums
-        most = max(32, 4096 // block_n)
-        block_p = min(triton.next_power_of_2(partials.shape[0]), most)
+        block_n = min(128, max(16, block_n))
+        n_partials = partials.shape[0]  # in tiles of up to 4,096 sums, loaded together
+        block_p = min(triton.next_power_of_2(n_partials), max(32, 4096 // block_n))
         sum_partials_kernel[(triton.cdiv(n_cols, block_n),)](partials, locks[num_locks:],
-            dx if dw is None else dw, dx if db is None else db, partials.shape[0], n_cols,
+            dx if dw is None else dw, dx if db is None else db, n_partials, n_cols,
             HAS_COUNTS=mode == "lock", HAS_DW=want_dw, HAS_DB=want_db, BLOCK_P=block_p,
             BLOCK_N=block_n, num_warps=4)  # fmt: skip
     return dx, dw, db
