@@ -17,9 +17,7 @@ forward and backward with GELU; its forward with ``tl.randint4x`` instead of its
 draws a call and libdevice's ``erf`` (the kernels before), and each half of that change.
 """
 
-import collections
 import os
-import re
 import sys
 
 sys.path.insert(0, os.path.dirname(__file__))  # fused_dropout_cheaper and sm90, beside this script
@@ -41,19 +39,7 @@ THREADS = 4 * 32  # 4 warps
 def loop_counts(kernel, signature: dict, constants: dict, aligned: tuple) -> tuple:
     names = sm90.jit_function(kernel).arg_names
     compiled = sm90.compile_sm90(kernel, signature, constants, [names[i] for i in aligned], num_warps=4)
-    lines = sm90.nvidia_tool("nvdisasm", "-c", sm90.cubin_file(compiled)).splitlines()
-    labels = {m.group(1): i for i, line in enumerate(lines)
-              if (m := re.match(r"^(\.L_x_\d+):", line))}  # fmt: skip
-    for end, line in enumerate(lines):
-        jump = re.search(r"BRA `\((\.L_x_\d+)\)", line)
-        if jump and labels.get(jump.group(1), end) < end:  # a branch back: the loop
-            break
-    counts = collections.Counter()
-    for line in lines[labels[jump.group(1)] : end + 1]:
-        op = re.search(r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]+)", line)
-        if op:
-            counts[op.group(1)] += 1
-    return counts, constants["BLOCK_COLS"] // THREADS
+    return sm90.loop_instructions(compiled), constants["BLOCK_COLS"] // THREADS
 
 
 def show(name: str, counted: tuple) -> None:

@@ -23,18 +23,17 @@ element. On a GPU: each against the package, alternating, at M = 4,096 and N = 1
 in GB/s of the compulsory bytes (x and dy read, dx written).
 """
 
-import collections
 import contextlib
 import itertools
 import os
-import re
 import sys
 
 if "--sass" in sys.argv:
     os.environ["TRITON_INTERPRET"] = "0"  # compiled for sm_90, not interpreted
 
-sys.path.insert(0, os.path.dirname(__file__))  # sm90, beside this script
+sys.path.insert(0, os.path.dirname(__file__))  # sm90 and the rows-at-once script, beside this one
 
+import layer_norm_backward_rows_at_once as rows_at_once  # noqa: E402
 import sm90  # noqa: E402
 from stepkernels import _core, bench  # noqa: E402
 from stepkernels import layer_norm as _unused  # noqa: E402, F401  (the module, below)
@@ -106,29 +105,9 @@ def check():
 def sass():
     for dtype, name in itertools.product(("fp16", "fp32"), ("package", *VARIANTS)):
         kernel = package.layer_norm_backward_kernel if name == "package" else VARIANTS[name]
-        signature = {"x_ptr": f"*{dtype}", "dy_ptr": f"*{dtype}", "dx_ptr": f"*{dtype}",
-                     "weight_ptr": f"*{dtype}", "mean_ptr": "*fp32", "rstd_ptr": "*fp32",
-                     "partial_ptr": "*fp32", "lock_ptr": "*fp32", "x_row_stride": "i32",
-                     "dy_row_stride": "i32", "dx_row_stride": "i32", "M": "i32", "N": "i32",
-                     "num_locks": "i32"}  # fmt: skip
         config = package.backward_config(4096, 4096, itemsize=2 if dtype == "fp16" else 4)
-        constants = dict(BLOCK_N=4096, ROWS_PER_PROGRAM=32, HAS_WEIGHT=True, REDUCTION="two-stage",
-                         GROUP_SIZE_M=64, NUM_STAGES=config["NUM_STAGES"])  # fmt: skip
-        aligned = [k for k in signature if k.endswith(("_ptr", "_stride")) or k == "N"]
-        compiled = sm90.compile_sm90(kernel, signature, constants, aligned,
-                                     num_warps=config["num_warps"])  # fmt: skip
-        lines = sm90.nvidia_tool("nvdisasm", "-c", sm90.cubin_file(compiled)).splitlines()
-        labels = {m.group(1): i for i, line in enumerate(lines)
-                  if (m := re.match(r"^(\.L_x_\d+):", line))}  # fmt: skip
-        for end, line in enumerate(lines):
-            jump = re.search(r"BRA `\((\.L_x_\d+)\)", line)
-            if jump and labels.get(jump.group(1), end) < end:  # a branch back: the row loop
-                break
-        counts = collections.Counter()
-        for line in lines[labels[jump.group(1)] : end + 1]:
-            op = re.search(r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]+)", line)
-            if op:
-                counts[op.group(1)] += 1
+        compiled = rows_at_once.compiled_sm90(kernel, dtype, config["num_warps"], config["NUM_STAGES"])
+        counts = sm90.loop_instructions(compiled)
         per_element = 4096 // (config["num_warps"] * 32)
         fp = sum(counts[k] for k in ("FFMA", "FMUL", "FADD")) / per_element
         print(f"{dtype}, N = 4,096, {name}: {sum(counts.values()) / per_element:.1f} "

@@ -20,7 +20,6 @@ dy read, dx written). ``--registers`` compiles the variant for sm_90 without a G
 (likewise) counts the SASS instructions of the package's row loop per element, by opcode.
 """
 
-import collections
 import contextlib
 import itertools
 import os
@@ -176,18 +175,7 @@ def sass():
     """SASS instructions of the package's row loop per element a thread holds, by opcode."""
     for dtype, stages in (("fp16", 4), ("fp32", 3)):
         compiled = compiled_sm90(package.layer_norm_backward_kernel, dtype, 4, stages)
-        lines = sm90.nvidia_tool("nvdisasm", "-c", sm90.cubin_file(compiled)).splitlines()
-        labels = {m.group(1): i for i, line in enumerate(lines)
-                  if (m := re.match(r"^(\.L_x_\d+):", line))}  # fmt: skip
-        for end, line in enumerate(lines):
-            jump = re.search(r"BRA `\((\.L_x_\d+)\)", line)
-            if jump and labels.get(jump.group(1), end) < end:  # a branch back: the row loop
-                break
-        counts = collections.Counter()
-        for line in lines[labels[jump.group(1)] : end + 1]:
-            op = re.search(r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]+)", line)
-            if op:
-                counts[op.group(1)] += 1
+        counts = sm90.loop_instructions(compiled)
         per_element = 4096 // (4 * 32)
         top = ", ".join(f"{k} {v / per_element:.2f}" for k, v in counts.most_common(12))
         print(f"{dtype}, N = 4,096, 4 warps, {stages} stages: "

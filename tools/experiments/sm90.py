@@ -8,9 +8,11 @@ so that importing it first leaves that to ``stepkernels``. The CPU machine's Tri
 allocate otherwise than the H100's: counts made here are leads.
 """
 
+import collections
 import importlib.util
 import inspect
 import os
+import re
 import subprocess
 import tempfile
 
@@ -83,3 +85,21 @@ def kernel_variant(kernel, name: str, replacements: list, names: dict | None = N
     module = module_from_source(name, f"from {function.__module__} import *\n{source}")
     vars(module).update(names or {})  # before the variant's first compile, which reads them
     return getattr(module, function.__name__)
+
+
+def loop_instructions(compiled) -> collections.Counter:
+    """SASS instructions by opcode in ``compiled``'s first loop: from the label that the first
+    branch back jumps to, through that branch."""
+    lines = nvidia_tool("nvdisasm", "-c", cubin_file(compiled)).splitlines()
+    labels = {m.group(1): i for i, line in enumerate(lines)
+              if (m := re.match(r"^(\.L_x_\d+):", line))}  # fmt: skip
+    for end, line in enumerate(lines):
+        jump = re.search(r"BRA `\((\.L_x_\d+)\)", line)
+        if jump and labels.get(jump.group(1), end) < end:  # a branch back: the loop
+            break
+    counts = collections.Counter()
+    for line in lines[labels[jump.group(1)] : end + 1]:
+        op = re.search(r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]+)", line)
+        if op:
+            counts[op.group(1)] += 1
+    return counts
