@@ -2,7 +2,9 @@
 
 Run from the repository root (``PYTHONPATH=src``)::
 
-    python tools/experiments/layer_norm_backward_launch.py   # GPU: time; CPU: check
+    python tools/experiments/layer_norm_backward_launch.py            # GPU: time; CPU: check
+    python tools/experiments/layer_norm_backward_launch.py --stages   # 2, 3 or 4 stages
+    python tools/experiments/layer_norm_backward_launch.py --sum      # the second kernel
 
 At M = 4,096 rows of N = 4,096 and 8,192 columns, fp16 and fp32, GB/s of the backward's
 compulsory bytes (x and dy read, dx written; the benchmark's count):
@@ -12,6 +14,11 @@ compulsory bytes (x and dy read, dx written; the benchmark's count):
 * the backward kernel over rows a program (8 to 64: programs per SM), warps (4 to 16) and
   pipeline stages (2 to 4), two-stage reduction included; the five best, then those and the
   package timed again in alternation, since one launch moves by 1-2% from timing to timing.
+
+``--stages``: the package's launch with 2, 3 or 4 stages, alternating, at N = 1,024 to 4,096.
+``--sum``: ``sum_partials_kernel`` alone over tiles (partial rows x columns) and warps, at the
+partial counts the package makes for N = 1,024 to 65,536 (L2 flushed before each replay, so
+it overstates the kernel's time in the backward, where its partials were just written).
 """
 
 import itertools
