@@ -131,6 +131,19 @@ def test_gradient_accumulates_into_grad():
     torch.testing.assert_close(logits.grad, 2 * once.float(), rtol=1e-5, atol=1e-7)
 
 
+@pytest.mark.parametrize("rows", ["expanded", "overlapping"])
+def test_rows_sharing_memory_each_get_their_gradient(rows):
+    def shared(leaf):  # rows of one row repeated, or rows 2 values apart
+        return leaf[None, :6].expand(3, 6) if rows == "expanded" else leaf.as_strided((4, 6), (2, 1))
+
+    base = random_tensor(16, scale=2.0)
+    target = targets(len(shared(base)), 6, ignored_every=0)
+    ours, theirs = (base.clone().requires_grad_() for _ in "ab")
+    cross_entropy(shared(ours), target).backward()
+    F.cross_entropy(shared(theirs).double(), target).backward()
+    torch.testing.assert_close(ours.grad, theirs.grad, rtol=1e-5, atol=1e-6)
+
+
 def test_refuses_bad_input_and_double_backward():
     logits, target = random_tensor((2, 5)), targets(2, 5, ignored_every=0)
     with pytest.raises(TypeError, match="class indices"):
@@ -143,6 +156,8 @@ def test_refuses_bad_input_and_double_backward():
         cross_entropy(logits, target, label_smoothing=1.5)
     with pytest.raises(ValueError, match="reduction"):
         cross_entropy(logits, target, reduction="avg")
+    with pytest.raises(TypeError, match="positional"):  # torch's third is class weights
+        cross_entropy(logits, target, torch.ones(5))
     with pytest.raises(TypeError, match="dtype"):
         cross_entropy(logits.double(), target)
     other = "cpu" if ON_GPU else "meta"

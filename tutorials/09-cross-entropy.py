@@ -398,9 +398,8 @@ def kept_rows(target, options):
 
 
 def reduce_losses(losses, count, reduction):
-    if reduction == "none":
-        return losses
-    return losses.sum() / count if reduction == "mean" else losses.sum()
+    total = losses if reduction == "none" else losses.sum()
+    return total / count if reduction == "mean" else total
 
 
 class CrossEntropyFunction(torch.autograd.Function):
@@ -444,22 +443,23 @@ def check_target(target, n_rows, ignore_index, label_smoothing, reduction) -> Op
 
 
 def cross_entropy(
-    logits, target, ignore_index=-100, label_smoothing=0.0, reduction="mean"
+    logits, target, *, ignore_index=-100, label_smoothing=0.0, reduction="mean"
 ):
     """``torch.nn.functional.cross_entropy`` for (tokens, vocabulary) logits in fp32, fp16 or
-    bf16 and integer targets, computed in fp32, with autograd. A target outside [0, V) that
-    is not ``ignore_index`` gives NaN for its row."""
+    bf16 and integer targets, computed in fp32, with autograd; no class weights (options by
+    keyword). A target outside [0, V) that is not ``ignore_index`` gives NaN for its row."""
     check_tensor(logits, "logits", FLOAT_DTYPES)
     if logits.dim() != 2 or logits.shape[1] == 0:
         raise ValueError(
-            f"logits must be (tokens, vocabulary) with a vocabulary of at least 1, got shape "
-            f"{tuple(logits.shape)}: flatten with logits.reshape(-1, logits.shape[-1]) (for "
-            "(N, C, d1, ...) logits, move the class dimension last first)"
+            f"logits must be (tokens, vocabulary >= 1), got {tuple(logits.shape)}: flatten "
+            "with logits.reshape(-1, logits.shape[-1]) ((N, C, d1, ...): move C last first)"
         )
     options = check_target(
         target, len(logits), ignore_index, label_smoothing, reduction
     )
     logits, target = as_rows(logits), target.contiguous()
+    if logits.stride(0) < logits.shape[1]:  # rows share memory: so would the gradient's
+        logits = logits.contiguous()
     if logits.requires_grad and torch.is_grad_enabled():
         return CrossEntropyFunction.apply(logits, target, options)
     losses, count = loss_rows(logits, target, options), kept_rows(target, options)
@@ -469,10 +469,10 @@ def cross_entropy(
 # %%
 # Correctness
 # -----------
-# ``check_cross_entropy.check`` compares loss and gradient with ``F.cross_entropy`` in fp64,
-# within a rounding of the dtype: rows of several parts and off the 16-byte grid (a strided
-# slice), smoothing with ignored rows, every reduction, large logits. Then what we do where
-# torch stops (a target out of range gives NaN) and errors that say what to do.
+# ``check_cross_entropy.check`` compares loss and gradient with ``F.cross_entropy`` in fp64, within
+# a rounding of the dtype: rows of several parts and off the 16-byte grid (a strided slice),
+# smoothing with ignored rows, every reduction, large logits. Then what we do where torch stops (a
+# target out of range gives NaN) and errors that say what to do.
 
 
 def logits_off_the_grid(n_rows, n_cols, dtype, scale=1.0):

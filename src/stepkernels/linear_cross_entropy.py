@@ -90,8 +90,8 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         return *grads, *none
 
 
-def linear_cross_entropy(x, weight, target, bias=None, ignore_index=-100,
-                         label_smoothing=0.0, reduction="mean", *, chunk_tokens=None):  # fmt: skip
+def linear_cross_entropy(x, weight, target, bias=None, *, ignore_index=-100,
+                         label_smoothing=0.0, reduction="mean", chunk_tokens=None):  # fmt: skip
     """``cross_entropy(x @ weight.T + bias, target)`` for x (tokens, hidden) and weight
     (vocabulary, hidden) of one dtype, with autograd, never holding more than
     ``chunk_tokens`` rows of logits (default: 256 MiB of them)."""
