@@ -297,14 +297,23 @@ BAD_INPUTS = {
     "bias 2-D": ((a, b), {"bias": torch.zeros(1, 4)}, ValueError, "shape"),
     "bias int": ((a, b), {"bias": torch.zeros(4, dtype=torch.int64)}, TypeError, "bias"),
     "activation": ((a, b), {"activation": "tanh"}, ValueError, "choose one of"),
+    "a needs a gradient": ((a.clone().requires_grad_(), b), {}, RuntimeError, "linear"),
+    "bias needs a gradient": ((a, b), {"bias": torch.zeros(4).requires_grad_()}, RuntimeError, "no backward"),
 }
+
+
+def test_inputs_that_need_a_gradient_are_taken_without_autograd():
+    a, b, _ = operands(8, 4, 16, torch.float32)
+    with torch.no_grad():
+        product = matmul(a.clone().requires_grad_(), b)
+    torch.testing.assert_close(product, matmul(a, b), rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("case", BAD_INPUTS)
 @pytest.mark.parametrize("function", [matmul, matmul_portable, matmul_tma])
 def test_bad_input_is_refused_with_advice(function, case):
     args, kwargs, error, advice = BAD_INPUTS[case]
-    kwargs = {k: v.to(DEVICE) if k == "bias" else v for k, v in kwargs.items()}
+    kwargs = {k: v.detach().to(DEVICE).requires_grad_(v.requires_grad) if k == "bias" else v for k, v in kwargs.items()}
     with pytest.raises(error, match=advice):
         function(*args, **kwargs)
 

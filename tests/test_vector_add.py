@@ -75,6 +75,7 @@ BAD_INPUTS = {
     "float64": ((x.double(), y.double()), TypeError, "supported"),
     "wrong device": ((x.to("meta"), y.to("meta")), ValueError, "move it"),
     "not a tensor": (([1.0], [2.0]), TypeError, "torch.Tensor"),
+    "needs a gradient": ((x.clone().requires_grad_(), y), RuntimeError, "no backward"),
 }
 
 

@@ -93,7 +93,7 @@ figures.draw_programs(n_elements=10, block_size=4)
 # gives nonsense. The conversions cost nothing measurable in a memory-bound kernel.
 
 # @save vector_add
-from stepkernels._core import FLOAT_DTYPES, check_tensor
+from stepkernels._core import FLOAT_DTYPES, check_tensor, refuse_autograd
 import torch
 import triton
 import triton.language as tl
@@ -134,6 +134,7 @@ NUM_WARPS = 4
 
 def add(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """Elementwise ``x + y`` for two contiguous tensors of the same shape and dtype."""
+    refuse_autograd("add", "x + y", x, y)  # this lesson's add has no backward
     check_tensor(x, "x", SUPPORTED_DTYPES, contiguous=True)
     check_tensor(y, "y", SUPPORTED_DTYPES, contiguous=True)
     if x.shape != y.shape or x.dtype != y.dtype:

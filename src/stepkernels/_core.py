@@ -61,6 +61,18 @@ def check_tensor(tensor, name: str, dtypes=None, contiguous: bool = False) -> No
         )
 
 
+def refuse_autograd(operation: str, alternative: str, *tensors) -> None:
+    """Call in a public function that has no backward: an input that requires a gradient
+    would get none from it, silently, so we refuse while autograd is recording."""
+    wanted = any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors)
+    if wanted and torch.is_grad_enabled():
+        raise RuntimeError(
+            f"{operation} has no backward, and an input requires a gradient that it would "
+            f"silently drop. Use {alternative}, or call it under torch.no_grad() or on "
+            f"detached inputs."
+        )
+
+
 def refuse_double_backward(operation: str, alternative: str) -> None:
     """Call first thing in an ``autograd.Function.backward`` whose kernels autograd cannot
     differentiate. Autograd runs a backward with gradients enabled exactly when the caller

@@ -6,14 +6,16 @@ Each raises with what to do instead; the chapter's function calls it before any 
 import math
 import warnings
 
-from stepkernels._core import FLOAT_DTYPES, check_tensor
+from stepkernels._core import FLOAT_DTYPES, check_tensor, refuse_autograd
 from stepkernels.activations import check_activation
 import torch
 
 
 def matmul_arguments(a, b, activation, bias, dtypes):
     """Chapter 04's ``matmul``: two 2-D matrices of one of ``dtypes`` that multiply, a known
-    activation, and a bias of one value per column of the output."""
+    activation, and a bias of one value per column of the output; no autograd."""
+    alternative = "stepkernels.linear(a, b.mT, bias, activation), which has one"
+    refuse_autograd("matmul", alternative, a, b, bias)
     for name, tensor in (("a", a), ("b", b)):
         check_tensor(tensor, name, dtypes)  # fp8 needs compute capability 8.9
         if tensor.dim() != 2:
@@ -68,6 +70,12 @@ def linear_arguments(x, weight, bias, activation) -> None:
     check_activation(activation)
 
 
+def reduction_argument(reduction, reductions) -> None:
+    """Chapter 03's ``reduction``, checked by ``layer_norm`` and when a module is made."""
+    if reduction not in reductions:
+        raise ValueError(f"reduction {reduction!r} unknown: choose one of {reductions}")
+
+
 def layer_norm_arguments(x, normalized_shape, weight, bias, eps, reduction, block_size, dtypes,
         reductions):  # fmt: skip
     """``normalized_shape`` as a tuple, once chapter 03's ``layer_norm`` arguments pass."""
@@ -90,8 +98,7 @@ def layer_norm_arguments(x, normalized_shape, weight, bias, eps, reduction, bloc
             raise TypeError(f"{name} is {param.dtype} but x is {x.dtype}: convert it")
     if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps >= 0:
         raise ValueError(f"eps must be a non-negative number, got {eps!r}")
-    if reduction not in reductions:
-        raise ValueError(f"reduction {reduction!r} unknown: choose one of {reductions}")
+    reduction_argument(reduction, reductions)
     reduced = torch.is_grad_enabled() and any(
         p is not None and p.requires_grad for p in (weight, bias)
     )

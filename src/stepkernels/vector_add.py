@@ -3,7 +3,7 @@
 # Generated from tutorials/01-vector-add.py by tools/export.py: edit the chapter, then `make
 # export`.
 
-from stepkernels._core import FLOAT_DTYPES, check_tensor
+from stepkernels._core import FLOAT_DTYPES, check_tensor, refuse_autograd
 import torch
 import triton
 import triton.language as tl
@@ -29,6 +29,7 @@ NUM_WARPS = 4
 
 def add(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """Elementwise ``x + y`` for two contiguous tensors of the same shape and dtype."""
+    refuse_autograd("add", "x + y", x, y)  # this lesson's add has no backward
     check_tensor(x, "x", SUPPORTED_DTYPES, contiguous=True)
     check_tensor(y, "y", SUPPORTED_DTYPES, contiguous=True)
     if x.shape != y.shape or x.dtype != y.dtype:
