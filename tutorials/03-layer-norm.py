@@ -62,7 +62,7 @@ import functools
 import math
 
 from stepkernels._core import INTERPRET, refuse_double_backward, sm_count
-from stepkernels.arguments import layer_norm_arguments  # checks, raising what to do
+from stepkernels.arguments import layer_norm_arguments, reduction_argument  # checks
 from stepkernels.launch import lean  # cheap repeated launches: chapter 08
 import torch
 import triton
@@ -405,6 +405,7 @@ class LayerNorm(torch.nn.LayerNorm):
 
     def __init__(self, *args, reduction="two-stage", **kwargs):
         super().__init__(*args, **kwargs)
+        reduction_argument(reduction, REDUCTIONS)  # refused now, not at the first call
         self.reduction = reduction
 
     def forward(self, x):

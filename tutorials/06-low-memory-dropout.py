@@ -444,7 +444,8 @@ class BiasActDropout(torch.autograd.Function):
 
 def dropout_bias_act(x, bias, p: float, activation, seed, training: bool = True):
     """``dropout(act(x + bias), p)`` in one kernel, forward and backward; bias over the last
-    dimension. Its mask, of (seed, row, column), is never stored; seed: as for ``dropout``."""
+    dimension. Its mask, of (seed, row, column), is never stored; seed: as for ``dropout``.
+    The mask draws 16 bits: it drops with probability p rounded to a multiple of 2^-16."""
     activations.check_activation(activation)
     dropout_input(x, MAX_ELEMENTS, _core.FLOAT_DTYPES)
     p, seed = dropout_p(p), dropout_seed(seed, x)

@@ -78,6 +78,7 @@ for n in (1024, 4096, 16384):
 # @save attention
 from dataclasses import dataclass
 import functools
+import math
 
 from stepkernels._core import (
     FLOAT_DTYPES,
@@ -423,7 +424,7 @@ class AttentionFunction(torch.autograd.Function):
         return *grads, None, None
 
 
-def check_attention_inputs(q, k, v, sm_scale):
+def check_attention_inputs(q, k, v, causal, sm_scale):
     for name, t in (("q", q), ("k", k), ("v", v)):
         check_tensor(t, name, FLOAT_DTYPES)
         if t.dim() != 4:
@@ -439,8 +440,10 @@ def check_attention_inputs(q, k, v, sm_scale):
         raise ValueError(f"head_dim must be 1 to {MAX_HEAD_DIM}, got {q.shape[3]}")
     if k.shape[2] == 0 and q.shape[2] > 0:
         raise ValueError("there are queries but no keys: pass at least one key")
-    if sm_scale is not None and not sm_scale > 0:
-        raise ValueError(f"sm_scale must be positive, got {sm_scale}")
+    if sm_scale is not None and not 0 < sm_scale < math.inf:
+        raise ValueError(f"sm_scale must be positive and finite, got {sm_scale}")
+    if not isinstance(causal, bool):  # "no" would mean True
+        raise TypeError(f"causal must be True or False, got {causal!r}")
 
 
 def attention(q, k, v, causal=False, sm_scale=None):
@@ -448,13 +451,13 @@ def attention(q, k, v, causal=False, sm_scale=None):
     scale=sm_scale)`` for (batch, heads, sequence, head_dim) tensors in fp16, bf16 or fp32
     (tf32 products unless ``torch.set_float32_matmul_precision("highest")``), with autograd.
     ``causal``: query i sees keys j <= i, as SDPA's ``is_causal``. Head dims up to 128."""
-    check_attention_inputs(q, k, v, sm_scale)
+    check_attention_inputs(q, k, v, causal, sm_scale)
     scale = q.shape[3] ** -0.5 if sm_scale is None else float(sm_scale)
     if q.numel() == 0:  # nothing to attend: SDPA's result, an empty or zero tensor
         return q.new_zeros(q.shape) + 0 * (q.sum() + k.sum() + v.sum())
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
-        return AttentionFunction.apply(q, k, v, bool(causal), scale)
-    return attention_forward(ready(q), ready(k), ready(v), bool(causal), scale)[0]
+        return AttentionFunction.apply(q, k, v, causal, scale)
+    return attention_forward(ready(q), ready(k), ready(v), causal, scale)[0]
 
 
 # %%
