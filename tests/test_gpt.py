@@ -106,6 +106,27 @@ def test_refuses_bad_input():
         model(idx, targets[:, :4])
     with pytest.raises(ValueError, match="multiple of n_head"):
         GPT(10, 8, 1, 3, 16)
+    with pytest.raises(ValueError, match="multiple of n_head"):
+        GPT(10, 8, 1, 0, 16)
+    with pytest.raises(ValueError, match="dropout"):
+        GPT(10, 8, 1, 2, 16, dropout=1.5)
+    for bad_targets in (targets.tolist(), targets.to(torch.uint8)):
+        with pytest.raises(TypeError, match="targets must be a tensor of token ids"):
+            model(idx, bad_targets)
+    for prompt, options in ((idx[:, :0], {}), (idx[0], {}), (idx, {"top_k": 0}), (idx, {"temperature": 0})):
+        with pytest.raises(ValueError, match="time|temperature"):
+            model.generate(prompt, 2, **options)
+
+
+def test_int32_targets_give_one_loss_on_both_layers():
+    model = tiny_model()
+    idx, targets = tokens(time=8)
+    losses = []
+    for use_triton in (True, False):
+        model.use_triton = use_triton
+        losses.append(model(idx, targets.int())[1])
+    torch.testing.assert_close(losses[0], losses[1], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(losses[1], model(idx, targets)[1], rtol=0, atol=0)
 
 
 def test_generate_extends_and_repeats_with_a_generator():

@@ -40,7 +40,7 @@ class TorchLayers:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
     def loss(self, logits, targets):
-        return F.cross_entropy(logits.float(), targets)
+        return F.cross_entropy(logits.float(), targets.long())  # int32 too, as ours
 
 
 class TritonLayers:
@@ -107,10 +107,12 @@ class GPT(nn.Module):
     def __init__(self, vocab_size, block_size, n_layer, n_head, n_embd, dropout=0.0,
                  use_triton=True):  # fmt: skip
         super().__init__()
-        if n_embd % n_head:
+        if n_head < 1 or n_embd % n_head:
             raise ValueError(
                 f"n_embd ({n_embd}) must be a multiple of n_head ({n_head})"
             )
+        if not 0.0 <= dropout < 1.0:
+            raise ValueError(f"dropout must be in [0, 1), got {dropout}")
         self.block_size, self.dropout, self.use_triton = block_size, dropout, use_triton
         self.tokens = nn.Embedding(vocab_size, n_embd)
         self.positions = nn.Embedding(block_size, n_embd)
@@ -157,6 +159,11 @@ class GPT(nn.Module):
     @torch.no_grad()
     def generate(self, idx, new_tokens, temperature=1.0, top_k=None, generator=None):
         """Extend each row of ``idx`` (B, T) by ``new_tokens`` sampled one at a time."""
+        check_tokens(idx, None)  # a prompt of at least one token, as long as it likes
+        if not temperature > 0 or (top_k is not None and top_k < 1):
+            raise ValueError(
+                f"need temperature > 0, top_k >= 1: {temperature}, {top_k}"
+            )
         for _ in range(new_tokens):
             context = idx[:, -self.block_size :]
             length = context.shape[1]
@@ -173,14 +180,20 @@ class GPT(nn.Module):
         return idx
 
 
-def check_tokens(idx, targets, block_size):
-    if not isinstance(idx, torch.Tensor) or idx.dtype not in (torch.int64, torch.int32):
-        raise TypeError("idx must be a tensor of token ids, int64 or int32")
+TOKEN_DTYPES = (torch.int64, torch.int32)
+
+
+def check_tokens(idx, targets, block_size=math.inf):
+    """idx (batch, time) with 1 <= time <= block_size, targets of its shape."""
+    for name, tokens in (("idx", idx), ("targets", targets)):
+        ids = isinstance(tokens, torch.Tensor) and tokens.dtype in TOKEN_DTYPES
+        if tokens is not None and not ids:
+            raise TypeError(f"{name} must be a tensor of token ids, int64 or int32")
     if idx.dim() != 2 or not 0 < idx.shape[1] <= block_size:
-        raise ValueError(
-            f"idx must be (batch, time) token ids with 1 <= time <= block_size "
-            f"({block_size}), got shape {tuple(idx.shape)}: crop with idx[:, -block_size:]"
-        )
+        too_long = idx.dim() == 2 and idx.shape[1] > block_size
+        crop = f": crop with idx[:, -{block_size}:]" if too_long else ""
+        raise ValueError(f"idx must be (batch, time) token ids, 1 <= time <= block_size "
+                         f"({block_size}), got shape {tuple(idx.shape)}{crop}")  # fmt: skip
     if targets is not None and targets.shape != idx.shape:
         raise ValueError(f"targets must match idx's shape {tuple(idx.shape)}, got "
                          f"{tuple(targets.shape)}")  # fmt: skip
