@@ -220,6 +220,25 @@ def test_bad_input_is_refused_with_a_message(call, error, match):
         call(random_tensor((8, 64), torch.float32))
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("reduction", ["two-stage", "lock"])
+def test_fp32_parameters_take_16_bit_input_as_torchs_do(dtype, reduction):
+    x = random_tensor((9, 40), dtype, seed=1).requires_grad_()
+    w, b = (random_tensor(40, torch.float32, seed=s).requires_grad_() for s in (2, 3))
+    y = layer_norm(x, (40,), w, b, reduction=reduction)
+    dy = random_tensor((9, 40), dtype, seed=4)
+    grads = torch.autograd.grad(y, (x, w, b), dy)
+    exact = [t.detach().double().requires_grad_() for t in (x, w, b)]
+    want = torch.nn.functional.layer_norm(exact[0], (40,), exact[1], exact[2])
+    want_grads = torch.autograd.grad(want, exact, dy.double())
+    assert y.dtype == dtype and [g.dtype for g in grads] == [dtype, torch.float32, torch.float32]
+    unit = 2**-7 if dtype == torch.bfloat16 else 2**-10  # one rounding of the output's dtype
+    torch.testing.assert_close(y.double(), want, rtol=2 * unit, atol=4 * unit)
+    for got, expected in zip(grads, want_grads, strict=True):
+        torch.testing.assert_close(got.double(), expected, rtol=4 * unit, atol=8 * unit)
+    assert LayerNorm(40, device=DEVICE)(x.detach()).dtype == dtype  # the module: the same
+
+
 @pytest.mark.skipif(not ON_GPU, reason="under the interpreter, block_size caps test the split")
 @pytest.mark.parametrize("reduction", REDUCTIONS)
 @pytest.mark.parametrize("shape, n_dims", [((300, 40000), 1), ((5, 70000), 1), ((1, 262144), 1), ((130, 2, 8193), 2)])

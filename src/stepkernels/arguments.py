@@ -94,8 +94,9 @@ def layer_norm_arguments(x, normalized_shape, weight, bias, eps, reduction, bloc
     for name, param in (("weight", weight), ("bias", bias)):
         if param is not None and param.shape != shape:
             raise ValueError(f"{name} must have normalized_shape {shape}")
-        if param is not None and param.dtype != x.dtype:
-            raise TypeError(f"{name} is {param.dtype} but x is {x.dtype}: convert it")
+        if param is not None and param.dtype not in (x.dtype, torch.float32):
+            raise TypeError(f"{name} is {param.dtype} but x is {x.dtype}: convert it (fp32 "
+                            "parameters take x of any dtype, as torch's)")  # fmt: skip
     if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps >= 0:
         raise ValueError(f"eps must be a non-negative number, got {eps!r}")
     reduction_argument(reduction, reductions)
