@@ -245,6 +245,7 @@ def test_double_backward_is_refused():
     [
         (lambda x, w: linear(x, w.t()), ValueError, "in_features"),
         (lambda x, w: linear(x.half(), w), TypeError, "dtype"),
+        (lambda x, w: FusedLinear(16, 4, device=DEVICE)(x.half()), TypeError, "one dtype for all"),
         (lambda x, w: linear(x, w, torch.zeros(5, device=DEVICE)), ValueError, r"bias \(out_features,\)"),
         (lambda x, w: linear(x, w, torch.zeros(4, device=DEVICE, dtype=torch.float16)), TypeError, "bias"),
         (lambda x, w: linear(x, w, activation="tanh"), ValueError, "unknown"),

@@ -57,9 +57,12 @@ def linear_arguments(x, weight, bias, activation) -> None:
     """Chapter 05's ``linear``: x (..., in_features), weight (out_features, in_features) and
     bias (out_features,) or None, one float dtype; a known activation."""
     check_tensor(x, "x", FLOAT_DTYPES)
-    check_tensor(weight, "weight", (x.dtype,))
-    if bias is not None:
-        check_tensor(bias, "bias", (x.dtype,))
+    given = [("weight", weight)] + ([("bias", bias)] if bias is not None else [])
+    for name, param in given:
+        check_tensor(param, name)
+        if param.dtype != x.dtype:
+            raise TypeError(f"{name} is {param.dtype} but x is {x.dtype}: one dtype for all "
+                            f"(convert x, or the layer with .to({x.dtype}))")  # fmt: skip
     bad = weight.dim() != 2 or x.dim() == 0 or x.shape[-1] != weight.shape[1]
     if bad or not (bias is None or bias.shape == weight.shape[:1]):
         raise ValueError(
