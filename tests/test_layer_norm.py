@@ -222,10 +222,11 @@ def test_bad_input_is_refused_with_a_message(call, error, match):
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("reduction", ["two-stage", "lock"])
-def test_fp32_parameters_take_16_bit_input_as_torchs_do(dtype, reduction):
+@pytest.mark.parametrize("block_size", [None, 16])  # 16: rows split over programs (chapter 13)
+def test_fp32_parameters_take_16_bit_input_as_torchs_do(dtype, reduction, block_size):
     x = random_tensor((9, 40), dtype, seed=1).requires_grad_()
     w, b = (random_tensor(40, torch.float32, seed=s).requires_grad_() for s in (2, 3))
-    y = layer_norm(x, (40,), w, b, reduction=reduction)
+    y = layer_norm(x, (40,), w, b, reduction=reduction, block_size=block_size)
     dy = random_tensor((9, 40), dtype, seed=4)
     grads = torch.autograd.grad(y, (x, w, b), dy)
     exact = [t.detach().double().requires_grad_() for t in (x, w, b)]
