@@ -6,6 +6,7 @@ import runpy
 from conftest import random_tensor
 from hypothesis import given, settings
 from hypothesis import strategies as st
+import numpy as np
 import pytest
 from stepkernels import Dropout, DropoutBiasAct, dropout, dropout_bias_act
 from stepkernels._core import DEVICE, INTERPRET, ON_GPU, fresh_seed, zeroed
@@ -511,6 +512,10 @@ def test_dropout_refuses_bad_input(case):
     args, error, advice = BAD_DROPOUT[case]
     with pytest.raises(error, match=advice):
         dropout(*args)
+
+
+def test_p_may_be_a_numpy_float():
+    assert torch.equal(dropout(x, np.float32(0.25), 7), dropout(x, 0.25, 7))
 
 
 BAD_FUSED = {

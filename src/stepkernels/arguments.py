@@ -4,6 +4,7 @@ Each raises with what to do instead; the chapter's function calls it before any 
 """
 
 import math
+import numbers
 import warnings
 
 from stepkernels._core import FLOAT_DTYPES, check_tensor, refuse_autograd
@@ -120,7 +121,7 @@ def layer_norm_arguments(x, normalized_shape, weight, bias, eps, reduction, bloc
 
 def dropout_p(p) -> float:
     """Chapter 06: the probability of dropping, as a float in [0, 1]."""
-    if isinstance(p, bool) or not isinstance(p, (int, float)):
+    if isinstance(p, bool) or not isinstance(p, numbers.Real):  # NumPy's floats too
         raise TypeError(f"p must be a Python float in [0, 1], got {type(p).__name__}")
     if not 0.0 <= p <= 1.0:  # also refuses nan
         raise ValueError(f"p is the probability of dropping: 0 <= p <= 1, got {p}")
