@@ -54,6 +54,14 @@ def accumulate_arguments(out, a, b, activation, return_preactivation, dtype):
         raise ValueError("accumulate takes no activation and no return_preactivation")
 
 
+def parameter_dtype(name, param, x, fp32_too=False) -> None:
+    """A parameter in x's dtype, or in fp32 where ``fp32_too`` (the kernel reads it as fp32)."""
+    if param.dtype != x.dtype and not (fp32_too and param.dtype == torch.float32):
+        also = " (fp32 parameters take x of any dtype, as torch's)" if fp32_too else ""
+        raise TypeError(f"{name} is {param.dtype} but x is {x.dtype}: one dtype for all, "
+                        f"convert x or the parameter with .to(...){also}")  # fmt: skip
+
+
 def linear_arguments(x, weight, bias, activation) -> None:
     """Chapter 05's ``linear``: x (..., in_features), weight (out_features, in_features) and
     bias (out_features,) or None, one float dtype; a known activation."""
@@ -61,9 +69,7 @@ def linear_arguments(x, weight, bias, activation) -> None:
     given = [("weight", weight)] + ([("bias", bias)] if bias is not None else [])
     for name, param in given:
         check_tensor(param, name)
-        if param.dtype != x.dtype:
-            raise TypeError(f"{name} is {param.dtype} but x is {x.dtype}: one dtype for all "
-                            f"(convert x, or the layer with .to({x.dtype}))")  # fmt: skip
+        parameter_dtype(name, param, x)
     bad = weight.dim() != 2 or x.dim() == 0 or x.shape[-1] != weight.shape[1]
     if bad or not (bias is None or bias.shape == weight.shape[:1]):
         raise ValueError(
@@ -98,9 +104,8 @@ def layer_norm_arguments(x, normalized_shape, weight, bias, eps, reduction, bloc
     for name, param in (("weight", weight), ("bias", bias)):
         if param is not None and param.shape != shape:
             raise ValueError(f"{name} must have normalized_shape {shape}")
-        if param is not None and param.dtype not in (x.dtype, torch.float32):
-            raise TypeError(f"{name} is {param.dtype} but x is {x.dtype}: convert it (fp32 "
-                            "parameters take x of any dtype, as torch's)")  # fmt: skip
+        if param is not None:
+            parameter_dtype(name, param, x, fp32_too=True)
     if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps >= 0:
         raise ValueError(f"eps must be a non-negative number, got {eps!r}")
     reduction_argument(reduction, reductions)
