@@ -37,8 +37,9 @@ import triton
 N_ROWS = 4096
 
 
-def inputs(n_rows, n_cols, dtype):
-    x = torch.randn(n_rows, n_cols, device=_core.DEVICE, dtype=dtype)
+def inputs(n_rows, n_cols, dtype, offset=0.0):
+    """dy, x, weight, mean, rstd: a backward's inputs, rows centred on ``offset``."""
+    x = torch.randn(n_rows, n_cols, device=_core.DEVICE, dtype=dtype) + offset
     weight, bias = (torch.randn(n_cols, device=x.device, dtype=dtype) for _ in "wb")
     _, mean, rstd = layer_norm_forward(x, weight, bias, 1e-5)
     return torch.randn_like(x), x, weight, mean, rstd

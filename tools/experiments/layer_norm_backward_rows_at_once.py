@@ -28,10 +28,11 @@ import sys
 if {"--registers", "--sass"} & set(sys.argv):
     os.environ["TRITON_INTERPRET"] = "0"  # compiled for sm_90, not interpreted
 
-sys.path.insert(0, os.path.dirname(__file__))  # sm90, beside this script
+sys.path.insert(0, os.path.dirname(__file__))  # sm90 and the launch script, beside this one
 
 import re  # noqa: E402
 
+from layer_norm_backward_launch import inputs  # noqa: E402
 import sm90  # noqa: E402
 from stepkernels import _core, bench  # noqa: E402
 from stepkernels import layer_norm as _unused  # noqa: E402, F401  (the module, below)
@@ -80,9 +81,10 @@ def backward_rows_at_once(x_ptr, dy_ptr, dx_ptr, weight_ptr, mean_ptr, rstd_ptr,
 
 
 @contextlib.contextmanager
-def variant_in_package():
+def in_package(kernel):
+    """The package's backward launching ``kernel`` instead of its own, for the block."""
     kept = package.layer_norm_backward_kernel
-    package.layer_norm_backward_kernel = backward_rows_at_once
+    package.layer_norm_backward_kernel = kernel
     try:
         yield
     finally:
@@ -90,15 +92,8 @@ def variant_in_package():
 
 
 def variant(args, config):
-    with variant_in_package():
+    with in_package(backward_rows_at_once):
         return package.layer_norm_backward(*args, config=config)
-
-
-def inputs(n_rows, n_cols, dtype):
-    x = torch.randn(n_rows, n_cols, device=_core.DEVICE, dtype=dtype)
-    weight, bias = (torch.randn(n_cols, device=x.device, dtype=dtype) for _ in "wb")
-    _, mean, rstd = package.layer_norm_forward(x, weight, bias, 1e-5)
-    return torch.randn_like(x), x, weight, mean, rstd
 
 
 def check():
