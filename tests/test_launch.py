@@ -59,6 +59,20 @@ def test_forget_drops_launchers_and_the_autotuners_choices():
     assert ("shape",) not in tuned.kernel.cache
 
 
+def test_heuristic_rules_see_only_what_the_launch_key_holds():
+    kernel = LeanKernel.__new__(LeanKernel)  # the fields heuristic_values reads
+    kernel.arg_names = ["a_ptr", "K", "BLOCK_K"]
+    tuned = sys.modules["stepkernels.matmul"].matmul_portable_tuned.kernel
+    kernel.heuristics = dict(tuned.fn.values)  # chapter 04's EVEN_K, under the autotuner
+    a = torch.zeros(4)
+    assert kernel.heuristic_values((a, 96), {"BLOCK_K": 32}) == {"EVEN_K": True}
+    assert kernel.heuristic_values((a, 100), {"BLOCK_K": 32}) == {"EVEN_K": False}
+    kernel.heuristics["LATER"] = lambda args: args["EVEN_K"] and args.get("K") > 64
+    assert kernel.heuristic_values((a, 96), {"BLOCK_K": 32})["LATER"]  # sees EVEN_K
+    kernel.heuristics = {"BIG": lambda args: args["a_ptr"].numel() > 2}
+    assert kernel.heuristic_values((a, 96), {"BLOCK_K": 32}) is None  # a size: not keyed
+
+
 @pytest.mark.skipif(not ON_GPU, reason="lean launches are taken on a GPU only")
 def test_lean_launches_match_tritons_path():
     x = random_tensor((257, 1000), torch.float16)
@@ -86,3 +100,4 @@ def test_lean_launches_of_autotuned_and_multi_kernel_operations():
             matmul(a[:, :100], b[:100]), (a[:, :100].float() @ b[:100].float()).half(), rtol=1e-2, atol=1e-2
         )
     assert layer_norm(a, (200,), w, bias).shape == a.shape
+    assert sys.modules["stepkernels.matmul"].matmul_portable_tuned.entries  # EVEN_K evaluated

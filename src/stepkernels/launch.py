@@ -16,14 +16,16 @@ dtype and whether its address is a multiple of 16, each integer's value (for a
 options, and the device. It is finer than Triton's own key, so a kernel that Triton would
 compile differently is never reused; an autotuned kernel's shape key is among the integers.
 
+A kernel under ``@triton.heuristics`` (chapter 04's matmul, for ``EVEN_K``) has its rules
+evaluated at the first launch of a key, on the arguments, the constexprs and the autotuner's
+choice, and the values kept with the launcher: a rule that reads only those gives the same value
+for every call with that key. A rule that reads a tensor (whose shape is not in the key) keeps
+the kernel on Triton's path for that key.
+
 Triton's own path is kept where the shortcut would change behavior: under the interpreter,
 inside ``torch.compile`` (which traces the kernel, through ``wrap_triton``), when a launch hook is set
 (Proton, the profiler), for autotuners with pre-hooks, and for calls that pass a runtime
 argument by keyword. Chapter 08 measures what this saves.
-
-Not yet handled: a kernel under ``@triton.heuristics`` (chapter 04's matmul, for ``EVEN_K``).
-Its heuristic values are not evaluated here, so no launch key is ever cached for it and every
-call takes Triton's path after the lookup (chapter 08, exercise 4).
 """
 
 from __future__ import annotations
@@ -62,12 +64,17 @@ class LeanKernel:
         self.runtime = None  # Triton's driver and knobs, bound at the first launch
         self.always_slow = INTERPRET  # the interpreter's kernels are Python functions
         self.unspecialized: set = set()
+        self.heuristics: dict = {}  # the rules of @triton.heuristics layers
         tuned = kernel if isinstance(kernel, triton.runtime.Autotuner) else None
         self.tuned = tuned
         if INTERPRET:
             return
         jit = kernel
         while not isinstance(jit, triton.runtime.JITFunction):
+            if isinstance(jit, triton.runtime.Heuristics):
+                self.heuristics.update(
+                    jit.values
+                )  # outer layers first, as Triton runs them
             jit = jit.fn
         self.arg_names = list(jit.arg_names)
         signature = jit.signature.parameters.values()
@@ -157,8 +164,12 @@ class LeanKernel:
         if compiled is None or by_keyword:
             return compiled
         chosen = {**meta, **(self.tuned.best_config.all_kwargs() if self.tuned else {})}
-        # A runtime argument left to its default, or a value chosen by a layer we do not
-        # evaluate (``@triton.heuristics``): keep Triton's path.
+        if self.heuristics:
+            ruled = self.heuristic_values(args, chosen)
+            if ruled is None:  # a rule read a tensor: keep Triton's path
+                return compiled
+            chosen.update(ruled)
+        # A runtime argument left to its default: keep Triton's path.
         if any(n not in chosen and n not in self.defaults for n in names):
             return compiled
         tail = tuple(chosen[n] if n in chosen else self.defaults[n] for n in names)
@@ -171,6 +182,36 @@ class LeanKernel:
             self.entries.clear()
         self.entries[key] = (compiled, tail, cached_grid)
         return compiled
+
+    def heuristic_values(self, args: tuple, chosen: dict) -> dict | None:
+        """The values ``@triton.heuristics`` rules give this call, as Triton works them out,
+        or None if a rule reads a tensor argument (not all of which is in the launch key)."""
+        named = _KeyedArguments(
+            {**dict(zip(self.arg_names, args, strict=False)), **chosen}
+        )
+        try:
+            for name, rule in self.heuristics.items():
+                named[name] = rule(named)
+        except _TensorRead:
+            return None
+        return {name: named[name] for name in self.heuristics}
+
+
+class _TensorRead(Exception):
+    pass
+
+
+class _KeyedArguments(dict):
+    """A kernel's arguments by name, refusing to hand a heuristic rule a tensor."""
+
+    def __getitem__(self, name):
+        value = super().__getitem__(name)
+        if isinstance(value, torch.Tensor):
+            raise _TensorRead(name)
+        return value
+
+    def get(self, name, default=None):
+        return self[name] if name in self else default
 
 
 ENABLED = [True]
