@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 import os
+import threading
 
 import torch
 
@@ -104,8 +105,24 @@ def zeroed(device, numel: int, dtype=torch.int32) -> torch.Tensor:
     stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
     key = (device, stream and stream.cuda_stream, numel, dtype)
     if key not in _ZEROED:
-        scratch = torch.zeros(numel, device=device, dtype=dtype)
         if stream is not None and torch.cuda.is_current_stream_capturing():
-            return scratch  # memory of the graph being captured: not kept
-        _ZEROED[key] = scratch
+            # memory of the graph being captured: not kept
+            return torch.zeros(numel, device=device, dtype=dtype)
+        _ZEROED[key] = zeros_outside_any_pool(numel, device, dtype, stream)
     return _ZEROED[key]
+
+
+def zeros_outside_any_pool(numel, device, dtype, stream) -> torch.Tensor:
+    """Zeros from PyTorch's ordinary memory. While torch.compile's CUDA graphs warm up,
+    whatever this thread allocates goes to their private pool, which must hold nothing kept
+    for the life of the process: another thread allocates them, on its default stream."""
+    if stream is None:
+        return torch.zeros(numel, device=device, dtype=dtype)
+    made = []
+    worker = threading.Thread(
+        target=lambda: made.append(torch.zeros(numel, device=device, dtype=dtype))
+    )
+    worker.start()
+    worker.join()
+    stream.wait_stream(torch.cuda.default_stream(device))  # the zeros are written first
+    return made[0]
