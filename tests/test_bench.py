@@ -360,6 +360,20 @@ def test_providers_that_do_not_fit_together_are_timed_one_at_a_time(monkeypatch)
     assert fake.log == ["triton"] * bench.ROUNDS + ["torch"] * bench.ROUNDS
 
 
+def test_providers_that_must_not_live_together_are_made_and_timed_one_at_a_time(monkeypatch):
+    fake = FakeTimings(monkeypatch, {"triton": 0.5, "torch": 1.0})
+    fake.bench.x_values, fake.bench.in_turns = [2**10], False
+    made = []
+    make = fake.bench.make
+    fake.bench.make = lambda provider, *a: made.append(sorted(fake.alive)) or make(provider, *a)
+    points = bench.measure_on_stream(fake.bench)
+    assert [p.provider for p in points] == ["triton", "torch"]
+    assert fake.log == ["triton"] * bench.ROUNDS + ["torch"] * bench.ROUNDS
+    assert made == [[], []]  # torch made after triton's call was dropped
+    assert "each provider alone" in bench.timing_of(fake.bench)
+    assert bench.timing_of(copy_benchmark()) == bench.TIMING  # in turns
+
+
 def test_a_call_that_cannot_be_captured_is_skipped_and_the_others_measured(monkeypatch, capsys):
     fake = FakeTimings(monkeypatch, {"triton": 0.5, "torch": 1.0})
     fake.bench.x_values, fake.bench.providers = [2**10], ["triton", "broken", "torch"]

@@ -247,9 +247,11 @@ if calls:
 # is why most of our forwards miss the 1.5x target on this host. Through autograd the engine's own
 # cost, paid by torch too, narrows the ratio. (Chapter 05's linear layer was the extreme case:
 # the dispatch of its ``torch.library.custom_op`` cost hundreds of microseconds per eager call,
-# so eager calls now take an ``autograd.Function``.) The linear layer gained least: chapter 04's
-# matmul kernel sits under a ``triton.heuristics`` layer (``EVEN_K``) that ``lean`` does not
-# evaluate yet, so its launches still take Triton's path, and its autotuner's (exercise 4).
+# so eager calls now take an ``autograd.Function``.) Chapter 04's matmul, under the linear
+# layer, sits under an autotuner and a ``triton.heuristics`` layer (``EVEN_K``: whether K is
+# a multiple of the chosen BLOCK_K). ``lean`` evaluates such rules once, at a key's first
+# launch, on the arguments and the autotuner's choice; later calls skip both layers. A rule
+# that reads a tensor (whose shape and strides are not all in the key) keeps Triton's path.
 #
 # No Python wrapper will reach C++. To remove the CPU's cost we have to stop paying it at
 # every step: record the GPU work once and replay it.
@@ -371,7 +373,8 @@ class TracedLayerNorm(LayerNorm):
 # ``set_to_none=True`` makes the backward allocate fresh gradients, which a CUDA graph then
 # owns. We check ours against PyTorch first: the same loss and the same updated weights.
 
-WIDTH_MODEL, DEPTH = tutorial.choose(gpu=384, cpu=32), 4
+GPU_WIDTH, DEPTH = 384, 4  # the model the benchmark times (and recorded)
+WIDTH_MODEL = tutorial.choose(gpu=GPU_WIDTH, cpu=32)
 DTYPE = (
     torch.bfloat16 if tutorial.ON_GPU else torch.float32
 )  # bf16: no loss scaling needed
@@ -503,8 +506,8 @@ def make_step(provider, n_tokens, dtype):
     return functools.partial(training_step, model, optimizer, x, target)
 
 
-def step_flops(n_tokens, dtype):
-    return 6 * n_tokens * DEPTH * 2 * 4 * WIDTH_MODEL**2
+def step_flops(n_tokens, dtype, width=WIDTH_MODEL):
+    return 6 * n_tokens * DEPTH * 2 * 4 * width**2
 
 
 steps = bench.run(
@@ -520,12 +523,13 @@ steps = bench.run(
         smoke_x=16,
         headline_x=4096,
         gpu_time=False,
+        in_turns=False,  # two compiled models' CUDA graphs cannot live side by side
     )  # fmt: skip
 )
 if steps:
     for n in steps.bench.x_values:
         ms = {
-            p: step_flops(n, None) / steps.value(p, n, "bfloat16") / 1e9
+            p: step_flops(n, None, GPU_WIDTH) / steps.value(p, n, "bfloat16") / 1e9
             for p in STEP_PROVIDERS
         }
         times = ", ".join(f"{p} {t:.3f}" for p, t in ms.items())
@@ -564,5 +568,6 @@ if steps:
 #    optimizer's update eager. How much of the whole-step graph's lead over eager is left?
 # 3. Wrap ``softmax`` as a ``triton_op`` like the layer norm above, and compile a function that
 #    uses it with ``fullgraph=True``. What does ``TORCH_LOGS=output_code`` show of our kernel?
-# 4. Teach ``LeanKernel`` to evaluate a ``triton.heuristics`` layer at the first launch of a key
-#    (its inputs are all in the key), and measure ``matmul``'s CPU per call before and after.
+# 4. Give chapter 04's matmul a heuristic that reads a tensor (say, whether ``a`` is
+#    contiguous) and measure ``matmul``'s CPU per call with ``lean``. Why must ``lean`` fall
+#    back to Triton's path there, and what would the launch key have to hold to avoid it?
