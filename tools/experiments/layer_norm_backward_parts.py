@@ -17,6 +17,11 @@ compulsory bytes (x and dy read, dx written; the benchmark's count) for:
 
 From N = 16,384 the package splits rows over programs (chapter 13); the atomic variant covers
 the one-block kernel only, up to 8,192.
+
+``--kept`` splits what dW and dB cost at N = 4,096 and 8,192, alternating (mean of 3): the
+package's first kernel alone (partial rows written, no ``sum_partials_kernel``), and a variant
+that accumulates dW and dB but never writes them (a flush behind a test of N < 0, which the
+compiler cannot drop), beside ``two-stage`` and ``dx only``.
 """
 
 import itertools
@@ -57,6 +62,25 @@ atomic_kernel = sm90.kernel_variant(
     "layer_norm_atomic",
     [(FLUSH, ATOMIC, 1), (SIGNATURE, "partial_ptr, lock_ptr, dw_ptr, db_ptr, x_row_stride", 1)],
 )
+
+kept_kernel = sm90.kernel_variant(
+    layer_norm_backward_kernel,
+    "layer_norm_kept",
+    [(FLUSH, "        if N < 0:\n    " + FLUSH.replace("\n        ", "\n            "), 1)],
+)
+
+
+def first_kernel(kernel, dy, x, weight, mean, rstd):
+    """The backward's first kernel alone, at the package's launch, partial rows included."""
+    (n_rows, n_cols), config = x.shape, backward_config(x.shape[1], x.shape[0], itemsize=x.element_size())
+    n_programs = triton.cdiv(n_rows, config["ROWS_PER_PROGRAM"])
+    partials = torch.empty((n_programs, 2, n_cols), device=x.device)
+    dx = torch.empty_like(x)
+    kernel[(n_programs,)](
+        x, dy, dx, weight, mean, rstd, partials, partials, x.stride(0), dy.stride(0), dx.stride(0),
+        n_rows, n_cols, 0, HAS_WEIGHT=True, REDUCTION="two-stage", GROUP_SIZE_M=1, **config,
+    )  # fmt: skip
+    return dx, partials
 
 
 class AtomicBackward:
@@ -124,8 +148,34 @@ def sweep():
         print(line, flush=True)
 
 
+def kept():
+    for dtype, n_cols in itertools.product((torch.float16, torch.float32), (4096, 8192)):
+        args = inputs(4096, n_cols, dtype)
+        nbytes = 3 * args[1].numel() * args[1].element_size()
+        copy = bench.rate(nbytes, bench.copy_of(nbytes))
+        calls = {
+            "two-stage": lambda a=args: layer_norm_backward(*a),
+            "first kernel alone": lambda a=args: first_kernel(layer_norm_backward_kernel, *a),
+            "accumulated, not written": lambda a=args: first_kernel(kept_kernel, *a),
+            "dx only": lambda a=args: layer_norm_backward(*a, False, False),
+        }
+        totals = dict.fromkeys(calls, 0.0)
+        for _, (name, call) in itertools.product(range(3), calls.items()):
+            totals[name] += bench.rate(nbytes, call) / 3
+        print(f"{_core.dtype_name(dtype)}, N = {n_cols:,}: copy {copy:,.0f};",
+              "; ".join(f"{k} {v:,.0f} ({v / copy:.0%})" for k, v in totals.items()), flush=True)  # fmt: skip
+
+
 if __name__ == "__main__":
-    check()
-    if _core.ON_GPU:
-        with bench.side_stream():
-            sweep()
+    if "--kept" in sys.argv:
+        args = inputs(37, 300, torch.float16)
+        torch.testing.assert_close(first_kernel(kept_kernel, *args)[0], layer_norm_backward(*args)[0], rtol=0, atol=0)
+        print("the kept variant gives the package's dx")
+        if _core.ON_GPU:
+            with bench.side_stream():
+                kept()
+    else:
+        check()
+        if _core.ON_GPU:
+            with bench.side_stream():
+                sweep()
