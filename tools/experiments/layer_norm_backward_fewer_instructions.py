@@ -32,6 +32,7 @@ if "--sass" in sys.argv:
 
 sys.path.insert(0, os.path.dirname(__file__))  # sm90 and the rows-at-once script, beside this one
 
+from layer_norm_backward_launch import alternating, shares  # noqa: E402
 import layer_norm_backward_rows_at_once as rows_at_once  # noqa: E402
 import sm90  # noqa: E402
 from stepkernels import _core, bench  # noqa: E402
@@ -102,11 +103,8 @@ def sweep():
         nbytes = 3 * args[1].numel() * args[1].element_size()
         copy = bench.rate(nbytes, bench.copy_of(nbytes))
         names = ["package", *(n for n in VARIANTS if n != "x_hat" or dtype == torch.float16)]
-        totals = dict.fromkeys(names, 0.0)
-        for _, name in itertools.product(range(3), names):  # alternating, to see past drift
-            totals[name] += bench.rate(nbytes, lambda n=name, a=args: backward(n, a)) / 3
-        print(f"{_core.dtype_name(dtype)}, N = {n_cols:,}: copy {copy:,.0f};",
-              "; ".join(f"{k} {v:,.0f} ({v / copy:.0%})" for k, v in totals.items()), flush=True)  # fmt: skip
+        totals = alternating({n: lambda n=n, a=args: backward(n, a) for n in names}, nbytes)
+        print(f"{_core.dtype_name(dtype)}, N = {n_cols:,}: copy {copy:,.0f};", shares(totals, copy), flush=True)
 
 
 if __name__ == "__main__":

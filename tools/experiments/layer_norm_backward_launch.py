@@ -45,6 +45,19 @@ def inputs(n_rows, n_cols, dtype, offset=0.0):
     return torch.randn_like(x), x, weight, mean, rstd
 
 
+def alternating(calls: dict, nbytes: int, rounds: int = 3) -> dict:
+    """Each call's mean GB/s over ``rounds`` rounds, the calls timed in turn (past drift)."""
+    totals = dict.fromkeys(calls, 0.0)
+    for _, (name, call) in itertools.product(range(rounds), calls.items()):
+        totals[name] += bench.rate(nbytes, call) / rounds
+    return totals
+
+
+def shares(totals: dict, copy: float) -> str:
+    """``name GB/s (share of a copy)`` for each, separated by semicolons."""
+    return "; ".join(f"{k} {v:,.0f} ({v / copy:.0%})" for k, v in totals.items())
+
+
 def sum_alone(n_partials, n_cols, dtype, block_p=32, block_n=None, warps=4):
     """The second kernel on ``n_partials`` rows of partials, by default as the package (before
     this experiment) launched it."""
@@ -116,13 +129,8 @@ def sweep():
         rated.sort(key=lambda r: -r[0])
         print("  best five:", "; ".join(f"{r[1]} {r[0]:,.0f}" for r in rated[:5]))
         again = {"package": package, **{r[1]: r[2] for r in rated[:3]}}
-        totals = dict.fromkeys(again, 0.0)
-        for _ in range(3):  # alternating, to see past drift
-            for key, config in again.items():
-                call = lambda a=args, c=config: layer_norm_backward(*a, config=c)
-                totals[key] += bench.rate(nbytes, call) / 3
-        print("  again, mean of 3 alternating:",
-              "; ".join(f"{k} {v:,.0f} ({v / copy:.0%})" for k, v in totals.items()))  # fmt: skip
+        calls = {k: lambda a=args, c=c: layer_norm_backward(*a, config=c) for k, c in again.items()}
+        print("  again, mean of 3 alternating:", shares(alternating(calls, nbytes), copy))
 
 
 def sum_sweep():
@@ -153,10 +161,11 @@ def stages_sweep():
         args = inputs(N_ROWS, n_cols, dtype)
         nbytes = 3 * args[1].numel() * args[1].element_size()
         package = backward_config(n_cols, N_ROWS, itemsize=args[1].element_size())
-        totals = dict.fromkeys((2, 3, 4), 0.0)
-        for _, stages in itertools.product(range(3), totals):
-            call = lambda a=args, c={**package, "NUM_STAGES": stages}: layer_norm_backward(*a, config=c)
-            totals[stages] += bench.rate(nbytes, call) / 3
+        calls = {
+            stages: lambda a=args, c={**package, "NUM_STAGES": stages}: layer_norm_backward(*a, config=c)
+            for stages in (2, 3, 4)
+        }
+        totals = alternating(calls, nbytes)
         print(f"{_core.dtype_name(dtype)}, N = {n_cols:,}, {label(package)}; by stages:",
               "; ".join(f"{k} {v:,.0f}" for k, v in totals.items()), flush=True)  # fmt: skip
 

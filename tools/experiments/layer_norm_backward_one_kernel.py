@@ -28,9 +28,11 @@ import itertools
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(__file__))  # the launch script, beside this one
+sys.path.insert(0, os.path.dirname(__file__))  # the other experiments, beside this one
 
-from layer_norm_backward_launch import inputs  # noqa: E402
+from layer_norm_backward_launch import alternating, inputs, shares  # noqa: E402
+from layer_norm_backward_parts import FLUSH  # noqa: E402
+import sm90  # noqa: E402
 from stepkernels import _core, bench  # noqa: E402
 from stepkernels import layer_norm as _unused  # noqa: E402, F401  (the module, below)
 from stepkernels.softmax import MAX_POLLS  # noqa: E402
@@ -39,6 +41,10 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 package = sys.modules["stepkernels.layer_norm"]
+FINISH = """        finish_sums(partial_ptr, dw_ptr, db_ptr, lock_ptr, N, SLICE, BLOCK_P, PROGRAMS_POW2,
+                    MAX_POLLS)  # fmt: skip
+"""
+CONSTANTS = "SLICE: tl.constexpr, BLOCK_P: tl.constexpr, PROGRAMS_POW2: tl.constexpr, MAX_POLLS: tl.constexpr"
 
 
 @triton.jit
@@ -99,38 +105,18 @@ def finish_sums(partial_ptr, dw_ptr, db_ptr, sync_ptr, N, SLICE: tl.constexpr,
         tl.atomic_add(done_ptr, 1, sem="release")
 
 
-@triton.jit
-def backward_one_kernel(x_ptr, dy_ptr, dx_ptr, weight_ptr, mean_ptr, rstd_ptr,
-        partial_ptr, dw_ptr, db_ptr, sync_ptr, x_row_stride, dy_row_stride, dx_row_stride,
-        M, N, BLOCK_N: tl.constexpr, ROWS_PER_PROGRAM: tl.constexpr,
-        HAS_WEIGHT: tl.constexpr, NUM_STAGES: tl.constexpr, SLICE: tl.constexpr,
-        BLOCK_P: tl.constexpr, PROGRAMS_POW2: tl.constexpr, MAX_POLLS: tl.constexpr):  # fmt: skip
-    # The row loop of chapter 03's layer_norm_backward_kernel, unchanged
-    program_id = tl.program_id(axis=0)
-    first_row = program_id * ROWS_PER_PROGRAM
-    cols = tl.arange(0, BLOCK_N)
-    col_mask = cols < N
-    if HAS_WEIGHT:
-        w = tl.load(weight_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
-    dw, db = tl.zeros([BLOCK_N], tl.float32), tl.zeros([BLOCK_N], tl.float32)
-    for i in tl.range(ROWS_PER_PROGRAM, num_stages=NUM_STAGES):
-        row = first_row + i
-        mask, row64 = cols < tl.where(row < M, N, 0), row.to(tl.int64)
-        x = tl.load(x_ptr + row64 * x_row_stride + cols, mask=mask, other=0.0)
-        dy = tl.load(dy_ptr + row64 * dy_row_stride + cols, mask=mask, other=0.0)
-        x, dy = x.to(tl.float32), dy.to(tl.float32)
-        safe_row = tl.minimum(row, M - 1)
-        mean, rstd = tl.load(mean_ptr + safe_row), tl.load(rstd_ptr + safe_row)
-        x_hat, wdy = (x - mean) * rstd, w * dy if HAS_WEIGHT else dy
-        c1, c2 = tl.sum(x_hat * wdy, axis=0) / N, tl.sum(wdy, axis=0) / N
-        dx = (wdy - (x_hat * c1 + c2)) * rstd
-        dx_ptrs = dx_ptr + row64 * dx_row_stride + cols
-        tl.store(dx_ptrs, dx.to(dx_ptr.dtype.element_ty), mask=mask)
-        dw, db = dw + dy * x_hat, db + dy
-    package.flush_partials(partial_ptr, partial_ptr, dw, db, cols, col_mask, N, program_id,
-                           program_id, 0, "two-stage")  # fmt: skip
-    finish_sums(partial_ptr, dw_ptr, db_ptr, sync_ptr, N, SLICE, BLOCK_P, PROGRAMS_POW2,
-                MAX_POLLS)  # fmt: skip
+# Chapter 03's kernel with its flush followed by finish_sums; lock_ptr (unused by a
+# two-stage flush) carries the scratch.
+backward_one_kernel = sm90.kernel_variant(
+    package.layer_norm_backward_kernel,
+    "layer_norm_one_kernel",
+    [
+        (FLUSH, FLUSH + FINISH, 1),
+        ("partial_ptr, lock_ptr, x_row_stride", "partial_ptr, lock_ptr, dw_ptr, db_ptr, x_row_stride", 1),
+        ("NUM_STAGES: tl.constexpr):", "NUM_STAGES: tl.constexpr, " + CONSTANTS + "):", 1),
+    ],
+    names={"finish_sums": finish_sums},
+)
 
 
 def one_kernel(dy2d, x2d, weight, mean, rstd, scratch="kept", config=None, max_polls=None):
@@ -147,8 +133,9 @@ def one_kernel(dy2d, x2d, weight, mean, rstd, scratch="kept", config=None, max_p
     sync = (_core.zeroed(device, size) if scratch == "kept"
             else torch.zeros(size, device=device, dtype=torch.int32))  # fmt: skip
     backward_one_kernel[(n_programs,)](
-        x2d, dy2d, dx, weight, mean, rstd, partials, dw, db, sync, x2d.stride(0),
-        dy2d.stride(0), dx.stride(0), n_rows, n_cols, HAS_WEIGHT=True, SLICE=slice_width,
+        x2d, dy2d, dx, weight, mean, rstd, partials, sync, dw, db, x2d.stride(0),
+        dy2d.stride(0), dx.stride(0), n_rows, n_cols, 0, HAS_WEIGHT=True, REDUCTION="two-stage",
+        GROUP_SIZE_M=1, SLICE=slice_width,
         BLOCK_P=max(1, min(programs_pow2, 4096 // slice_width)), PROGRAMS_POW2=programs_pow2,
         MAX_POLLS=max_polls or MAX_POLLS, **config,
     )  # fmt: skip
@@ -185,11 +172,11 @@ def sweep():
             "one kernel, zeroed per call": lambda a=args: one_kernel(*a, scratch="fresh"),
             "dx only": lambda a=args: package.layer_norm_backward(*a, False, False),
         }
-        totals = dict.fromkeys(calls, 0.0)
-        for _, (name, call) in itertools.product(range(3), calls.items()):
-            totals[name] += bench.rate(nbytes, call) / 3  # alternating, to see past drift
-        print(f"{_core.dtype_name(dtype)}, N = {n_cols:,}: copy {copy:,.0f};",
-              "; ".join(f"{k} {v:,.0f} ({v / copy:.0%})" for k, v in totals.items()), flush=True)  # fmt: skip
+        print(
+            f"{_core.dtype_name(dtype)}, N = {n_cols:,}: copy {copy:,.0f};",
+            shares(alternating(calls, nbytes), copy),
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

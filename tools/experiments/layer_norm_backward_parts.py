@@ -29,13 +29,13 @@ import sys
 
 sys.path.insert(0, __import__("os").path.dirname(__file__))  # sm90, beside this script
 
+from layer_norm_backward_launch import alternating, inputs, shares  # noqa: E402
 import sm90  # noqa: E402
 from stepkernels import _core, bench  # noqa: E402
 from stepkernels.layer_norm import (  # noqa: E402
     backward_config,
     layer_norm_backward,
     layer_norm_backward_kernel,
-    layer_norm_forward,
 )
 import torch  # noqa: E402
 import triton  # noqa: E402
@@ -106,13 +106,6 @@ class AtomicBackward:
         return dx, dw, db
 
 
-def inputs(n_rows, n_cols, dtype):
-    x = torch.randn(n_rows, n_cols, device=_core.DEVICE, dtype=dtype)
-    weight, bias = (torch.randn(n_cols, device=x.device, dtype=dtype) for _ in "wb")
-    _, mean, rstd = layer_norm_forward(x, weight, bias, 1e-5)
-    return torch.randn_like(x), x, weight, mean, rstd
-
-
 def check():
     for dtype, (n_rows, n_cols) in itertools.product((torch.float32, torch.float16), ((37, 100), (300, 64))):
         args = inputs(n_rows, n_cols, dtype)
@@ -159,11 +152,11 @@ def kept():
             "accumulated, not written": lambda a=args: first_kernel(kept_kernel, *a),
             "dx only": lambda a=args: layer_norm_backward(*a, False, False),
         }
-        totals = dict.fromkeys(calls, 0.0)
-        for _, (name, call) in itertools.product(range(3), calls.items()):
-            totals[name] += bench.rate(nbytes, call) / 3
-        print(f"{_core.dtype_name(dtype)}, N = {n_cols:,}: copy {copy:,.0f};",
-              "; ".join(f"{k} {v:,.0f} ({v / copy:.0%})" for k, v in totals.items()), flush=True)  # fmt: skip
+        print(
+            f"{_core.dtype_name(dtype)}, N = {n_cols:,}: copy {copy:,.0f};",
+            shares(alternating(calls, nbytes), copy),
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

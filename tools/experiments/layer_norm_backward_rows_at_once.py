@@ -32,7 +32,7 @@ sys.path.insert(0, os.path.dirname(__file__))  # sm90 and the launch script, bes
 
 import re  # noqa: E402
 
-from layer_norm_backward_launch import inputs  # noqa: E402
+from layer_norm_backward_launch import alternating, inputs, shares  # noqa: E402
 import sm90  # noqa: E402
 from stepkernels import _core, bench  # noqa: E402
 from stepkernels import layer_norm as _unused  # noqa: E402, F401  (the module, below)
@@ -134,11 +134,7 @@ def sweep():
         calls = {"package": lambda a=args: package.layer_norm_backward(*a)}
         for _, config in rated[:2]:
             calls[label(config)] = lambda c=config, a=args: variant(a, c)
-        totals = dict.fromkeys(calls, 0.0)
-        for _, (key, call) in itertools.product(range(3), calls.items()):
-            totals[key] += bench.rate(nbytes, call) / 3
-        print("  again, mean of 3 alternating:",
-              "; ".join(f"{k} {v:,.0f} ({v / copy:.0%})" for k, v in totals.items()), flush=True)  # fmt: skip
+        print("  again, mean of 3 alternating:", shares(alternating(calls, nbytes), copy), flush=True)
 
 
 def compiled_sm90(kernel, dtype, warps, stages=3, **constants):
