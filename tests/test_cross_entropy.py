@@ -156,6 +156,11 @@ def test_refuses_bad_input_and_double_backward():
         cross_entropy(logits, target, label_smoothing=1.5)
     with pytest.raises(ValueError, match="reduction"):
         cross_entropy(logits, target, reduction="avg")
+    for bad in (1.5, None):  # torch refuses both; int() would truncate 1.5 to 1
+        with pytest.raises(TypeError, match="ignore_index must be an int"):
+            cross_entropy(logits, target, ignore_index=bad)
+    with pytest.raises(TypeError, match="label_smoothing must be a float"):
+        cross_entropy(logits, target, label_smoothing="0.1")
     with pytest.raises(TypeError, match="positional"):  # torch's third is class weights
         cross_entropy(logits, target, torch.ones(5))
     with pytest.raises(TypeError, match="dtype"):
@@ -241,7 +246,42 @@ def test_linear_cross_entropy_second_backward_and_refusals():
         linear_cross_entropy(x, weight.half(), target)
     with pytest.raises(ValueError, match="bias"):
         linear_cross_entropy(x, weight, target, bias=torch.zeros(3, device=DEVICE))
-    with pytest.raises(ValueError, match="chunk_tokens"):
-        linear_cross_entropy(x, weight, target, chunk_tokens=0)
+    for bad in (0, 1.5):
+        with pytest.raises(ValueError, match="chunk_tokens must be an int"):
+            linear_cross_entropy(x, weight, target, chunk_tokens=bad)
     with pytest.raises(TypeError, match="class indices"):
         linear_cross_entropy(x, weight, target.float())
+
+
+def test_int32_targets_with_an_ignore_index_past_int32_ignore_no_row():
+    logits, target = random_tensor((6, 5), seed=7), targets(6, 5, seed=7, ignored_every=0)
+    ignore = 2**32 + int(target[0])  # int32 would wrap it to a target that is there
+    got = cross_entropy(logits, target.int(), ignore_index=ignore)
+    want = F.cross_entropy(logits, target, ignore_index=ignore)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_linear_cross_entropy_gradient_of_transposed_x_scaled(reduction):
+    """x laid out column by column: its gradient buffer must not copy that layout (the
+    loss's scale was applied to a row layout, missing most of it)."""
+    x = random_tensor((16, 6), seed=8).T.requires_grad_()
+    weight, target = random_tensor((10, 16), seed=9), targets(6, 10, seed=9, ignored_every=0)
+    (dx,) = torch.autograd.grad(3 * linear_cross_entropy(x, weight, target, reduction=reduction), x)
+    exact = x.detach().double().requires_grad_()
+    loss = 3 * F.cross_entropy(exact @ weight.double().T, target, reduction=reduction)
+    (want,) = torch.autograd.grad(loss, exact)
+    torch.testing.assert_close(dx.double(), want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+def test_linear_cross_entropy_of_no_tokens_is_torchs(reduction):
+    x = torch.zeros(0, 4, device=DEVICE, requires_grad=True)
+    weight = random_tensor((5, 4), seed=10).requires_grad_()
+    target = torch.zeros(0, dtype=torch.long, device=DEVICE)
+    loss = linear_cross_entropy(x, weight, target, reduction=reduction)
+    want = F.cross_entropy(x @ weight.T, target, reduction=reduction)
+    torch.testing.assert_close(loss, want, equal_nan=True)
+    if reduction != "none":
+        dx, dw = torch.autograd.grad(loss, (x, weight))
+        assert dx.shape == (0, 4) and torch.equal(dw, torch.zeros_like(weight))

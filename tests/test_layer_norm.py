@@ -208,6 +208,13 @@ def test_module_is_a_drop_in_for_torch(reduction):
         (lambda x: layer_norm(x, 64, torch.ones(32, device=DEVICE)), ValueError, "normalized_shape"),
         (lambda x: layer_norm(x, 64, None, torch.ones(64, device=DEVICE).half()), TypeError, "convert"),
         (lambda x: layer_norm(x, 64, [1.0] * 64), TypeError, "torch.Tensor"),
+        # dB would come out in the weight's dtype (x's without one): torch refuses such a pair
+        (
+            lambda x: layer_norm(x.half(), 64, torch.ones(64, device=DEVICE).half(), torch.ones(64, device=DEVICE)),
+            TypeError,
+            "weight's dtype",
+        ),
+        (lambda x: layer_norm(x.half(), 64, None, torch.ones(64, device=DEVICE)), TypeError, "no weight given"),
         (lambda x: layer_norm(x, 64, eps=-1.0), ValueError, "non-negative"),
         (lambda x: layer_norm(x, 64, reduction="atomic"), ValueError, "choose one"),
         (lambda x: LayerNorm(64, reduction="atomic"), ValueError, "choose one"),  # when made

@@ -110,6 +110,7 @@ from stepkernels._core import (
     refuse_double_backward,
     sm_count,
 )
+from stepkernels.arguments import cross_entropy_arguments
 from stepkernels.launch import lean  # cheap repeated launches: chapter 08
 from stepkernels.softmax import as_rows, quiet
 import torch
@@ -382,6 +383,8 @@ def scale_unless_one(tensor, factor):
     """``tensor *= factor`` in place, skipped on the GPU (no synchronization) when it is 1."""
     flat = tensor  # a gradient laid out as strided logits: with the gaps nobody reads
     if not tensor.is_contiguous():
+        if tensor.stride(-1) != 1:  # not rows with gaps between them: torch's multiply
+            return tensor.mul_(factor)
         span = tensor.stride(0) * (len(tensor) - 1) + tensor.shape[1]
         flat = tensor.as_strided((span,), (1,))
     if flat.numel():
@@ -394,7 +397,8 @@ def scale_unless_one(tensor, factor):
 def kept_rows(target, options):
     """The rows not ignored, which "mean" divides by; None for the other reductions."""
     if options.reduction == "mean":
-        return target.ne(options.ignore_index).sum(dtype=torch.float32)
+        # in int64: an int32 target against an ignore_index past int32 would wrap it
+        return target.long().ne(options.ignore_index).sum(dtype=torch.float32)
 
 
 def reduce_losses(losses, count, reduction):
@@ -427,19 +431,10 @@ class CrossEntropyFunction(torch.autograd.Function):
 
 
 def check_target(target, n_rows, ignore_index, label_smoothing, reduction) -> Options:
-    check_tensor(target, "target")
-    if target.is_floating_point() or target.dtype not in (torch.int64, torch.int32):
-        raise TypeError(
-            f"target must hold class indices as int64 or int32, got {target.dtype}; class "
-            "probabilities are not supported: convert indices with target.long()"
-        )
-    if target.shape != (n_rows,):
-        raise ValueError(f"target needs one class per row, ({n_rows},): {target.shape}")
-    if not 0.0 <= label_smoothing <= 1.0:
-        raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing}")
-    if reduction not in REDUCTIONS:
-        raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
-    return Options(int(ignore_index), float(label_smoothing), reduction)
+    checked = cross_entropy_arguments(
+        target, n_rows, ignore_index, label_smoothing, reduction, REDUCTIONS
+    )
+    return Options(*checked, reduction)
 
 
 def cross_entropy(

@@ -1,4 +1,5 @@
-"""Argument checks of public functions whose chapters leave them out of the lesson (03, 04, 06).
+"""Argument checks of public functions whose chapters leave them out of the lesson (03, 04, 06,
+09).
 
 Each raises with what to do instead; the chapter's function calls it before any kernel runs.
 """
@@ -106,6 +107,12 @@ def layer_norm_arguments(x, normalized_shape, weight, bias, eps, reduction, bloc
             raise ValueError(f"{name} must have normalized_shape {shape}")
         if param is not None:
             parameter_dtype(name, param, x, fp32_too=True)
+    # dW and dB come out in the weight's dtype (x's without one), as torch's layer norm has it
+    given = weight if weight is not None else x
+    if bias is not None and bias.dtype != given.dtype:
+        which = "the weight's" if weight is not None else "x's (no weight given)"
+        raise TypeError(f"bias must have {which} dtype {given.dtype}, got {bias.dtype}: pass "
+                        f"bias.to({given.dtype}), or fp32 weight and bias together")  # fmt: skip
     if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps >= 0:
         raise ValueError(f"eps must be a non-negative number, got {eps!r}")
     reduction_argument(reduction, reductions)
@@ -122,6 +129,34 @@ def layer_norm_arguments(x, normalized_shape, weight, bias, eps, reduction, bloc
     if block_size is not None and (block_size < 1 or block_size & (block_size - 1)):
         raise ValueError(f"block_size must be a power of two, got {block_size}")
     return shape
+
+
+def cross_entropy_arguments(target, n_rows, ignore_index, label_smoothing, reduction,
+        reductions) -> tuple:  # fmt: skip
+    """Chapter 09's options, checked: (ignore_index as an int, label_smoothing as a float)."""
+    check_tensor(target, "target")
+    if target.is_floating_point() or target.dtype not in (torch.int64, torch.int32):
+        raise TypeError(
+            f"target must hold class indices as int64 or int32, got {target.dtype}; class "
+            "probabilities are not supported: convert indices with target.long()"
+        )
+    if target.shape != (n_rows,):
+        raise ValueError(f"target needs one class per row, ({n_rows},): {target.shape}")
+    if isinstance(ignore_index, bool) or not isinstance(ignore_index, numbers.Integral):
+        raise TypeError(
+            f"ignore_index must be an int (a class index), got {ignore_index!r}"
+        )
+    if isinstance(label_smoothing, bool) or not isinstance(
+        label_smoothing, numbers.Real
+    ):
+        raise TypeError(
+            f"label_smoothing must be a float in [0, 1], got {label_smoothing!r}"
+        )
+    if not 0.0 <= label_smoothing <= 1.0:
+        raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing}")
+    if reduction not in reductions:
+        raise ValueError(f"reduction must be one of {reductions}, got {reduction!r}")
+    return int(ignore_index), float(label_smoothing)
 
 
 def dropout_p(p) -> float:

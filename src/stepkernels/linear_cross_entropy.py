@@ -30,7 +30,7 @@ def linear_loss_pass(x, weight, bias, target, options, needs, chunk_tokens=None,
     asks for (of x, weight, bias) times ``grad_scale``: None (1), one value or one per row."""
     n_rows, n_cols = x.shape[0], weight.shape[0]
     chunk = chunk_rows(n_rows, n_cols, x.element_size(), chunk_tokens)
-    grad_x = torch.empty_like(x) if needs[0] else None
+    grad_x = torch.empty(x.shape, device=x.device, dtype=x.dtype) if needs[0] else None
     grad_w = None
     grad_b = torch.zeros(n_cols, device=x.device) if needs[2] else None
     per_row = grad_scale is not None and grad_scale.dim() > 0
@@ -52,8 +52,10 @@ def linear_loss_pass(x, weight, bias, target, options, needs, chunk_tokens=None,
         if needs[2]:
             grad_b += logits.sum(dim=0, dtype=torch.float32)
         del logits  # before the next chunk's: one chunk of logits at a time
+    if needs[1] and grad_w is None:  # no tokens, no product
+        grad_w = torch.zeros_like(weight)
     grads = (grad_x, grad_w, None if grad_b is None else grad_b.to(x.dtype))
-    return torch.cat(losses), grads
+    return torch.cat(losses) if losses else x.new_empty(0, dtype=torch.float32), grads
 
 
 class LinearCrossEntropyFunction(torch.autograd.Function):
@@ -111,8 +113,8 @@ def linear_cross_entropy(x, weight, target, bias=None, *, ignore_index=-100,
         if bias.shape != weight.shape[:1]:
             raise ValueError(f"bias must have shape ({weight.shape[0]},), got "
                              f"{tuple(bias.shape)}")  # fmt: skip
-    if chunk_tokens is not None and chunk_tokens < 1:
-        raise ValueError(f"chunk_tokens must be at least 1, got {chunk_tokens}")
+    if chunk_tokens is not None and (type(chunk_tokens) is not int or chunk_tokens < 1):
+        raise ValueError(f"chunk_tokens must be an int of at least 1, got {chunk_tokens!r}")
     options = check_target(target, x.shape[0], ignore_index, label_smoothing, reduction)
     return LinearCrossEntropyFunction.apply(
         x, weight, bias, target.contiguous(), options, chunk_tokens
