@@ -251,6 +251,19 @@ def test_fused_p_zero_one_and_eval():
     assert all(torch.equal(g, torch.zeros_like(g)) for g in grads)
 
 
+def test_fused_scale_is_that_of_the_p_its_mask_draws():
+    """The mask drops with p rounded to a multiple of 2^-16; the kept values must be scaled
+    by 1 / (1 - that p), or the mean is off (by 8% at p = 1 - 1.4 / 2^16)."""
+    x, bias = random_tensor((64, 48)), random_tensor((48,), seed=1)
+    p = 0.3 + 0.4 / 2**16  # between two multiples of 2^-16
+    drawn = round(p * 2**16) / 2**16
+    out = dropout_bias_act(x, bias, p, None, 5)
+    kept = out != 0
+    assert 0 < kept.sum() < out.numel()
+    want = (x + bias) * (1.0 / (1.0 - drawn))
+    torch.testing.assert_close(out[kept], want[kept], rtol=2e-7, atol=0)
+
+
 # ----------------------------------------------------------------- seeds in memory
 def seed_tensor(seed, shape=()):
     return torch.full(shape, seed, dtype=torch.int64, device=DEVICE)

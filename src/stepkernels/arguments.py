@@ -126,8 +126,12 @@ def layer_norm_arguments(x, normalized_shape, weight, bias, eps, reduction, bloc
         if not torch.is_deterministic_algorithms_warn_only_enabled():
             raise RuntimeError(message)
         warnings.warn(message, stacklevel=3)
-    if block_size is not None and (block_size < 1 or block_size & (block_size - 1)):
-        raise ValueError(f"block_size must be a power of two, got {block_size}")
+    if block_size is not None and (
+        type(block_size) is not int or block_size < 1 or block_size & (block_size - 1)
+    ):
+        raise ValueError(
+            f"block_size must be a power of two (an int), got {block_size!r}"
+        )
     return shape
 
 

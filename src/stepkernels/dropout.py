@@ -300,7 +300,8 @@ def dropout_bias_act(x, bias, p: float, activation, seed, training: bool = True)
     dropout_input(x, MAX_ELEMENTS, _core.FLOAT_DTYPES)
     p, seed = dropout_p(p), dropout_seed(seed, x)
     dropout_bias(x, bias, _core.FLOAT_DTYPES)
-    p = p if training else 0.0
+    # The p the mask draws, which the scale 1 / (1 - p) must match
+    p = round(p * 2**16) / 2**16 if training else 0.0
     x, bias = x.contiguous(), bias.contiguous()
     if torch.is_grad_enabled() and (x.requires_grad or bias.requires_grad):
         return BiasActDropout.apply(x, bias, p, activation, seed)

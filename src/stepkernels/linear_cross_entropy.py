@@ -114,7 +114,9 @@ def linear_cross_entropy(x, weight, target, bias=None, *, ignore_index=-100,
             raise ValueError(f"bias must have shape ({weight.shape[0]},), got "
                              f"{tuple(bias.shape)}")  # fmt: skip
     if chunk_tokens is not None and (type(chunk_tokens) is not int or chunk_tokens < 1):
-        raise ValueError(f"chunk_tokens must be an int of at least 1, got {chunk_tokens!r}")
+        raise ValueError(
+            f"chunk_tokens must be an int of at least 1, got {chunk_tokens!r}"
+        )
     options = check_target(target, x.shape[0], ignore_index, label_smoothing, reduction)
     return LinearCrossEntropyFunction.apply(
         x, weight, bias, target.contiguous(), options, chunk_tokens
