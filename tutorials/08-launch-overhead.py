@@ -523,7 +523,7 @@ steps = bench.run(
         smoke_x=16,
         headline_x=4096,
         gpu_time=False,
-        in_turns=False,  # two compiled models' CUDA graphs cannot live side by side
+        in_turns=False,  # each compile's dynamo.reset() drops the last one's CUDA graphs
     )  # fmt: skip
 )
 if steps:

@@ -86,8 +86,9 @@ class Benchmark:
     # value is the call from Python, in a benchmark whose others' is GPU time.
     uncapturable: tuple = ()
     # False: each provider is made, timed and dropped before the next is made, rather than all
-    # made, then timed in turns: for calls that cannot live side by side (two models compiled
-    # in "reduce-overhead" mode: the second's dynamo.reset() drops the first's CUDA graphs).
+    # made, then timed in turns: for calls that should not live side by side (models compiled
+    # in "reduce-overhead" mode: each compile's dynamo.reset() drops the CUDA-graph trees of
+    # the model before, which turns would call again).
     in_turns: bool = True
 
 
