@@ -451,6 +451,16 @@ def test_dropout_inplace_under_autograd():
         assert dropout(leaf, 0.5, 4, inplace=True) is leaf
 
 
+def test_dropout_inplace_on_a_tensor_autograd_saved_makes_its_backward_refuse():
+    """As torch's in-place ops do: a backward that needs x's old values must not get the
+    dropped ones silently (x itself needs no gradient, so no autograd node of ours runs)."""
+    x, weight = random_tensor((16,)), random_tensor((16,), seed=1).requires_grad_()
+    product = (weight * x).sum()  # autograd saves x for weight's gradient
+    dropout(x, 0.5, 2, inplace=True)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        product.backward()
+
+
 def test_fused_module_train_eval_state_dict():
     layer = DropoutBiasAct(24, p=0.5, activation="squared_relu")
     with torch.no_grad():

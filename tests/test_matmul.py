@@ -379,6 +379,25 @@ def test_bad_accumulate_is_refused_with_advice(case):
         matmul(a.to(DEVICE), b.to(DEVICE), **kwargs)
 
 
+def test_accumulate_in_place_is_seen_by_autograd_and_refuses_a_gradient():
+    a, b = (t.to(DEVICE) for t in operands(8, 4, 16, torch.float32)[:2])
+    out = torch.zeros(8, 4, device=DEVICE)
+    weight = torch.ones(8, 4, device=DEVICE, requires_grad=True)
+    product = (weight * out).sum()  # autograd saves out for weight's gradient
+    matmul(a, b, accumulate=out)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        product.backward()
+    with pytest.raises(RuntimeError, match="no backward"):  # it would get no gradient
+        matmul(a, b, accumulate=torch.zeros(8, 4, device=DEVICE, requires_grad=True))
+
+
+@pytest.mark.parametrize("m, n", [(4, 0), (0, 3)])
+def test_accumulate_into_an_empty_output(m, n):
+    a, b = torch.randn(m, 5, device=DEVICE), torch.randn(5, n, device=DEVICE)
+    out = torch.empty(m, n, device=DEVICE)
+    assert matmul(a, b, accumulate=out) is out
+
+
 def test_accumulate_sharing_memory_with_an_operand_is_refused():
     a = torch.randn(8, 8, device=DEVICE)
     with pytest.raises(ValueError, match="copy"):

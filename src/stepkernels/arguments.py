@@ -47,12 +47,19 @@ def accumulate_arguments(out, a, b, activation, return_preactivation, dtype):
     from a and b, and nothing asked of the product but to be added."""
     shape, storage = (a.shape[0], b.shape[1]), out.untyped_storage().data_ptr()
     check_tensor(out, "accumulate", (dtype,))
-    if out.shape != shape or out.stride() != (shape[1], 1) or out.data_ptr() % 16:
+    refuse_autograd("matmul(accumulate=...)", "out + a @ b", out)  # written in place
+    # An empty output has no storage and any strides, and nothing to add
+    empty = out.shape == shape and out.numel() == 0
+    laid_out = out.stride() == (shape[1], 1) and out.data_ptr() % 16 == 0
+    if out.shape != shape or not (empty or laid_out):
         raise ValueError(f"accumulate must be {shape}, contiguous and 16-byte aligned")
-    if storage in (a.untyped_storage().data_ptr(), b.untyped_storage().data_ptr()):
+    apart = (a.untyped_storage().data_ptr(), b.untyped_storage().data_ptr())
+    if storage in apart and not empty:
         raise ValueError("accumulate shares memory with a or b: pass a copy of those")
     if activation is not None or return_preactivation:  # it adds the product, as is
         raise ValueError("accumulate takes no activation and no return_preactivation")
+    # Written in place: autograd's saved copies of it are now stale, as after torch's own
+    torch.autograd.graph.increment_version(out)
 
 
 def parameter_dtype(name, param, x, fp32_too=False) -> None:

@@ -96,7 +96,10 @@ def dropout(x, p: float, seed, training: bool = True, inplace: bool = False):
     if not training or p == 0.0:
         return x
     if not (torch.is_grad_enabled() and x.requires_grad):  # nothing for autograd
-        return launch_dropout(x, p, seed, inplace)
+        out = launch_dropout(x, p, seed, inplace)
+        if out is x:  # written in place: autograd's saved copies of x are now stale
+            torch.autograd.graph.increment_version(x)
+        return out
     return SeededDropout.apply(x, p, seed, inplace)
 
 
