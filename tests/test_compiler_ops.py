@@ -45,6 +45,23 @@ def test_traced_layer_norm_refuses_double_backward():
         torch.autograd.grad(y.square().sum(), x, create_graph=True)
 
 
+def test_traced_layer_norm_takes_strided_parameters_and_refuses_bad_input():
+    """It checks its arguments as layer_norm does (it skipped them: a (6,) normalized_shape
+    on rows of 8 normalized groups of 6, a short weight was read past its end), and copies
+    strided parameters, which the kernels read as contiguous."""
+    x = random_tensor((3, 8))
+    pair = random_tensor((8, 2), seed=1)
+    weight, bias = pair[:, 0], pair[:, 1]  # stride 2
+    want = F.layer_norm(x, (8,), weight, bias)
+    torch.testing.assert_close(traced_layer_norm(x, (8,), weight, bias), want, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="trailing dimensions"):
+        traced_layer_norm(random_tensor((2, 6, 8)), (6,))
+    with pytest.raises(ValueError, match="normalized_shape"):
+        traced_layer_norm(x, (8,), torch.ones(4, device=DEVICE))
+    with pytest.raises(TypeError, match="supported"):
+        traced_layer_norm(x.double(), (8,))
+
+
 def test_module_is_the_packages_layer_norm_in_eager_mode():
     module = TracedLayerNorm(96, device=DEVICE)
     x = random_tensor((5, 96))

@@ -5,6 +5,7 @@ import math
 from conftest import random_tensor
 from hypothesis import given, settings
 from hypothesis import strategies as st
+import numpy as np
 import pytest
 from stepkernels import LayerNorm, layer_norm
 from stepkernels._core import DEVICE, FLOAT_DTYPES, ON_GPU
@@ -226,6 +227,14 @@ def test_module_is_a_drop_in_for_torch(reduction):
 def test_bad_input_is_refused_with_a_message(call, error, match):
     with pytest.raises(error, match=match):
         call(random_tensor((8, 64), torch.float32))
+
+
+def test_numpy_numbers_are_taken_as_torch_takes_them():
+    x = random_tensor((4, 10))
+    want = torch.nn.functional.layer_norm(x, (10,), eps=1e-3)
+    got = layer_norm(x, np.int64(10), eps=np.float32(1e-3))
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(LayerNorm(np.int64(10), device=DEVICE)(x), torch.nn.functional.layer_norm(x, (10,)))
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])

@@ -102,8 +102,10 @@ def layer_norm_arguments(x, normalized_shape, weight, bias, eps, reduction, bloc
             check_tensor(tensor, name, dtypes)
     shape = normalized_shape
     shape = tuple(shape) if isinstance(shape, (tuple, list, torch.Size)) else (shape,)
-    if not all(isinstance(size, int) for size in shape):
+    if not all(isinstance(size, numbers.Integral) and size is not True and size is not False
+               for size in shape):  # fmt: skip
         raise TypeError(f"normalized_shape must be ints, got {normalized_shape!r}")
+    shape = tuple(int(size) for size in shape)  # NumPy's too, as torch takes them
     if not shape or len(shape) > x.dim() or x.shape[x.dim() - len(shape) :] != shape:
         raise ValueError(f"normalized_shape {shape} must be the trailing dimensions of "
                          f"x {tuple(x.shape)}: pass x.shape[-k:] for k dimensions")  # fmt: skip
@@ -120,7 +122,7 @@ def layer_norm_arguments(x, normalized_shape, weight, bias, eps, reduction, bloc
         which = "the weight's" if weight is not None else "x's (no weight given)"
         raise TypeError(f"bias must have {which} dtype {given.dtype}, got {bias.dtype}: pass "
                         f"bias.to({given.dtype}), or fp32 weight and bias together")  # fmt: skip
-    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps >= 0:
+    if isinstance(eps, bool) or not isinstance(eps, numbers.Real) or not eps >= 0:
         raise ValueError(f"eps must be a non-negative number, got {eps!r}")
     reduction_argument(reduction, reductions)
     reduced = torch.is_grad_enabled() and any(

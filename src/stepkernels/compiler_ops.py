@@ -7,7 +7,10 @@ torch.compile to remove it."""
 import math
 
 from stepkernels._core import refuse_double_backward
+from stepkernels.arguments import layer_norm_arguments
 from stepkernels.layer_norm import (
+    REDUCTIONS,
+    SUPPORTED_DTYPES,
     LayerNorm,
     layer_norm_backward,
     layer_norm_forward,
@@ -60,8 +63,10 @@ layer_norm_forward_op.register_autograd(backward, setup_context=save_for_backwar
 
 def traced_layer_norm(x, normalized_shape, weight=None, bias=None, eps=1e-5):
     """``stepkernels.layer_norm`` as operators that ``torch.compile`` traces into."""
-    x2d = rows_of(x, math.prod(normalized_shape))
-    flat = lambda p: None if p is None else p.reshape(-1)
+    shape = layer_norm_arguments(x, normalized_shape, weight, bias, eps, "two-stage", None,
+                                 SUPPORTED_DTYPES, REDUCTIONS)  # fmt: skip
+    x2d = rows_of(x, math.prod(shape))
+    flat = lambda p: None if p is None else p.reshape(-1).contiguous()
     y, _, _ = layer_norm_forward_op(x2d, flat(weight), flat(bias), float(eps))
     return y.view(x.shape)
 
