@@ -13,6 +13,11 @@ from stepkernels.activations import check_activation
 import torch
 
 
+def is_number(value, kind=numbers.Real) -> bool:
+    """A number of ``kind``, NumPy's too, as torch takes them; not a bool."""
+    return isinstance(value, kind) and not isinstance(value, bool)
+
+
 def matmul_arguments(a, b, activation, bias, dtypes):
     """Chapter 04's ``matmul``: two 2-D matrices of one of ``dtypes`` that multiply, a known
     activation, and a bias of one value per column of the output; no autograd."""
@@ -102,8 +107,7 @@ def layer_norm_arguments(x, normalized_shape, weight, bias, eps, reduction, bloc
             check_tensor(tensor, name, dtypes)
     shape = normalized_shape
     shape = tuple(shape) if isinstance(shape, (tuple, list, torch.Size)) else (shape,)
-    if not all(isinstance(size, numbers.Integral) and size is not True and size is not False
-               for size in shape):  # fmt: skip
+    if not all(is_number(size, numbers.Integral) for size in shape):
         raise TypeError(f"normalized_shape must be ints, got {normalized_shape!r}")
     shape = tuple(int(size) for size in shape)  # NumPy's too, as torch takes them
     if not shape or len(shape) > x.dim() or x.shape[x.dim() - len(shape) :] != shape:
@@ -122,7 +126,7 @@ def layer_norm_arguments(x, normalized_shape, weight, bias, eps, reduction, bloc
         which = "the weight's" if weight is not None else "x's (no weight given)"
         raise TypeError(f"bias must have {which} dtype {given.dtype}, got {bias.dtype}: pass "
                         f"bias.to({given.dtype}), or fp32 weight and bias together")  # fmt: skip
-    if isinstance(eps, bool) or not isinstance(eps, numbers.Real) or not eps >= 0:
+    if not is_number(eps) or not eps >= 0:
         raise ValueError(f"eps must be a non-negative number, got {eps!r}")
     reduction_argument(reduction, reductions)
     reduced = torch.is_grad_enabled() and any(
@@ -155,13 +159,11 @@ def cross_entropy_arguments(target, n_rows, ignore_index, label_smoothing, reduc
         )
     if target.shape != (n_rows,):
         raise ValueError(f"target needs one class per row, ({n_rows},): {target.shape}")
-    if isinstance(ignore_index, bool) or not isinstance(ignore_index, numbers.Integral):
+    if not is_number(ignore_index, numbers.Integral):
         raise TypeError(
             f"ignore_index must be an int (a class index), got {ignore_index!r}"
         )
-    if isinstance(label_smoothing, bool) or not isinstance(
-        label_smoothing, numbers.Real
-    ):
+    if not is_number(label_smoothing):
         raise TypeError(
             f"label_smoothing must be a float in [0, 1], got {label_smoothing!r}"
         )
@@ -174,7 +176,7 @@ def cross_entropy_arguments(target, n_rows, ignore_index, label_smoothing, reduc
 
 def dropout_p(p) -> float:
     """Chapter 06: the probability of dropping, as a float in [0, 1]."""
-    if isinstance(p, bool) or not isinstance(p, numbers.Real):  # NumPy's floats too
+    if not is_number(p):
         raise TypeError(f"p must be a Python float in [0, 1], got {type(p).__name__}")
     if not 0.0 <= p <= 1.0:  # also refuses nan
         raise ValueError(f"p is the probability of dropping: 0 <= p <= 1, got {p}")
