@@ -82,3 +82,28 @@ def test_compiled_layer_norm_matches_eager(dtype):
     want = torch.autograd.grad(traced_layer_norm(x, (96,), w, b), (x, w, b), dy)
     for g, e in zip(got, want, strict=True):
         torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(not ON_GPU, reason="torch.compile's CUDA graphs need a GPU")
+def test_reduce_overhead_training_steps_of_fused_linears_at_two_sizes():
+    """Scratch our kernels keep (the Hopper matmul's counters) must not come from the private
+    memory pool of torch.compile's CUDA graphs: made while they warmed up, it failed the next
+    recording ("tensor(s) in the cudagraph pool not tracked as outputs")."""
+    from stepkernels import FusedLinear
+
+    for n_tokens in (256, 1024):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        factory = dict(device=DEVICE, dtype=torch.bfloat16)
+        model = torch.nn.Sequential(
+            FusedLinear(128, 512, activation="gelu", **factory), FusedLinear(512, 128, **factory)
+        )
+        compiled = torch.compile(model, mode="reduce-overhead", dynamic=False)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        x = torch.randn(n_tokens, 128, **factory)
+        for _ in range(4):  # warm-up, recording, replays
+            optimizer.zero_grad(set_to_none=True)
+            loss = compiled(x).float().square().mean()
+            loss.backward()
+            optimizer.step()
+        assert torch.isfinite(loss)
