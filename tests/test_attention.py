@@ -73,6 +73,21 @@ def test_large_scores_stay_finite():
     assert torch.isfinite(out).all() and all(torch.isfinite(g).all() for g in grads)
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_rows_of_very_negative_scores_have_finite_gradients(causal):
+    """Every score of a row far below zero: L < -128 in base 2, where exp2(0 - L) of a key
+    past n_kv (read as zeros) overflows; unmasked, inf x 0 made dQ NaN."""
+    n_q, n_kv = (13, 5) if causal else (3, 5)  # causal: more queries than keys, unmasked before
+    q = torch.full((1, 1, n_q, 8), -40.0, device=DEVICE, requires_grad=True)
+    k = torch.ones(1, 1, n_kv, 8, device=DEVICE, requires_grad=True)
+    v = check_attention.inputs(1, 1, 1, n_kv, 8, torch.float32, DEVICE)[2].requires_grad_()
+    dq, dk, dv = torch.autograd.grad(attention(q, k, v, causal=causal).sum(), (q, k, v))
+    exact = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    expected = F.scaled_dot_product_attention(*exact, is_causal=causal)
+    for got, want in zip((dq, dk, dv), torch.autograd.grad(expected.sum(), exact), strict=True):
+        torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-5)
+
+
 @settings(max_examples=12, deadline=None)
 @given(
     n_q=st.integers(1, 48),

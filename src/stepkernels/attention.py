@@ -158,11 +158,12 @@ def attention_key_grads_kernel(
 
 
 @triton.jit
-def query_block_grad(dq, q, do, lse, delta, keys, values, batch, head, offs_m, lo, hi,
+def query_block_grad(dq, q, do, lse, delta, keys, values, batch, head, offs_m, lo, hi, n_kv,
                      scale_log2, BLOCK_N: tl.constexpr, MASK: tl.constexpr,
-                     PRECISION: tl.constexpr):  # fmt: skip
-    """dQ of a query block over the key blocks [lo, hi). Keys past n_kv read as zeros and
-    add nothing (dQ sums dS K). MASK: j > i."""
+                     CAUSAL: tl.constexpr, PRECISION: tl.constexpr):  # fmt: skip
+    """dQ of a query block over the key blocks [lo, hi). MASK: as ``attend``'s. Keys past
+    n_kv read as zeros, but exp2(0 - lse) overflows for a row whose scores are all far below
+    zero, and inf x 0 is NaN: they are masked too."""
     for start_n in tl.range(lo, hi, BLOCK_N):
         k = load_tile(keys, batch, head, start_n)
         v = load_tile(values, batch, head, start_n)
@@ -170,7 +171,10 @@ def query_block_grad(dq, q, do, lse, delta, keys, values, batch, head, offs_m, l
         p = tl.exp2(scores * scale_log2 - lse[:, None])
         if MASK:
             offs_n = start_n + tl.arange(0, BLOCK_N)
-            p = tl.where(offs_n[None, :] <= offs_m[:, None], p, 0.0)
+            keep = offs_n[None, :] < n_kv
+            if CAUSAL:
+                keep &= offs_n[None, :] <= offs_m[:, None]
+            p = tl.where(keep, p, 0.0)
         ds = p * (tl.dot(do, tl.trans(v), input_precision=PRECISION) - delta[:, None])
         dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=PRECISION)
     return dq
@@ -192,13 +196,13 @@ def attention_query_grad_kernel(
     tl.store(delta_ptr + bh.to(tl.int64) * n_q + offs_m, delta, offs_m < n_q)
     lse = tl.load(lse_ptr + bh.to(tl.int64) * n_q + offs_m, offs_m < n_q, 0.0)
     dq = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-    end = tl.minimum(start_m // BLOCK_N * BLOCK_N, n_kv) if CAUSAL else n_kv
+    whole = n_kv // BLOCK_N * BLOCK_N  # the forward's blocks: whole, then masked
+    end = tl.minimum(start_m // BLOCK_N * BLOCK_N, whole) if CAUSAL else whole
+    hi = tl.minimum(start_m + BLOCK_M, n_kv) if CAUSAL else n_kv
     dq = query_block_grad(dq, q, do, lse, delta, keys, values, batch, head, offs_m, 0, end,
-                          scale_log2, BLOCK_N, False, PRECISION)  # fmt: skip
-    if CAUSAL:  # the diagonal blocks
-        hi = tl.minimum(start_m + BLOCK_M, n_kv)
-        dq = query_block_grad(dq, q, do, lse, delta, keys, values, batch, head, offs_m,
-                              end, hi, scale_log2, BLOCK_N, True, PRECISION)  # fmt: skip
+                          n_kv, scale_log2, BLOCK_N, False, CAUSAL, PRECISION)  # fmt: skip
+    dq = query_block_grad(dq, q, do, lse, delta, keys, values, batch, head, offs_m, end, hi,
+                          n_kv, scale_log2, BLOCK_N, True, CAUSAL, PRECISION)  # fmt: skip
     store_tile(query_grads, batch, head, start_m, dq * sm_scale)
 
 
