@@ -149,14 +149,14 @@ def normal_tail(z, ACCURATE: tl.constexpr):
 
 @triton.jit
 def apply_activation(z, ACTIVATION: tl.constexpr, OUT: tl.constexpr):
-    if ACTIVATION == "relu":
-        return tl.maximum(z, 0.0)
+    if ACTIVATION == "relu":  # where, not maximum, which drops a NaN: torch keeps it
+        return tl.where(z < 0.0, 0.0, z)
     elif ACTIVATION == "leaky_relu":  # slope 0.01, torch's default
         return tl.where(z > 0, z, 0.01 * z)
     elif ACTIVATION == "gelu":  # the exact form, z Phi(z) = max(z, 0) - |z| Phi(-|z|)
         return tl.maximum(z, 0.0) - tl.abs(z) * normal_tail(z, OUT == tl.float32)
     elif ACTIVATION == "squared_relu":
-        relu = tl.maximum(z, 0.0)
+        relu = tl.where(z < 0.0, 0.0, z)
         return relu * relu
     else:
         return z
@@ -164,8 +164,8 @@ def apply_activation(z, ACTIVATION: tl.constexpr, OUT: tl.constexpr):
 
 @triton.jit
 def activation_derivative(z, ACTIVATION: tl.constexpr, OUT: tl.constexpr):
-    if ACTIVATION == "relu":
-        return tl.where(z > 0, 1.0, 0.0)
+    if ACTIVATION == "relu":  # 1 at NaN, as torch's
+        return tl.where(z <= 0, 0.0, 1.0)
     elif ACTIVATION == "leaky_relu":
         return tl.where(z > 0, 1.0, 0.01)
     elif ACTIVATION == "gelu":  # Phi(z) + z phi(z), phi by exp2
@@ -173,7 +173,7 @@ def activation_derivative(z, ACTIVATION: tl.constexpr, OUT: tl.constexpr):
         density = tl.math.exp2(-0.7213475204444817 * z * z - 1.3257480647361595)
         return tl.where(z >= 0, 1.0 - tail, tail) + z * density
     elif ACTIVATION == "squared_relu":
-        return 2.0 * tl.maximum(z, 0.0)
+        return 2.0 * tl.where(z < 0.0, 0.0, z)
     else:
         return tl.full(z.shape, 1.0, tl.float32)
 
