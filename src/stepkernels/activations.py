@@ -33,10 +33,10 @@ def apply_activation(z, ACTIVATION: tl.constexpr, OUT: tl.constexpr):
     elif ACTIVATION == "leaky_relu":  # slope 0.01, torch's default
         return tl.where(z > 0, z, 0.01 * z)
     elif ACTIVATION == "gelu":  # the exact form, z Phi(z) = max(z, 0) - |z| Phi(-|z|)
-        return tl.maximum(z, 0.0) - tl.abs(z) * normal_tail(z, OUT == tl.float32)
+        magnitude = tl.minimum(tl.abs(z), 3e38)  # at +-inf inf and 0, not inf - inf x 0
+        return tl.maximum(z, 0.0) - magnitude * normal_tail(z, OUT == tl.float32)
     elif ACTIVATION == "squared_relu":
-        relu = tl.where(z < 0.0, 0.0, z)
-        return relu * relu
+        return tl.where(z < 0.0, 0.0, z * z)
     else:
         return z
 
