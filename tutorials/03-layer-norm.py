@@ -506,14 +506,19 @@ if backward is not None:
     print(f"two-stage faster than the lock in {faster} of {len(cases)}")
 
 # %%
-# Past ``FORWARD_MAX_BLOCK`` and ``BACKWARD_MAX_BLOCK`` rows are split over programs (chapter
-# 13): read once, but a program waits for its row's other chunks, which costs most in fp16. The
-# backward also writes and reads its partial sums, a larger share of the traffic the shorter the
-# rows. Where the ratio to the best peer is under 1, a peer is ahead: in the forward on rows that
-# fit a program, torch.compile or Liger-Kernel by a few percent. Cache hints, warps and grids did
-# not close that, nor did torch.compile's own launch in our kernels, nor dropping the masks
-# (``tools/experiments/layer_norm_forward_variants.py``); we have not found why. The providers
-# are timed in turns (How we measure), so these gaps are not a drift of the GPU's clock.
+# Past ``FORWARD_MAX_BLOCK`` and ``BACKWARD_MAX_BLOCK`` rows are split over programs (chapter 13):
+# read once, but a program waits for its row's other chunks, which costs most in fp16. The backward
+# also writes and reads its partial sums, a larger share of the traffic the shorter the rows: in
+# fp16 they keep N = 4,096 and 8,192 under 90% of a copy, where dx alone is at 89% and 94%
+# (``tools/experiments/layer_norm_backward_parts.py``; atomics gain a point or two). Where the
+# ratio to the best peer is under 1, a peer is ahead: in the forward on rows that fit a program,
+# torch.compile or Liger-Kernel by a few percent. Cache hints, warps and grids did not close that,
+# nor did torch.compile's own launch in our kernels, nor dropping the masks
+# (``tools/experiments/layer_norm_forward_variants.py``). Nsight Compute shows what differs
+# (``layer_norm_forward_ncu.py``): holding its row, our program takes 63 to 80 registers a thread,
+# so fewer warps share an SM than in torch.compile's kernel, which walks the row twice in blocks
+# (the second time from L2) with 32 to 64; our own walked kernels lost more than that gains. The
+# providers are timed in turns (How we measure), so these gaps are not a drift of the GPU's clock.
 # The two-stage reduction never waits for a lock: with its repeatability, the count above makes
 # it the default. Dotted lines are calls from Python: up to N = 4,096 our calls' CPU time
 # (printed) outlasts the kernels.

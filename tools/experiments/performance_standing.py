@@ -10,12 +10,18 @@ whose name starts with "triton") is at or above every peer recorded with it (eve
 provider but the copy) and, for a memory-bound benchmark (GB/s), at or above 90% of the copy
 of the same bytes (the ``copy (same bytes)`` provider at that point, or where a benchmark has
 none, the recorded copy bandwidth). ``--all`` prints every point, not only the short ones.
+``--since REVISION`` first lists each point that was short in the recordings at that git
+revision, its figure then and now (issue 19's before and after: ``--since 3eb52a3``, the
+scoreboard's first run, before any of the issue's changes).
 """
 
 import argparse
 import csv
+import io
 import json
+from pathlib import Path
 import re
+import subprocess
 
 from stepkernels import bench
 
@@ -39,16 +45,13 @@ def counted(x_name: str, x: float) -> bool:
     return x * (int(rows.group(1)) if rows else 1) >= 2**24
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--all", action="store_true", help="print every point")
-    args = parser.parse_args()
-    folder = bench.recorded_gpu_dir()
-    env = json.loads((folder / "environment.json").read_text())["benchmarks"]
-    met = total = 0
+def standing(read) -> dict:
+    """Each counted point's (ours, our provider, problems), from ``read(file name)``, the text
+    of a file of the recordings' folder."""
+    env = json.loads(read("environment.json"))["benchmarks"]
+    points = {}
     for name in BENCHMARKS:
-        with (folder / f"{name}.csv").open() as f:
-            rows = list(csv.DictReader(f))
+        rows = list(csv.DictReader(io.StringIO(read(f"{name}.csv"))))
         values = {(r["provider"], r["dtype"], float(r["x"])): float(r["value"]) for r in rows}
         for dtype, x in dict.fromkeys((d, x) for _, d, x in values):
             here = {pr: v for (pr, d, xx), v in values.items() if (d, xx) == (dtype, x)}
@@ -66,12 +69,49 @@ def main() -> None:
                 copy = here.get(bench.COPY_PROVIDER, env[name]["limits"]["GB/s"])
                 if best_ours < COPY_SHARE * copy:
                     problems.append(f"{best_ours / copy:.0%} of the copy ({copy:,.0f})")
-            total += 1
-            met += not problems
-            if problems or args.all:
-                status = "; ".join(problems) or "meets the target"
-                print(f"{name}, {dtype}, {x:,.0f}: {best_name} {best_ours:,.0f}: {status}")
-    print(f"{met} of {total} points meet the target")
+            points[name, dtype, x] = (best_ours, best_name, problems)
+    return points
+
+
+def git_reader(revision: str, folder: Path):
+    """``read`` for ``standing``: the recordings as they were at ``revision``."""
+    relative = folder.resolve().relative_to(Path.cwd().resolve())
+
+    def read(file_name: str) -> str:
+        command = ["git", "show", f"{revision}:{(relative / file_name).as_posix()}"]
+        return subprocess.run(command, capture_output=True, text=True, check=True).stdout
+
+    return read
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--all", action="store_true", help="print every point")
+    parser.add_argument("--since", metavar="REVISION",
+                        help="each point short at REVISION (git), then and now")  # fmt: skip
+    args = parser.parse_args()
+    folder = bench.recorded_gpu_dir()
+    now = standing(lambda file_name: (folder / file_name).read_text())
+    if args.since:
+        then = standing(git_reader(args.since, folder))
+        short_then = [key for key, (_, _, problems) in then.items() if problems]
+        for key in short_then:
+            (before, _, was), (after, who, now_problems) = then[key], now[key]
+            status = "; ".join(now_problems) or "meets the target"
+            print(f"{', '.join(map(label, key))}: {before:,.0f} ({'; '.join(was)}) -> "
+                  f"{who} {after:,.0f}: {status}")  # fmt: skip
+        met = sum(not now[key][2] for key in short_then)
+        print(f"{met} of the {len(short_then)} points short at {args.since} now meet the target; "
+              f"{sum(not p for _, _, p in then.values())} of {len(then)} met it then")  # fmt: skip
+    for key, (value, who, problems) in now.items():
+        if problems or (args.all and not args.since):
+            status = "; ".join(problems) or "meets the target"
+            print(f"{', '.join(map(label, key))}: {who} {value:,.0f}: {status}")
+    print(f"{sum(not p for _, _, p in now.values())} of {len(now)} points meet the target")
+
+
+def label(part) -> str:
+    return f"{part:,.0f}" if isinstance(part, float) else part
 
 
 if __name__ == "__main__":
