@@ -113,6 +113,24 @@ def test_inputs_are_left_unchanged_and_no_rows_are_fine():
     assert cross_entropy(empty, torch.zeros(0, dtype=torch.long, device=DEVICE), reduction="sum") == 0
 
 
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_loss_under_autocast_is_fp32_as_torchs(reduction):
+    """Autocast runs torch's losses in fp32; ours too, from bf16 logits (a bf16 loss before)."""
+    logits = random_tensor((6, 50), torch.bfloat16, seed=2).requires_grad_()
+    x, weight = random_tensor((6, 16), torch.bfloat16), random_tensor((50, 16), torch.bfloat16)
+    target = torch.randint(0, 50, (6,), device=DEVICE)
+    with torch.autocast(DEVICE.type, dtype=torch.bfloat16):
+        got = cross_entropy(logits, target, reduction=reduction)
+        want = F.cross_entropy(logits, target, reduction=reduction)
+        fused = linear_cross_entropy(x, weight, target, reduction=reduction)
+        unfused = F.cross_entropy(F.linear(x, weight), target, reduction=reduction)
+    assert got.dtype == want.dtype == fused.dtype == unfused.dtype == torch.float32
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(fused, unfused, rtol=2e-2, atol=2e-2)  # bf16 logits, rounded
+    (grad,) = torch.autograd.grad(got.sum(), logits)
+    assert grad.dtype == torch.bfloat16
+
+
 def test_second_backward_recomputes_the_gradient():
     logits = random_tensor((3, 5000)).requires_grad_()
     loss = cross_entropy(logits, targets(3, 5000, ignored_every=0), label_smoothing=0.1)

@@ -107,6 +107,7 @@ from stepkernels._core import (
     FLOAT_DTYPES,
     ON_GPU,
     check_tensor,
+    loss_dtype,
     refuse_double_backward,
     sm_count,
 )
@@ -415,7 +416,7 @@ class CrossEntropyFunction(torch.autograd.Function):
         losses = loss_rows(logits, target, options, grad, scale)
         ctx.save_for_backward(logits, target, count)
         ctx.options, ctx.grad = options, grad
-        return reduce_losses(losses, count, options.reduction).to(logits.dtype)
+        return reduce_losses(losses, count, options.reduction).to(loss_dtype(logits))
 
     @staticmethod
     def backward(ctx, grad_loss):
@@ -458,7 +459,7 @@ def cross_entropy(
     if logits.requires_grad and torch.is_grad_enabled():
         return CrossEntropyFunction.apply(logits, target, options)
     losses, count = loss_rows(logits, target, options), kept_rows(target, options)
-    return reduce_losses(losses, count, reduction).to(logits.dtype)
+    return reduce_losses(losses, count, reduction).to(loss_dtype(logits))
 
 
 # %%

@@ -46,7 +46,12 @@ DEVICE = tutorial.DEVICE
 # a pass over X_c while it is in L2-sized pieces, nearly free next to them.
 
 # @save linear_cross_entropy
-from stepkernels._core import FLOAT_DTYPES, check_tensor, refuse_double_backward
+from stepkernels._core import (
+    FLOAT_DTYPES,
+    check_tensor,
+    loss_dtype,
+    refuse_double_backward,
+)
 from stepkernels.cross_entropy import (
     check_target,
     kept_rows,
@@ -115,7 +120,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         ctx.save_for_backward(x, weight, bias, target, count)
         ctx.options, ctx.chunk_tokens, ctx.grads = options, chunk_tokens, grads
         ctx.early = early
-        return reduce_losses(losses, count, options.reduction).to(x.dtype)
+        return reduce_losses(losses, count, options.reduction).to(loss_dtype(x))
 
     @staticmethod
     def backward(ctx, grad_loss):

@@ -3,7 +3,12 @@
 # Generated from tutorials/10-linear-cross-entropy.py by tools/export.py: edit the chapter, then
 # `make export`.
 
-from stepkernels._core import FLOAT_DTYPES, check_tensor, refuse_double_backward
+from stepkernels._core import (
+    FLOAT_DTYPES,
+    check_tensor,
+    loss_dtype,
+    refuse_double_backward,
+)
 from stepkernels.cross_entropy import (
     check_target,
     kept_rows,
@@ -72,7 +77,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         ctx.save_for_backward(x, weight, bias, target, count)
         ctx.options, ctx.chunk_tokens, ctx.grads = options, chunk_tokens, grads
         ctx.early = early
-        return reduce_losses(losses, count, options.reduction).to(x.dtype)
+        return reduce_losses(losses, count, options.reduction).to(loss_dtype(x))
 
     @staticmethod
     def backward(ctx, grad_loss):
