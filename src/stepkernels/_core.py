@@ -41,7 +41,9 @@ def autotune_configs(configs: list) -> list:
 def loss_dtype(tensor: torch.Tensor) -> torch.dtype:
     """The dtype a loss of ``tensor`` comes out in: fp32 under autocast on its device, as
     PyTorch's losses (autocast runs them in fp32), else ``tensor``'s own."""
-    return torch.float32 if torch.is_autocast_enabled(tensor.device.type) else tensor.dtype
+    return (
+        torch.float32 if torch.is_autocast_enabled(tensor.device.type) else tensor.dtype
+    )
 
 
 def dtype_name(dtype: torch.dtype) -> str:
