@@ -148,6 +148,8 @@ def zeros(*shape, dtype=torch.float16):
         (lambda: attention(zeros(1, 2, 8, 64), *[zeros(1, 2, 0, 64)] * 2), "at least one key"),
         (lambda: attention(*[zeros(1, 2, 8, 64)] * 3, sm_scale=-1.0), "positive"),
         (lambda: attention(*[zeros(1, 2, 8, 64)] * 3, sm_scale=float("inf")), "finite"),
+        (lambda: attention(*[zeros(1, 2, 8, 64)] * 3, sm_scale="0.5"), "number or None"),
+        (lambda: attention(*[zeros(1, 2, 8, 64)] * 3, sm_scale=True), "number or None"),
         (lambda: attention(*[zeros(1, 2, 8, 64)] * 3, causal="no"), "True or False"),
         (lambda: attention([[0.0]], *[zeros(1, 2, 8, 64)] * 2), "torch.Tensor"),
     ],
