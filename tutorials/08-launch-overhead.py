@@ -467,6 +467,7 @@ if tutorial.ON_GPU:
     print(f"fourth step, replayed graph {replayed:.5f}, eager {eager:.5f}")
     torch.testing.assert_close(replayed, eager, rtol=2e-2, atol=2e-2)
     # make_graphed_callables records a module's forward and backward: the rest stays eager.
+    # (PyTorch 2.11 warns of an AccumulateGrad stream here for any module, torch's own too.)
     module, x_leaf = make_model(True)[0], x.clone().requires_grad_()
     graphed = torch.cuda.make_graphed_callables(module, (x_leaf,))
     torch.testing.assert_close(graphed(x_leaf), module(x_leaf), rtol=0, atol=0)
