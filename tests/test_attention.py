@@ -62,7 +62,7 @@ def test_last_dimension_not_contiguous():
     check(q, k, v)
 
 
-@pytest.mark.parametrize("sm_scale", [0.01, 0.5, 2.0])
+@pytest.mark.parametrize("sm_scale", [1e-45, 0.01, 0.5, 2.0])
 def test_sm_scale(sm_scale):
     check(*inputs(1, 2, 33, 33, 64), causal=True, sm_scale=sm_scale)
 
@@ -146,10 +146,11 @@ def zeros(*shape, dtype=torch.float16):
         (lambda: attention(zeros(1, 2, 8, 64), *[zeros(1, 2, 8, 64, dtype=torch.bfloat16)] * 2), "share a dtype"),
         (lambda: attention(*[zeros(1, 2, 8, 64, dtype=torch.int8)] * 3), "supported"),
         (lambda: attention(zeros(1, 2, 8, 64), *[zeros(1, 2, 0, 64)] * 2), "at least one key"),
-        (lambda: attention(*[zeros(1, 2, 8, 64)] * 3, sm_scale=-1.0), "positive"),
+        (lambda: attention(*[zeros(1, 2, 8, 64)] * 3, sm_scale=-1.0), ">= 1e-45"),
+        (lambda: attention(*[zeros(1, 2, 8, 64)] * 3, sm_scale=1e-50), ">= 1e-45"),
         (lambda: attention(*[zeros(1, 2, 8, 64)] * 3, sm_scale=float("inf")), "finite"),
-        (lambda: attention(*[zeros(1, 2, 8, 64)] * 3, sm_scale="0.5"), "number or None"),
-        (lambda: attention(*[zeros(1, 2, 8, 64)] * 3, sm_scale=True), "number or None"),
+        (lambda: attention(*[zeros(1, 2, 8, 64)] * 3, sm_scale="0.5"), "number"),
+        (lambda: attention(*[zeros(1, 2, 8, 64)] * 3, sm_scale=True), "number"),
         (lambda: attention(*[zeros(1, 2, 8, 64)] * 3, causal="no"), "True or False"),
         (lambda: attention([[0.0]], *[zeros(1, 2, 8, 64)] * 2), "torch.Tensor"),
     ],

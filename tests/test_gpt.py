@@ -116,6 +116,8 @@ def test_refuses_bad_input():
     for prompt, options in ((idx[:, :0], {}), (idx[0], {}), (idx, {"top_k": 0}), (idx, {"temperature": 0})):
         with pytest.raises(ValueError, match="time|temperature"):
             model.generate(prompt, 2, **options)
+    with pytest.raises(ValueError, match=r"time, got shape \(8,\): one sequence is idx\[None\]"):
+        model.generate(idx[0], 2)  # no block_size in the message: a prompt may be longer
 
 
 def test_int32_targets_give_one_loss_on_both_layers():

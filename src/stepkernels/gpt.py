@@ -139,7 +139,8 @@ class GPT(nn.Module):
 
     def forward(self, idx, targets=None):
         """Logits (B, T, vocab) for token ids ``idx`` (B, T), and the mean cross-entropy
-        against ``targets`` (B, T) when given, else None."""
+        against ``targets`` (B, T) when given, else None. A target outside the vocabulary
+        (other than -100, ignored) gives a NaN loss with our kernels; PyTorch's raise."""
         check_tokens(idx, targets, self.block_size)
         layers = TritonLayers() if self.use_triton else TorchLayers()
         p = self.dropout if self.training else 0.0
@@ -191,9 +192,11 @@ def check_tokens(idx, targets, block_size=math.inf):
             raise TypeError(f"{name} must be a tensor of token ids, int64 or int32")
     if idx.dim() != 2 or not 0 < idx.shape[1] <= block_size:
         too_long = idx.dim() == 2 and idx.shape[1] > block_size
-        crop = f": crop with idx[:, -{block_size}:]" if too_long else ""
-        raise ValueError(f"idx must be (batch, time) token ids, 1 <= time <= block_size "
-                         f"({block_size}), got shape {tuple(idx.shape)}{crop}")  # fmt: skip
+        hint = f": crop with idx[:, -{block_size}:]" if too_long else ""
+        hint = ": one sequence is idx[None]" if idx.dim() == 1 else hint
+        limit = "" if block_size == math.inf else f" <= block_size ({block_size})"
+        raise ValueError(f"idx must be (batch, time) token ids, 1 <= time{limit}, got "
+                         f"shape {tuple(idx.shape)}{hint}")  # fmt: skip
     if targets is not None and targets.shape != idx.shape:
         raise ValueError(f"targets must match idx's shape {tuple(idx.shape)}, got "
                          f"{tuple(targets.shape)}")  # fmt: skip
