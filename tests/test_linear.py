@@ -191,7 +191,7 @@ def test_state_dict_interchange_with_nn_linear():
     x = random_tensor((3, 10), seed=5)
     torch.testing.assert_close(ours(x), torch.relu(theirs(x)).square(), rtol=1e-4, atol=1e-4)
     theirs.load_state_dict(FusedLinear(10, 7, bias=True).to(DEVICE).state_dict())
-    assert "activation=squared_relu" in repr(ours)
+    assert "activation='squared_relu', recompute=" in repr(ours)
     torch.manual_seed(1)
     fresh_theirs = torch.nn.Linear(4, 3)
     torch.manual_seed(1)
@@ -243,7 +243,8 @@ def test_double_backward_is_refused():
 @pytest.mark.parametrize(
     "call, error, match",
     [
-        (lambda x, w: linear(x, w.t()), ValueError, "in_features"),
+        (lambda x, w: linear(x, w.t()), ValueError, "in_features.*the transposed weight"),
+        (lambda x, w: linear(x[:, :6], w), ValueError, "x has 6 features where the weight takes 16"),
         (lambda x, w: linear(x.half(), w), TypeError, "dtype"),
         (lambda x, w: FusedLinear(16, 4, device=DEVICE)(x.half()), TypeError, "one dtype for all"),
         (lambda x, w: linear(x, w, torch.zeros(5, device=DEVICE)), ValueError, r"bias \(out_features,\)"),
@@ -260,3 +261,12 @@ def test_double_backward_is_refused():
 def test_bad_input_is_refused_with_a_message(call, error, match):
     with pytest.raises(error, match=match):
         call(random_tensor((8, 16)), random_tensor((4, 16), seed=1))
+
+
+def test_dtype_mismatch_under_autocast_says_autocast_does_not_cast_for_us():
+    """nn.Linear's bf16 output under autocast into FusedLinear's fp32 weight: the message
+    names autocast, which casts torch's layers and not ours."""
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16), FusedLinear(16, 4)).to(DEVICE)
+    with torch.autocast(DEVICE.type, dtype=torch.bfloat16):
+        with pytest.raises(TypeError, match="autocast does not cast for our kernels"):
+            model(random_tensor((8, 16)))

@@ -289,8 +289,9 @@ BAD_INPUTS = {
     "dtypes differ": ((a, b.half()), {}, TypeError, "convert one"),
     "integer dtype": ((a.int(), b.int()), {}, TypeError, "supported"),
     "float64": ((a.double(), b.double()), {}, TypeError, "supported"),
-    "1-D": ((a[0], b), {}, ValueError, "2-D"),
-    "3-D": ((a[None], b), {}, ValueError, "2-D"),
+    "1-D": ((a[0], b), {}, ValueError, r"2-D.*a\[None\]"),
+    "1-D b": ((a, b[:, 0]), {}, ValueError, r"2-D.*b\[:, None\]"),
+    "3-D": ((a[None], b), {}, ValueError, r"2-D.*a.reshape\(-1, a.shape\[-1\]\)"),
     "wrong device": ((a.to("meta"), b.to("meta")), {}, ValueError, "move it"),
     "not a tensor": (([[1.0]], b), {}, TypeError, "torch.Tensor"),
     "bias length": ((a, b), {"bias": torch.zeros(5)}, ValueError, "one value per"),
@@ -396,6 +397,17 @@ def test_accumulate_into_an_empty_output(m, n):
     a, b = torch.randn(m, 5, device=DEVICE), torch.randn(5, n, device=DEVICE)
     out = torch.empty(m, n, device=DEVICE)
     assert matmul(a, b, accumulate=out) is out
+
+
+def test_accumulate_laid_out_otherwise_is_refused_saying_what_to_pass():
+    a, b = torch.randn(1, 16, device=DEVICE), torch.randn(16, 12, device=DEVICE)
+    odd_strides = torch.zeros(12, 1, device=DEVICE).t()  # (1, 12), strides (1, 1)
+    storage = torch.zeros(20, device=DEVICE)
+    for out in (odd_strides, storage[1:13].view(1, 12)):  # the second 4 bytes off
+        with pytest.raises(ValueError, match=r"strides \(12, 1\).*out.clone\(memory_format"):
+            matmul(a, b, accumulate=out)
+        fresh = out.clone(memory_format=torch.contiguous_format)
+        torch.testing.assert_close(matmul(a, b, accumulate=fresh), out + a @ b, rtol=1e-4, atol=1e-4)
 
 
 def test_accumulate_sharing_memory_with_an_operand_is_refused():

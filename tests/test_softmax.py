@@ -181,6 +181,13 @@ def test_bad_input_is_refused_with_advice(case, name):
         FUNCTIONS[name][0](bad)
 
 
+@pytest.mark.parametrize("log", ["False", 0, None])
+def test_log_must_be_a_bool(log):
+    """A string "False" is truthy: it gave log_softmax without a word."""
+    with pytest.raises(TypeError, match="log must be True or False"):
+        softmax(x, log=log)
+
+
 @pytest.mark.skipif(ON_GPU, reason="on a GPU the script also benchmarks; run it by hand")
 def test_looped_backward_experiment_checks_out_under_the_interpreter(capsys):
     """tools/experiments/softmax_split_backward.py (chapter 02's exercise 3) against torch."""

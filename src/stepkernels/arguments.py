@@ -1,5 +1,5 @@
-"""Argument checks of public functions whose chapters leave them out of the lesson (03, 04, 06,
-09).
+"""Argument checks of public functions whose chapters leave them out of the lesson (02, 03, 04,
+06, 09).
 
 Each raises with what to do instead; the chapter's function calls it before any kernel runs.
 """
@@ -18,6 +18,17 @@ def is_number(value, kind=numbers.Real) -> bool:
     return isinstance(value, kind) and not isinstance(value, bool)
 
 
+def softmax_arguments(x, log, dtypes) -> None:
+    """Chapter 02's ``softmax``: a tensor of one of ``dtypes`` with a last dimension, and
+    ``log`` True or False."""
+    check_tensor(x, "x", dtypes)
+    if x.dim() == 0:
+        raise ValueError("x is 0-dim, but softmax runs over the last dimension: "
+                         "pass x.reshape(1) (whose softmax is [1.0])")  # fmt: skip
+    if not isinstance(log, bool):  # "False" would mean True
+        raise TypeError(f"log must be True or False, got {log!r}")
+
+
 def matmul_arguments(a, b, activation, bias, dtypes):
     """Chapter 04's ``matmul``: two 2-D matrices of one of ``dtypes`` that multiply, a known
     activation, and a bias of one value per column of the output; no autograd."""
@@ -26,9 +37,17 @@ def matmul_arguments(a, b, activation, bias, dtypes):
     for name, tensor in (("a", a), ("b", b)):
         check_tensor(tensor, name, dtypes)  # fp8 needs compute capability 8.9
         if tensor.dim() != 2:
+            fix = {  # a vector as a matrix; a's leading dimensions flattened into rows
+                ("a", 1): "a[None] (one row)",
+                ("b", 1): "b[:, None] (one column)",
+                ("a", 3): "a.reshape(-1, a.shape[-1]) (batches of rows as rows)",
+                (
+                    "b",
+                    3,
+                ): "one product per batch (a loop), or torch.matmul (it broadcasts)",
+            }.get((name, min(tensor.dim(), 3)), "a matrix (a 2-D tensor)")
             raise ValueError(
-                f"{name} must be a 2-D matrix, got shape {tuple(tensor.shape)}: flatten "
-                f"the leading dimensions with {name}.reshape(-1, {name}.shape[-1])"
+                f"{name} must be a 2-D matrix, got shape {tuple(tensor.shape)}: use {fix}"
             )
     if a.dtype != b.dtype:
         raise TypeError(f"a is {a.dtype} but b is {b.dtype}: convert one with .to(...)")
@@ -57,7 +76,11 @@ def accumulate_arguments(out, a, b, activation, return_preactivation, dtype):
     empty = out.shape == shape and out.numel() == 0
     laid_out = out.stride() == (shape[1], 1) and out.data_ptr() % 16 == 0
     if out.shape != shape or not (empty or laid_out):
-        raise ValueError(f"accumulate must be {shape}, contiguous and 16-byte aligned")
+        raise ValueError(f"accumulate must be {shape} with strides ({shape[1]}, 1) and 16-byte "
+                         f"aligned, got {tuple(out.shape)} with strides {out.stride()} at "
+                         f"{out.data_ptr() % 16} past 16 bytes: add into "
+                         f"out.clone(memory_format=torch.contiguous_format), then copy "
+                         f"it back")  # fmt: skip
     apart = (a.untyped_storage().data_ptr(), b.untyped_storage().data_ptr())
     if storage in apart and not empty:
         raise ValueError("accumulate shares memory with a or b: pass a copy of those")
@@ -71,6 +94,10 @@ def parameter_dtype(name, param, x, fp32_too=False) -> None:
     """A parameter in x's dtype, or in fp32 where ``fp32_too`` (the kernel reads it as fp32)."""
     if param.dtype != x.dtype and not (fp32_too and param.dtype == torch.float32):
         also = " (fp32 parameters take x of any dtype, as torch's)" if fp32_too else ""
+        if torch.is_autocast_enabled(
+            x.device.type
+        ):  # which casts torch's layers, not ours
+            also += "; torch.autocast does not cast for our kernels (chapter 12 casts by hand)"
         raise TypeError(f"{name} is {param.dtype} but x is {x.dtype}: one dtype for all, "
                         f"convert x or the parameter with .to(...){also}")  # fmt: skip
 
@@ -88,9 +115,18 @@ def linear_arguments(x, weight, bias, activation) -> None:
         raise ValueError(
             "x must be (..., in_features), weight (out_features, in_features) and bias "
             f"(out_features,) or None, got shapes {tuple(x.shape)}, {tuple(weight.shape)} "
-            f"and {None if bias is None else tuple(bias.shape)}: the transposed weight?"
+            f"and {None if bias is None else tuple(bias.shape)}{linear_shape_hint(x, weight)}"
         )
     check_activation(activation)
+
+
+def linear_shape_hint(x, weight) -> str:
+    """What a shape mismatch in ``linear`` most likely is, where one thing stands out."""
+    if weight.dim() != 2 or x.dim() == 0 or x.shape[-1] == weight.shape[1]:
+        return ""  # the bias, or a weight or x that is no matrix
+    if x.shape[-1] == weight.shape[0]:
+        return ": the transposed weight? (nn.Linear keeps (out_features, in_features))"
+    return f": x has {x.shape[-1]} features where the weight takes {weight.shape[1]}"
 
 
 def reduction_argument(reduction, reductions) -> None:

@@ -190,4 +190,4 @@ class FusedLinear(nn.Linear):
         return linear(*args, recompute=self.recompute)
 
     def extra_repr(self):
-        return f"{super().extra_repr()}, activation={self.activation}"
+        return f"{super().extra_repr()}, activation={self.activation!r}, recompute={self.recompute}"

@@ -8,7 +8,8 @@ from dataclasses import dataclass
 import functools
 
 import numpy as np
-from stepkernels._core import INTERPRET, ON_GPU, check_tensor, refuse_double_backward
+from stepkernels._core import INTERPRET, ON_GPU, refuse_double_backward
+from stepkernels.arguments import softmax_arguments
 from stepkernels.launch import lean  # cheap repeated launches: chapter 08
 import torch
 import triton
@@ -307,10 +308,7 @@ class SoftmaxFunction(torch.autograd.Function):
 def softmax(x: torch.Tensor, *, log: bool = False) -> torch.Tensor:
     """``torch.softmax(x, dim=-1)`` (``log=True``: ``log_softmax``) for fp32, fp16 and
     bf16, with autograd."""
-    check_tensor(x, "x", SUPPORTED_DTYPES)
-    if x.dim() == 0:
-        raise ValueError("x is 0-dim, but softmax runs over the last dimension: "
-                         "pass x.reshape(1) (whose softmax is [1.0])")  # fmt: skip
+    softmax_arguments(x, log, SUPPORTED_DTYPES)  # raises, saying what to do
     if x.requires_grad and torch.is_grad_enabled():
         return SoftmaxFunction.apply(x, log)
     return softmax_forward(x, log)  # autograd's machinery costs the CPU ~15 µs: skip it
