@@ -29,6 +29,14 @@ def softmax_arguments(x, log, dtypes) -> None:
         raise TypeError(f"log must be True or False, got {log!r}")
 
 
+MATRIX_HINTS = {  # (operand, dimensions up to 3): how to pass it to matmul as a matrix
+    ("a", 1): "a[None] (one row)",
+    ("b", 1): "b[:, None] (one column)",
+    ("a", 3): "a.reshape(-1, a.shape[-1]) (batches of rows as rows)",
+    ("b", 3): "one product per batch, or torch.matmul, which broadcasts",
+}
+
+
 def matmul_arguments(a, b, activation, bias, dtypes):
     """Chapter 04's ``matmul``: two 2-D matrices of one of ``dtypes`` that multiply, a known
     activation, and a bias of one value per column of the output; no autograd."""
@@ -37,15 +45,7 @@ def matmul_arguments(a, b, activation, bias, dtypes):
     for name, tensor in (("a", a), ("b", b)):
         check_tensor(tensor, name, dtypes)  # fp8 needs compute capability 8.9
         if tensor.dim() != 2:
-            fix = {  # a vector as a matrix; a's leading dimensions flattened into rows
-                ("a", 1): "a[None] (one row)",
-                ("b", 1): "b[:, None] (one column)",
-                ("a", 3): "a.reshape(-1, a.shape[-1]) (batches of rows as rows)",
-                (
-                    "b",
-                    3,
-                ): "one product per batch (a loop), or torch.matmul (it broadcasts)",
-            }.get((name, min(tensor.dim(), 3)), "a matrix (a 2-D tensor)")
+            fix = MATRIX_HINTS.get((name, min(tensor.dim(), 3)), "a 2-D tensor")
             raise ValueError(
                 f"{name} must be a 2-D matrix, got shape {tuple(tensor.shape)}: use {fix}"
             )
@@ -94,9 +94,7 @@ def parameter_dtype(name, param, x, fp32_too=False) -> None:
     """A parameter in x's dtype, or in fp32 where ``fp32_too`` (the kernel reads it as fp32)."""
     if param.dtype != x.dtype and not (fp32_too and param.dtype == torch.float32):
         also = " (fp32 parameters take x of any dtype, as torch's)" if fp32_too else ""
-        if torch.is_autocast_enabled(
-            x.device.type
-        ):  # which casts torch's layers, not ours
+        if torch.is_autocast_enabled(x.device.type):  # casts torch's layers only
             also += "; torch.autocast does not cast for our kernels (chapter 12 casts by hand)"
         raise TypeError(f"{name} is {param.dtype} but x is {x.dtype}: one dtype for all, "
                         f"convert x or the parameter with .to(...){also}")  # fmt: skip
