@@ -128,7 +128,8 @@ def linear_shape_hint(x, weight) -> str:
 
 
 def reduction_argument(reduction, reductions) -> None:
-    """Chapter 03's ``reduction``, checked by ``layer_norm`` and when a module is made."""
+    """A ``reduction`` option: chapter 03's (by ``layer_norm`` and when a module is made) and
+    chapter 09's."""
     if reduction not in reductions:
         raise ValueError(f"reduction {reduction!r} unknown: choose one of {reductions}")
 
@@ -203,8 +204,7 @@ def cross_entropy_arguments(target, n_rows, ignore_index, label_smoothing, reduc
         )
     if not 0.0 <= label_smoothing <= 1.0:
         raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing}")
-    if reduction not in reductions:
-        raise ValueError(f"reduction must be one of {reductions}, got {reduction!r}")
+    reduction_argument(reduction, reductions)
     return int(ignore_index), float(label_smoothing)
 
 

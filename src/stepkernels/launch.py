@@ -71,9 +71,8 @@ class LeanKernel:
             return
         jit = kernel
         while not isinstance(jit, triton.runtime.JITFunction):
-            if isinstance(
-                jit, triton.runtime.Heuristics
-            ):  # outer first, as Triton runs them
+            if isinstance(jit, triton.runtime.Heuristics):
+                # outer layers first, as Triton runs them
                 self.heuristics.update(jit.values)
             jit = jit.fn
         self.arg_names = list(jit.arg_names)
