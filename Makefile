@@ -3,9 +3,9 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 CHAPTERS ?= $(sort $(wildcard tutorials/[0-9][0-9]-*.py))
-# Benchmarks recorded in results/ that left the chapters for tools/experiments: make bench
+# Benchmarks recorded in results/ that left the chapters for the lab (lab/): make bench
 # records them too (CHAPTERS=... alone records just those chapters).
-RECORDED_EXPERIMENTS ?= $(if $(filter command line,$(origin CHAPTERS)),,$(addprefix tools/experiments/,\
+RECORDED_EXPERIMENTS ?= $(if $(filter command line,$(origin CHAPTERS)),,$(addprefix lab/,\
 	softmax_steps.py softmax_long_rows.py softmax_cpu_per_call.py layer_norm_group_size.py))
 SPHINXOPTS ?=
 SPHINX := $(PY) -m sphinx -c . -W --keep-going $(SPHINXOPTS)
@@ -28,7 +28,7 @@ help:
 	@echo "make notebooks      write every chapter as a notebook into build/notebooks"
 	@echo "make wheel          build the package as a wheel into dist/"
 	@echo "make bench          on a GPU: run every chapter at full size and record the results"
-	@echo "                    and the recorded experiments (tools/experiments; CHAPTERS=... ONLY=...:"
+	@echo "                    and the recorded experiments (lab/; CHAPTERS=... ONLY=...:"
 	@echo "                    just those chapters and, of them, just the benchmarks named)"
 	@echo "make results-table  rewrite the README's results table from the recorded results"
 	@echo "make clean          remove what the builds wrote; distclean also removes $(VENV) and data"

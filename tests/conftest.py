@@ -1,7 +1,7 @@
 import matplotlib.pyplot as plt
 import pytest
 import stepkernels  # noqa: F401  (first: without a GPU it selects Triton's interpreter)
-from stepkernels._core import DEVICE
+from stepkernels.runtime.core import DEVICE
 import torch
 
 

@@ -2,14 +2,14 @@
 against torch and torch's autograd."""
 
 import pytest
-from stepkernels._core import DEVICE
-from stepkernels.activations import (
+from stepkernels.runtime.activations import (
     ACTIVATIONS,
     activation_derivative,
     activation_reference,
     apply_activation,
     check_activation,
 )
+from stepkernels.runtime.core import DEVICE
 import torch
 import triton
 import triton.language as tl

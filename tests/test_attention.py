@@ -4,8 +4,9 @@ public function only: odd lengths, head dims, causal and not, dtypes, strided la
 from hypothesis import given, settings
 from hypothesis import strategies as st
 import pytest
-from stepkernels import attention, check_attention
-from stepkernels._core import DEVICE, ON_GPU
+from stepkernels import attention
+from stepkernels.lessons import check_attention
+from stepkernels.runtime.core import DEVICE, ON_GPU
 import torch
 import torch.nn.functional as F
 

@@ -9,8 +9,8 @@ from types import SimpleNamespace
 
 import matplotlib.pyplot as plt
 import pytest
-from stepkernels import bench
-from stepkernels._core import INTERPRET, ON_GPU
+from stepkernels.lessons import bench
+from stepkernels.runtime.core import INTERPRET, ON_GPU
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -213,7 +213,7 @@ def test_importing_the_package_changes_no_setting_but_the_interpreter_switch():
     probe = """
 import os, torch
 before = dict(os.environ), torch.get_float32_matmul_precision(), torch.are_deterministic_algorithms_enabled()
-import stepkernels, stepkernels.bench, stepkernels.tutorial, stepkernels.figures
+import stepkernels, stepkernels.lessons.bench, stepkernels.lessons.tutorial, stepkernels.lessons.figures
 after = dict(os.environ), torch.get_float32_matmul_precision(), torch.are_deterministic_algorithms_enabled()
 changed = {k for k in set(before[0]) | set(after[0]) if before[0].get(k) != after[0].get(k)}
 assert changed <= {"TRITON_INTERPRET"}, changed

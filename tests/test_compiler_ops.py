@@ -6,8 +6,8 @@ import sys
 
 from conftest import random_tensor
 import pytest
-from stepkernels._core import DEVICE, ON_GPU
-from stepkernels.compiler_ops import TracedLayerNorm, traced_layer_norm
+from stepkernels.ops.compiler_ops import TracedLayerNorm, traced_layer_norm
+from stepkernels.runtime.core import DEVICE, ON_GPU
 import torch
 import torch.nn.functional as F
 

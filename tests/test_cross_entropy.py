@@ -5,8 +5,9 @@ from conftest import random_tensor
 from hypothesis import given, settings
 from hypothesis import strategies as st
 import pytest
-from stepkernels import check_cross_entropy, cross_entropy, linear_cross_entropy
-from stepkernels._core import DEVICE, ON_GPU
+from stepkernels import cross_entropy, linear_cross_entropy
+from stepkernels.lessons import check_cross_entropy
+from stepkernels.runtime.core import DEVICE, ON_GPU
 import torch
 import torch.nn.functional as F
 

@@ -7,7 +7,7 @@ from pathlib import Path
 import tarfile
 
 import pytest
-from stepkernels import data
+from stepkernels.models import data
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent

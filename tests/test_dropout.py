@@ -9,9 +9,9 @@ from hypothesis import strategies as st
 import numpy as np
 import pytest
 from stepkernels import Dropout, DropoutBiasAct, dropout, dropout_bias_act
-from stepkernels._core import DEVICE, INTERPRET, ON_GPU, fresh_seed, zeroed
-from stepkernels.activations import ACTIVATIONS, activation_reference
-from stepkernels.check_dropout import check_fused_case, fused_mask
+from stepkernels.lessons.check_dropout import check_fused_case, fused_mask
+from stepkernels.runtime.activations import ACTIVATIONS, activation_reference
+from stepkernels.runtime.core import DEVICE, INTERPRET, ON_GPU, fresh_seed, zeroed
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -573,8 +573,8 @@ def test_modules_refuse_bad_arguments():
 
 # ----------------------------------------------------------------- the experiments
 def test_experiments_agree_with_the_package():
-    """tools/experiments: the flat fused forward equals the package's bit for bit, and the
+    """lab/: the flat fused forward equals the package's bit for bit, and the
     comparison variants are dropout (the stored mask is ours, stored)."""
     for script in ("fused_dropout_sweep.py", "dropout_variants.py"):
-        namespace = runpy.run_path(str(ROOT / "tools" / "experiments" / script), run_name="check")
+        namespace = runpy.run_path(str(ROOT / "lab" / script), run_name="check")
         namespace["check"]()

@@ -4,10 +4,10 @@ PyTorch's layers, dropout seeds on the device, training, checkpoints and samplin
 from pathlib import Path
 
 import pytest
-from stepkernels._core import DEVICE, ON_GPU
-from stepkernels.data import CharacterData
-from stepkernels.gpt import GPT
-from stepkernels.train import Config, Trainer, learning_rate, parse_config
+from stepkernels.models.data import CharacterData
+from stepkernels.models.gpt import GPT
+from stepkernels.models.train import Config, Trainer, learning_rate, parse_config
+from stepkernels.runtime.core import DEVICE, ON_GPU
 import torch
 
 TEXT = "to be, or not to be: that is the question. whether 'tis nobler in the mind\n" * 40

@@ -6,13 +6,13 @@ import sys
 from conftest import random_tensor
 import pytest
 from stepkernels import layer_norm, matmul, softmax
-from stepkernels._core import ON_GPU
-from stepkernels.launch import LeanKernel, triton_launches
+from stepkernels.runtime.core import ON_GPU
+from stepkernels.runtime.launch import LeanKernel, triton_launches
 import torch
 import triton
 import triton.language as tl
 
-softmax_module = sys.modules["stepkernels.softmax"]
+softmax_module = sys.modules["stepkernels.ops.softmax"]
 
 
 def test_launch_key_separates_what_triton_specializes_on():
@@ -62,7 +62,7 @@ def test_forget_drops_launchers_and_the_autotuners_choices():
 def test_heuristic_rules_see_only_what_the_launch_key_holds():
     kernel = LeanKernel.__new__(LeanKernel)  # the fields heuristic_values reads
     kernel.arg_names = ["a_ptr", "K", "BLOCK_K"]
-    tuned = sys.modules["stepkernels.matmul"].matmul_portable_tuned.kernel
+    tuned = sys.modules["stepkernels.ops.matmul"].matmul_portable_tuned.kernel
     kernel.heuristics = dict(tuned.fn.values)  # chapter 04's EVEN_K, under the autotuner
     a = torch.zeros(4)
     assert kernel.heuristic_values((a, 96), {"BLOCK_K": 32}) == {"EVEN_K": True}
@@ -100,4 +100,4 @@ def test_lean_launches_of_autotuned_and_multi_kernel_operations():
             matmul(a[:, :100], b[:100]), (a[:, :100].float() @ b[:100].float()).half(), rtol=1e-2, atol=1e-2
         )
     assert layer_norm(a, (200,), w, bias).shape == a.shape
-    assert sys.modules["stepkernels.matmul"].matmul_portable_tuned.entries  # EVEN_K evaluated
+    assert sys.modules["stepkernels.ops.matmul"].matmul_portable_tuned.entries  # EVEN_K evaluated

@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 import numpy as np
 import pytest
 from stepkernels import LayerNorm, layer_norm
-from stepkernels._core import DEVICE, FLOAT_DTYPES, ON_GPU
+from stepkernels.runtime.core import DEVICE, FLOAT_DTYPES, ON_GPU
 import torch
 
 REDUCTIONS = ("two-stage", "lock")

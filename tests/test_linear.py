@@ -6,11 +6,11 @@ import importlib
 from conftest import random_tensor
 import pytest
 from stepkernels import FusedLinear, linear
-from stepkernels._core import DEVICE, ON_GPU
-from stepkernels.activations import ACTIVATIONS, activation_reference
+from stepkernels.runtime.activations import ACTIVATIONS, activation_reference
+from stepkernels.runtime.core import DEVICE, ON_GPU
 import torch
 
-linear_module = importlib.import_module("stepkernels.linear")  # the package's `linear` is the function
+linear_module = importlib.import_module("stepkernels.ops.linear")  # the package's `linear` is the function
 
 DTYPES = (torch.float32, torch.float16) + ((torch.bfloat16,) if ON_GPU else ())  # no bf16 dot on CPU
 UNIT = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 4e-2}

@@ -13,12 +13,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 import pytest
 from stepkernels import matmul
-from stepkernels._core import DEVICE, INTERPRET, ON_GPU, capability, zeroed
-from stepkernels.activations import ACTIVATIONS
-from stepkernels.check_matmul import matmul_reference, tolerance
-from stepkernels.matmul import matmul_portable
-from stepkernels.matmul_hopper import TMA_CONFIGS, launch_tma, matmul_tma, row_major, sm_count
-from stepkernels.matmul_tuning import keep_tma_configs, programs, tail_shares
+from stepkernels.lessons.check_matmul import matmul_reference, tolerance
+from stepkernels.ops.matmul import matmul_portable
+from stepkernels.ops.matmul_hopper import TMA_CONFIGS, launch_tma, matmul_tma, row_major, sm_count
+from stepkernels.ops.matmul_tuning import keep_tma_configs, programs, tail_shares
+from stepkernels.runtime.activations import ACTIVATIONS
+from stepkernels.runtime.core import DEVICE, INTERPRET, ON_GPU, capability, zeroed
 import torch
 
 DTYPES = [torch.float16, torch.float32] + ([torch.bfloat16] if ON_GPU else [])
@@ -68,7 +68,7 @@ def assert_matches(kernel, a, b, activation=None, bias=None):
 
 
 def descriptor_can_take(kernel_name, a, b):
-    from stepkernels.matmul_hopper import tma_operands
+    from stepkernels.ops.matmul_hopper import tma_operands
 
     return "descriptor" not in kernel_name or tma_operands(a, b) is not None
 

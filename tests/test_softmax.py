@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 import pytest
 from stepkernels import log_softmax, softmax
-from stepkernels._core import DEVICE, INTERPRET, ON_GPU
+from stepkernels.runtime.core import DEVICE, INTERPRET, ON_GPU
 import torch
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -190,8 +190,8 @@ def test_log_must_be_a_bool(log):
 
 @pytest.mark.skipif(ON_GPU, reason="on a GPU the script also benchmarks; run it by hand")
 def test_looped_backward_experiment_checks_out_under_the_interpreter(capsys):
-    """tools/experiments/softmax_split_backward.py (chapter 02's exercise 3) against torch."""
-    script = Path(__file__).resolve().parent.parent / "tools/experiments/softmax_split_backward.py"
+    """lab/softmax_split_backward.py (chapter 02's exercise 3) against torch."""
+    script = Path(__file__).resolve().parent.parent / "lab/softmax_split_backward.py"
     runpy.run_path(str(script))
     assert "backward match torch.autograd" in capsys.readouterr().out
 
@@ -199,7 +199,7 @@ def test_looped_backward_experiment_checks_out_under_the_interpreter(capsys):
 def test_split_launches_take_their_warps():
     """The split kernels run with the warps their launch rule names (a split launch once took
     Launch's default of 4 for the forward's 8: Nsight Compute showed 128 threads a program)."""
-    module = importlib.import_module("stepkernels.softmax")  # the package's softmax is a function
+    module = importlib.import_module("stepkernels.ops.softmax")  # the package's softmax is a function
 
     for backward, (values, warps) in ((False, module.SPLIT_FORWARD), (True, module.SPLIT_BACKWARD)):
         launch = module.default_launch(2**16, backward=backward)

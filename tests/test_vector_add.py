@@ -2,7 +2,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 import pytest
 from stepkernels import add
-from stepkernels._core import DEVICE, FLOAT_DTYPES, INTERPRET
+from stepkernels.runtime.core import DEVICE, FLOAT_DTYPES, INTERPRET
 import torch
 
 DTYPES = FLOAT_DTYPES

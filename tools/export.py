@@ -1,10 +1,11 @@
 """Write the package's operation modules from the chapters: one source for lesson and library.
 
-    python tools/export.py           # write src/stepkernels/<module>.py from the chapters
+    python tools/export.py           # write src/stepkernels/<wing>/<module>.py from the chapters
     python tools/export.py --check   # fail if a module differs from its chapter (make test)
 
-A chapter marks each code cell that belongs to the package with a first line ``# @save NAME``:
-the cell's code, up to the next ``# %%``, goes into ``src/stepkernels/NAME.py``. The cells of
+A chapter marks each code cell that belongs to the package with a first line ``# @save WING/NAME``:
+the cell's code, up to the next ``# %%``, goes into ``src/stepkernels/WING/NAME.py`` (``ops/softmax``
+for an operation; ``runtime/waiting`` for device code that several operations share). The cells of
 one module are written in the order they appear (a module may collect cells from more than one
 chapter, in chapter order). Everything else in a chapter (checks, pictures, benchmarks) stays
 in the lesson. So the kernel a reader edits in the notebook and the kernel ``import
@@ -21,7 +22,7 @@ import textwrap
 ROOT = Path(__file__).resolve().parent.parent
 CHAPTERS = ROOT / "tutorials"
 PACKAGE = ROOT / "src" / "stepkernels"
-MARKER = re.compile(r"^# ?@save (\w+)\s*$")  # "# @save NAME": ruff format adds the space
+MARKER = re.compile(r"^# ?@save (\w+/\w+)\s*$")  # "# @save WING/NAME": ruff format adds the space
 CELL = re.compile(r"^# ?%%")
 GENERATED = "# Generated from {sources} by tools/export.py: edit the chapter, then `make export`."
 
@@ -41,6 +42,8 @@ def saved_cells(chapter: Path) -> list[tuple[str, str]]:
         elif (found := MARKER.match(line)) is not None:
             close()
             module, lines = found.group(1), []
+        elif line.startswith(("# @save", "#@save")):
+            sys.exit(f"{chapter.name}: {line!r} names no WING/NAME (as '# @save ops/softmax')")
         elif module is not None:
             lines.append(line)
     close()
@@ -64,7 +67,7 @@ def modules() -> dict[Path, str]:
         chapters = list(dict.fromkeys(chapter for chapter, _ in cells))
         docstring = "; ".join(f"chapter {c.name[:2]}, {title(c)}" for c in chapters)
         sources = ", ".join(f"tutorials/{c.name}" for c in chapters)
-        summary = textwrap.fill(f"{module}: the code of {docstring}.", 96)
+        summary = textwrap.fill(f"{module.replace('/', '.')}: the code of {docstring}.", 96)
         generated = textwrap.fill(GENERATED.format(sources=sources), 98, subsequent_indent="# ")
         header = f'"""{summary}"""\n\n{generated}\n'
         texts[PACKAGE / f"{module}.py"] = header + "\n" + "\n\n\n".join(code for _, code in cells) + "\n"
@@ -78,7 +81,7 @@ def is_generated(path: Path) -> bool:
 
 def main(*flags: str) -> None:
     texts = modules()
-    written = {path for path in PACKAGE.glob("*.py") if is_generated(path)}
+    written = {path for path in PACKAGE.glob("**/*.py") if is_generated(path)}
     if "--check" in flags:
         stale = [p for p, text in texts.items() if not p.exists() or p.read_text() != text]
         stale += sorted(written - set(texts))  # generated once, no chapter saves into it now

@@ -12,7 +12,7 @@ from pathlib import Path
 import re
 import sys
 
-from stepkernels import bench
+from stepkernels.lessons import bench
 
 BEGIN, END = "<!-- results:begin -->", "<!-- results:end -->"
 COLUMNS = 5  # sizes shown per benchmark, spread evenly over its sweep

@@ -26,7 +26,7 @@ cell runs under Triton's interpreter on the CPU, at a smaller size.
 # machine without a GPU it switches Triton to its interpreter, a setting Triton reads when it
 # is imported.
 
-from stepkernels import bench, figures, tutorial
+from stepkernels.lessons import bench, figures, tutorial
 import torch
 import triton
 import triton.language as tl
@@ -78,8 +78,8 @@ figures.draw_programs(n_elements=10, block_size=4)
 # The kernel
 # ----------
 # ``@triton.jit`` compiles the function for the GPU (or hands it to the interpreter).
-# The first line of the cell, ``# @save vector_add``, marks it as part of the package: the
-# kernels and wrappers that a chapter marks so are what ``stepkernels.vector_add`` holds,
+# The first line of the cell, ``# @save ops/vector_add``, marks it as part of the package: the
+# kernels and wrappers that a chapter marks so are what ``stepkernels.ops.vector_add`` holds,
 # written out by ``make export``, so the kernel you edit here and the one the package runs are
 # one text.
 # Pointer arguments receive torch tensors, which Triton turns into the address of their
@@ -92,8 +92,8 @@ figures.draw_programs(n_elements=10, block_size=4)
 # interpreter needs: it keeps bf16 values as raw 16-bit integers, and adding those directly
 # gives nonsense. The conversions cost nothing measurable in a memory-bound kernel.
 
-# @save vector_add
-from stepkernels._core import FLOAT_DTYPES, check_tensor, refuse_autograd
+# @save ops/vector_add
+from stepkernels.runtime.core import FLOAT_DTYPES, check_tensor, refuse_autograd
 import torch
 import triton
 import triton.language as tl
@@ -126,7 +126,7 @@ def add_kernel(x_ptr, y_ptr, out_ptr, n_elements, BLOCK_SIZE: tl.constexpr):
 # answer is the one outcome we never accept. The checks every chapter needs live in the
 # package, ``check_tensor``.
 
-# @save vector_add
+# @save ops/vector_add
 SUPPORTED_DTYPES = FLOAT_DTYPES
 BLOCK_SIZE = 1024  # chosen by the measurement at the end of this chapter
 NUM_WARPS = 4

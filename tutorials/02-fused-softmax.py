@@ -18,7 +18,7 @@ Prerequisites: chapter 01 (programs, blocks, masks, the wrapper and the benchmar
 
 import itertools
 
-from stepkernels import bench, tutorial
+from stepkernels.lessons import bench, tutorial
 import torch
 
 tutorial.announce()
@@ -54,17 +54,18 @@ def naive_softmax(x: torch.Tensor) -> torch.Tensor:
 # is 0. ``tl.max`` and ``tl.sum`` with ``axis=1`` reduce each row of the tile. We compute in
 # fp32 and round once at the store. With ``LOG`` (a compile-time switch) the kernel returns
 # log-softmax, (x_i - max) - log(sum); a row of only ``-inf`` gives NaN, as in PyTorch. Cells
-# marked ``# @save softmax`` are the package's ``stepkernels.softmax`` (chapter 01 says how).
+# marked ``# @save ops/softmax`` are the package's ``stepkernels.ops.softmax`` (chapter 01 says
+# how).
 
-# @save softmax
-import contextlib
+# @save ops/softmax
 from dataclasses import dataclass
 import functools
 
-import numpy as np
-from stepkernels._core import INTERPRET, ON_GPU, refuse_double_backward
-from stepkernels.arguments import softmax_arguments
-from stepkernels.launch import lean  # cheap repeated launches: chapter 08
+from stepkernels.runtime.arguments import softmax_arguments
+from stepkernels.runtime.core import refuse_double_backward
+from stepkernels.runtime.launch import lean  # cheap repeated launches: chapter 08
+from stepkernels.runtime.rows import as_rows, quiet
+from stepkernels.runtime.waiting import MAX_POLLS, publish_and_wait
 import torch
 import triton
 import triton.language as tl
@@ -105,10 +106,10 @@ def softmax_kernel(
 # has shown only -inf we shift by 0, since exp(-inf - (-inf)) is NaN.)
 #
 # A looped kernel would then read the row again to write exp(x - m) / s: 3 M N of traffic, not
-# 2 M N (``tools/experiments/softmax_long_rows.py`` has one and times it). The online pass is
+# 2 M N (``lab/softmax_long_rows.py`` has one and times it). The online pass is
 # still needed: it is the split kernel's way out.
 
-# @save softmax
+# @save ops/softmax
 
 
 @triton.jit
@@ -140,7 +141,7 @@ def online_max_and_sum(x_row, n_cols, BLOCK_N: tl.constexpr, NUM_STAGES: tl.cons
 # its chunk to a pair (maximum m_c, sum s_c of exp(x - m_c)) and publishes it; once its row's
 # pairs are all there, each combines them into m = max m_c and S = sum s_c exp(m_c - m) and
 # writes y. On an H100, holding the chunk through the wait was faster in fp32; in 16 bits,
-# reading it again from L2 (loaded ``evict_last``) was (``tools/experiments/softmax_split_*``).
+# reading it again from L2 (loaded ``evict_last``) was (``lab/softmax_split_*``).
 #
 # Publishing: store the pair; ``tl.debug_barrier()``, so that every thread has stored; then
 # ``tl.atomic_add`` on the row's counter with ``sem="release"``, which orders the stores
@@ -152,8 +153,14 @@ def online_max_and_sum(x_row, n_cols, BLOCK_N: tl.constexpr, NUM_STAGES: tl.cons
 # big blocks left room for fewer programs an SM (small ones made the fp16 forward 28 to 40%
 # faster). The interpreter runs programs one by one: only a row's last chunk finds all pairs.
 
-# @save softmax
-WAY_OUT_BLOCK = tl.constexpr(1024)  # a global a kernel reads must be a constexpr
+# @save runtime/waiting
+from stepkernels.runtime.core import ON_GPU
+import triton
+import triton.language as tl
+
+MAX_POLLS = (
+    100_000 if ON_GPU else 2
+)  # split kernels: tries before a program reads the row
 
 
 @triton.jit
@@ -178,6 +185,15 @@ def wait_for(counter_ptr, row, n_chunks, MAX_POLLS: tl.constexpr):
         published = tl.atomic_add(counter_ptr + row, 0, sem="acquire")
         polls += 1
     return published >= n_chunks
+
+
+# %%
+# The split kernel: each program reduces its chunk, publishes its pair and waits; the waiting
+# helpers above are shared with chapters 09 and 13 (the package keeps them in
+# ``stepkernels.runtime.waiting``).
+
+# @save ops/softmax
+WAY_OUT_BLOCK = tl.constexpr(1024)  # a global a kernel reads must be a constexpr
 
 
 @triton.jit
@@ -241,7 +257,7 @@ def softmax_split_kernel(
 # as in the forward, each program publishing its part of the sum and holding y and dy (read
 # again after the wait, they were slower: ``softmax_split_way_out.py``).
 
-# @save softmax
+# @save ops/softmax
 
 
 @lean
@@ -310,20 +326,19 @@ def softmax_backward_split_kernel(
 # %%
 # Launch rules and wrappers
 # -------------------------
-# Speed now comes from the launch: sweeps on an H100 (``tools/experiments/softmax_launch_sweep.py``)
+# Speed now comes from the launch: sweeps on an H100 (``lab/softmax_launch_sweep.py``)
 # gave these rules. One row of 256 fp32 values over 4 warps gives each thread two values, too few
 # loads in flight to hide DRAM's latency: a tile holds about 4,096 values, a warp per 1,024. A
 # persistent, pipelined grid was never faster for the fused kernels. The wrappers see rows with
 # unit stride: a slice like ``x[:, :N]`` is read in place, a transposed matrix copied. The
 # backward refuses ``create_graph=True``: autograd cannot differentiate a Triton kernel.
 
-# @save softmax
+# @save ops/softmax
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_FUSED_BLOCK = 32768  # longest row kept whole in registers (forward)
 MAX_FUSED_BLOCK_BACKWARD = 16384  # the backward holds two tensors, y and dy
 TILE_ELEMENTS, ELEMENTS_PER_WARP = 4096, 1024  # short rows: values a tile, a warp
 SPLIT_FORWARD, SPLIT_BACKWARD = (8192, 8), (8192, 4)  # split: values a program, warps
-MAX_POLLS = 100_000 if ON_GPU else 2  # split kernels: tries before it reads the row
 
 
 @dataclass(frozen=True)
@@ -346,8 +361,20 @@ def default_launch(n_cols: int, backward: bool = False) -> Launch:
     return Launch("fused", block_n, rows, num_warps)
 
 
-# The interpreter computes with NumPy, which warns where a GPU silently makes NaN (padding
-# rows of a tile, rows of only -inf): the same NaN, so we silence it.
+# %%
+# Two helpers every row-wise op of the package uses (``stepkernels.runtime.rows``): a view of
+# any tensor as a matrix of rows with unit stride, and silence for NumPy's warnings under the
+# interpreter, which computes with NumPy and warns where a GPU silently makes NaN (padding rows
+# of a tile, rows of only -inf): the same NaN.
+
+# @save runtime/rows
+import contextlib
+import functools
+
+import numpy as np
+from stepkernels.runtime.core import INTERPRET
+import torch
+
 quiet = functools.partial(np.errstate, invalid="ignore", divide="ignore")
 quiet = quiet if INTERPRET else contextlib.nullcontext
 
@@ -359,6 +386,11 @@ def as_rows(t: torch.Tensor) -> torch.Tensor:
     return rows if rows.stride(-1) == 1 else rows.contiguous()
 
 
+# %%
+# The launch and the wrappers, the rules above put to work.
+
+
+# @save ops/softmax
 def launch_rows(tensors: tuple, log: bool, launch: Launch, backward: bool) -> None:
     """Run ``launch`` over matrices of rows: (x, y) forward, (y, dy, dx) backward."""
     n_rows, n_cols = tensors[0].shape
@@ -575,7 +607,7 @@ if forward_backward:
 
 # %%
 # Past N = 32,768 both directions split rows over programs, reading every tensor once from memory
-# (``tools/experiments/softmax_split_backward.py`` and ``softmax_long_rows.py`` time kernels that
+# (``lab/softmax_split_backward.py`` and ``softmax_long_rows.py`` time kernels that
 # read twice). In fp16 they stay short of a copy (printed), the forward most: a waiting program
 # has none of its loads in flight (the results' ``NOTES.md``). Dotted lines time calls from
 # Python (summaries add their CPU time): through autograd, the CPU paces ours.
@@ -595,4 +627,4 @@ if forward_backward:
 #    without writing the log-softmax out. What is the traffic now?
 # 3. Write the long-row backward the other way: one program walks its row twice (the sum,
 #    then dx), reading y and dy twice. Count its bytes at N = 131,072 and time it against
-#    the split kernel. (``tools/experiments/softmax_split_backward.py`` has one.)
+#    the split kernel. (``lab/softmax_split_backward.py`` has one.)

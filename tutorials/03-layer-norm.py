@@ -21,8 +21,8 @@ Prerequisites: chapter 01. Without a GPU every cell runs under Triton's interpre
 
 import itertools
 
-from stepkernels import bench, check_layer_norm, tutorial
-from stepkernels.figures_layer_norm import draw_lock_reduction
+from stepkernels.lessons import bench, check_layer_norm, tutorial
+from stepkernels.lessons.figures_layer_norm import draw_lock_reduction
 import torch
 import triton
 import triton.language as tl
@@ -50,20 +50,27 @@ DEVICE = tutorial.DEVICE
 # ------------------
 # A program normalizes ``ROWS_PER_PROGRAM × BLOCK_N`` values. var = mean(x²) - mean(x)² cancels
 # when the mean is large next to the spread, so we take the mean, then the variance of
-# ``x - mean``, from registers. The launch rule (``tools/experiments/layer_norm_launch_sweep.py``
+# ``x - mean``, from registers. The launch rule (``lab/layer_norm_launch_sweep.py``
 # and ``layer_norm_forward_variants.py``) packs short rows into tiles under a capped grid whose
 # programs loop over blocks of rows, loading ahead; from 4,096 values a row takes a program,
 # with no cap on the grid except for rows of 32 KB, where the capped grid measured faster.
 # A row longer than ``FORWARD_MAX_BLOCK`` does not fit in a program's registers; walking it
 # block by block would read it twice, so chapter 13 splits it over programs.
 
-# @save layer_norm
+# @save ops/layer_norm
 import functools
 import math
 
-from stepkernels._core import INTERPRET, refuse_double_backward, sm_count
-from stepkernels.arguments import layer_norm_arguments, reduction_argument  # checks
-from stepkernels.launch import lean  # cheap repeated launches: chapter 08
+from stepkernels.ops import (
+    long_rows,  # chapter 13's kernels, for rows past these limits
+)
+from stepkernels.runtime.arguments import (  # checks
+    layer_norm_arguments,
+    reduction_argument,
+)
+from stepkernels.runtime.core import INTERPRET, refuse_double_backward, sm_count
+from stepkernels.runtime.launch import lean  # cheap repeated launches: chapter 08
+from stepkernels.runtime.partials import flush_partials
 import torch
 import triton
 import triton.language as tl
@@ -140,8 +147,6 @@ def layer_norm_forward(x2d, weight, bias, eps, block_size=None, config=None):
     affine = dict(HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None)
     strides = (x2d.stride(0), y.stride(0))
     if config["BLOCK_N"] < triton.next_power_of_2(n_cols):  # a row in chunks: split
-        from stepkernels import long_rows  # chapter 13's kernels, built on this module
-
         long_rows.split_forward(tensors, strides, affine, n_rows, n_cols, eps, config)
         return y, mean, rstd
     grid = triton.cdiv(n_rows, config["ROWS_PER_PROGRAM"])
@@ -177,11 +182,16 @@ draw_lock_reduction(n_programs=8, group_size_m=3)
 # waiting for loads, unless the row loop is pipelined: with 3 or 4 stages (up to 96 KB of x and
 # dy in flight), one program per SM is best from N = 4,096. ``sum_partials_kernel`` takes up to
 # 256 partials at a time, so that all of a column block's loads are in flight together
-# (``tools/experiments/layer_norm_backward_launch.py``). Longer rows than
-# ``BACKWARD_MAX_BLOCK``: chapter 13.
+# (``lab/layer_norm_backward_launch.py``). Longer rows than
+# ``BACKWARD_MAX_BLOCK``: chapter 13, whose split kernels flush their sums the same way, so
+# ``flush_partials`` lives in the package's runtime layer (``stepkernels.runtime.partials``).
 
 
-# @save layer_norm
+# @save runtime/partials
+import triton
+import triton.language as tl
+
+
 @triton.jit
 def flush_partials(partial_ptr, lock_ptr, dw, db, cols, col_mask, N, slot, lock_index,
         num_locks, REDUCTION: tl.constexpr):  # fmt: skip
@@ -204,6 +214,11 @@ def flush_partials(partial_ptr, lock_ptr, dw, db, cols, col_mask, N, slot, lock_
         tl.atomic_xchg(lock, 0, sem="release")
 
 
+# %%
+# The backward kernel walks its rows, then flushes its partial sums:
+
+
+# @save ops/layer_norm
 @lean
 @triton.jit
 def layer_norm_backward_kernel(x_ptr, dy_ptr, dx_ptr, weight_ptr, mean_ptr, rstd_ptr,
@@ -328,8 +343,6 @@ def layer_norm_backward(dy2d, x2d, weight, mean, rstd, want_dw=True, want_db=Tru
     strides = (x2d.stride(0), dy2d.stride(0), dx.stride(0))
     options = dict(HAS_WEIGHT=weight is not None, REDUCTION=mode, GROUP_SIZE_M=group)
     if config["BLOCK_N"] < triton.next_power_of_2(n_cols):  # a row in chunks: split
-        from stepkernels import long_rows  # chapter 13
-
         long_rows.split_backward(
             tensors, strides, options, n_rows, n_cols, num_locks, config
         )
@@ -355,7 +368,7 @@ def layer_norm_backward(dy2d, x2d, weight, mean, rstd, want_dw=True, want_db=Tru
 # apart (a slice ``x[:, :N]`` is used as it is). Bad input and a double backward are refused.
 
 
-# @save layer_norm
+# @save ops/layer_norm
 def rows_of(tensor, n_cols):
     """A 2-D view of ``tensor`` with contiguous rows; copies only when there is none."""
     rows = tensor.reshape(-1, n_cols)
@@ -510,11 +523,11 @@ if backward is not None:
 # read once, but a program waits for its row's other chunks, which costs most in fp16. The backward
 # also writes and reads its partial sums, a larger share of the traffic the shorter the rows: in
 # fp16 they keep N = 4,096 and 8,192 under 90% of a copy, where dx alone is at 89% and 94%
-# (``tools/experiments/layer_norm_backward_parts.py``; atomics gain a point or two). Where the
+# (``lab/layer_norm_backward_parts.py``; atomics gain a point or two). Where the
 # ratio to the best peer is under 1, a peer is ahead: in the forward on rows that fit a program,
 # torch.compile or Liger-Kernel by a few percent. Cache hints, warps and grids did not close that,
 # nor did torch.compile's own launch in our kernels, nor dropping the masks
-# (``tools/experiments/layer_norm_forward_variants.py``). Nsight Compute shows what differs
+# (``lab/layer_norm_forward_variants.py``). Nsight Compute shows what differs
 # (``layer_norm_forward_ncu.py``): holding its row, our program takes 63 to 80 registers a thread,
 # so fewer warps share an SM than in torch.compile's kernel, which walks the row twice in blocks
 # (the second time from L2) with 32 to 64; our own walked kernels lost more than that gains. The

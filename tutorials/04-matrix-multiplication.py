@@ -20,7 +20,7 @@ Chapter 07 adds the Hopper kernel that ``matmul`` uses on an H100. Prerequisites
 # Setup
 # -----
 
-from stepkernels import bench, check_matmul, figures_matmul, tutorial
+from stepkernels.lessons import bench, check_matmul, figures_matmul, tutorial
 import torch
 import triton
 import triton.language as tl
@@ -73,21 +73,13 @@ for group_size_m in (1, 8):
     print(f"GROUP_SIZE_M = {group_size_m}: {rows} panels of A + {columns} of B")
 
 # %%
-# The kernel computes its tile the same way. This cell is the first of the package's
-# ``matmul`` module (``# @save matmul``), so it holds the module's imports.
+# The kernel computes its tile the same way. Chapter 07's kernel numbers its tiles so too, so
+# this cell and the other pieces both kernels use go to the package's runtime layer
+# (``# @save runtime/tiles``), where the operations share their device code.
 
-# @save matmul
-from stepkernels._core import (
-    FLOAT_DTYPES,
-    INTERPRET,
-    ON_GPU,
-    autotune_configs,
-    capability,
-    sm_count,
-)
-from stepkernels.activations import apply_activation
-from stepkernels.arguments import accumulate_arguments, matmul_arguments
-from stepkernels.launch import lean
+# @save runtime/tiles
+from stepkernels.runtime.arguments import matmul_arguments
+from stepkernels.runtime.core import FLOAT_DTYPES, INTERPRET, capability
 import torch
 import triton
 import triton.language as tl
@@ -123,7 +115,7 @@ def add_bias(acc, bias_ptr, offs_n, N, stride_bias, HAS_BIAS: tl.constexpr):
 # an erfc of one ``rsqrt`` and one ``exp2`` instead of libdevice's slow ``erf``: chapter 06
 # derives it; ``OUT``, the output's dtype, picks its accuracy (about 1e-7 for fp32, else 1e-4).
 
-# @save activations
+# @save runtime/activations
 import torch
 import triton
 import triton.language as tl
@@ -216,7 +208,33 @@ def activation_reference(z: torch.Tensor, activation: str | None) -> torch.Tenso
 # several times faster. ``UPCAST``: bf16 under the interpreter, whose bf16 dot is garbage.
 
 
-# @save matmul
+# @save ops/matmul
+from stepkernels.ops.matmul_hopper import launch_tma, tma_operands
+from stepkernels.runtime.activations import apply_activation
+from stepkernels.runtime.arguments import accumulate_arguments
+from stepkernels.runtime.core import (
+    INTERPRET,
+    ON_GPU,
+    autotune_configs,
+    capability,
+    sm_count,
+)
+from stepkernels.runtime.launch import lean
+from stepkernels.runtime.tiles import (
+    add_bias,
+    allocate_outputs,
+    check_inputs,
+    dot_precision,
+    keep_configs_for_dtype,
+    output_dtype,
+    tile_config,
+    tile_of_program,
+)
+import torch
+import triton
+import triton.language as tl
+
+
 @triton.heuristics({"EVEN_K": lambda args: args["K"] % args["BLOCK_K"] == 0})
 @triton.jit
 def matmul_kernel(
@@ -279,7 +297,7 @@ def matmul_kernel(
 # ``matmul_portable`` a fixed ``config``. The interpreter keeps the first config only.
 
 
-# @save matmul
+# @save runtime/tiles
 def tile_config(block_m, block_n, block_k, stages, warps, itemsize, group_size_m=8):
     blocks = {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k}
     made = triton.Config(
@@ -287,18 +305,6 @@ def tile_config(block_m, block_n, block_k, stages, warps, itemsize, group_size_m
     )
     made.itemsize = itemsize  # read by keep_configs_for_dtype
     return made
-
-
-# (BLOCK_M, BLOCK_N, BLOCK_K, num_stages, num_warps) by itemsize; the interpreter takes 2's first
-PORTABLE_TILES = {
-    2: [(128, 128, 64, 4, 8), (128, 256, 64, 3, 8), (256, 128, 64, 3, 8),
-        (128, 128, 64, 4, 4), (64, 128, 64, 4, 4), (64, 64, 64, 5, 4)],
-    1: [(128, 256, 128, 3, 8), (256, 128, 128, 3, 8), (128, 128, 128, 4, 8),
-        (64, 128, 128, 4, 4)],
-    4: [(128, 128, 32, 3, 8), (128, 64, 32, 4, 4), (64, 64, 32, 4, 4)],
-}  # fmt: skip
-PORTABLE_CONFIGS = [tile_config(*tile, itemsize=size)
-                    for size, tiles in PORTABLE_TILES.items() for tile in tiles]  # fmt: skip
 
 
 TUNED_FROM = 2**23  # M * N * K; the benchmarks start at 256³ = 2**24
@@ -312,6 +318,22 @@ def keep_configs_for_dtype(configs, named_args, **kwargs):
     return [min(kept, key=lambda c: c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"])]
 
 
+# %%
+# The portable kernel's tiles, and its autotuner:
+
+# @save ops/matmul
+# (BLOCK_M, BLOCK_N, BLOCK_K, num_stages, num_warps) by itemsize; the interpreter takes 2's first
+PORTABLE_TILES = {
+    2: [(128, 128, 64, 4, 8), (128, 256, 64, 3, 8), (256, 128, 64, 3, 8),
+        (128, 128, 64, 4, 4), (64, 128, 64, 4, 4), (64, 64, 64, 5, 4)],
+    1: [(128, 256, 128, 3, 8), (256, 128, 128, 3, 8), (128, 128, 128, 4, 8),
+        (64, 128, 128, 4, 4)],
+    4: [(128, 128, 32, 3, 8), (128, 64, 32, 4, 4), (64, 64, 32, 4, 4)],
+}  # fmt: skip
+PORTABLE_CONFIGS = [tile_config(*tile, itemsize=size)
+                    for size, tiles in PORTABLE_TILES.items() for tile in tiles]  # fmt: skip
+
+
 matmul_portable_tuned = lean(triton.autotune(  # lean: cheap repeated launches (chapter 08)
     configs=autotune_configs(PORTABLE_CONFIGS),
     key=["M", "N", "K", "INPUT_PRECISION"],
@@ -322,7 +344,7 @@ matmul_portable_tuned = lean(triton.autotune(  # lean: cheap repeated launches (
 # %%
 # The wrapper
 # -----------
-# ``matmul_portable`` checks its inputs (``stepkernels.arguments``: an error says what to
+# ``matmul_portable`` checks its inputs (``stepkernels.runtime.arguments``: an error says what to
 # fix), allocates C (in the input dtype; bf16 for fp8) and launches one program per tile with
 # the strides as they are: a ``.t()`` view is never copied. An empty C launches nothing; K = 0
 # gives activation(bias), as in PyTorch. ``config`` fixes the tile shape instead of autotuning.
@@ -330,9 +352,9 @@ matmul_portable_tuned = lean(triton.autotune(  # lean: cheap repeated launches (
 # ``matmul``, which the rest of the collection calls, is the portable kernel except on
 # Hopper, where chapter 07's descriptor kernel takes the product when the layout allows and
 # the output has a 128 × 128 tile per SM (fp8 always): below that, the portable kernel
-# measured faster. The Hopper module imports this one, so ``matmul`` imports it late.
+# measured faster. The checks, dtypes and outputs are chapter 07's too (``runtime/tiles``).
 
-# @save matmul
+# @save runtime/tiles
 FP8_DTYPES = (torch.float8_e4m3fn,) if INTERPRET or capability() >= (8, 9) else ()
 SUPPORTED_DTYPES = FLOAT_DTYPES + FP8_DTYPES
 
@@ -358,6 +380,11 @@ def allocate_outputs(a, b, return_preactivation, accumulate=None):
     return out, torch.empty_like(out) if return_preactivation else None
 
 
+# %%
+# The portable kernel's wrapper, and ``matmul``, which chooses between the two kernels:
+
+
+# @save ops/matmul
 def matmul_portable(
     a, b, activation=None, *, bias=None, return_preactivation=False, config=None
 ):
@@ -423,8 +450,6 @@ def matmul(
             accumulate, a, b, activation, return_preactivation, output_dtype(a.dtype)
         )
     if on_descriptors(a.dtype, a.shape[0], b.shape[1]):
-        from stepkernels.matmul_hopper import launch_tma, tma_operands
-
         operands = tma_operands(a, b)
         if operands is not None:
             return launch_tma(
@@ -521,7 +546,7 @@ if square_results is not None:  # our share of cuBLAS; the descriptor kernel's g
 # cuBLAS call: their lines agree). We trail on small products, where fixed costs weigh, and where
 # tiles fill the last wave poorly (3,072³: 288 tiles of 128 × 256 for 132 SMs; chapter 07 splits
 # that wave). Under the H100's power cap one launch moves by 5 to 15% between timings seconds
-# apart (``tools/experiments/matmul_deeper_stages.py``), so providers are timed in turns.
+# apart (``lab/matmul_deeper_stages.py``), so providers are timed in turns.
 #
 # Benchmark: what the program order is worth
 # ------------------------------------------

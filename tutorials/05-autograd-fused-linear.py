@@ -23,9 +23,9 @@ Prerequisites: chapter 04 (matrix multiplication), whose ``matmul`` we import fr
 
 import functools
 
-from stepkernels import bench, figures_linear, tutorial
-from stepkernels.activations import ACTIVATIONS, activation_reference
-from stepkernels.matmul import matmul
+from stepkernels.lessons import bench, figures_linear, tutorial
+from stepkernels.ops.matmul import matmul
+from stepkernels.runtime.activations import ACTIVATIONS, activation_reference
 import torch
 from torch import nn
 
@@ -120,12 +120,12 @@ print("strides: B, B^T in dA, A^T in dB:", *strides)
 # In fp32 on Hopper, where dW's product runs as tf32 and wants dZ^T K-major (chapter 07), the
 # kernel also writes dZ^T, for half what a copy of dZ would cost in memory traffic.
 
-# @save linear
-from stepkernels._core import refuse_double_backward
-from stepkernels.activations import activation_derivative, check_activation
-from stepkernels.arguments import linear_arguments
-from stepkernels.launch import lean
-from stepkernels.matmul import copies_for_tf32, matmul
+# @save ops/linear
+from stepkernels.ops.matmul import copies_for_tf32, matmul
+from stepkernels.runtime.activations import activation_derivative, check_activation
+from stepkernels.runtime.arguments import linear_arguments
+from stepkernels.runtime.core import refuse_double_backward
+from stepkernels.runtime.launch import lean
 import torch
 from torch import Tensor, nn
 import triton
@@ -225,7 +225,7 @@ def fused_linear_backward(grad_y, x, weight, bias, z, activation, needs_grad):
 # (``mutates_args=()``). The backward refuses ``create_graph=True``: autograd cannot differentiate
 # our kernels.
 
-# @save linear
+# @save ops/linear
 
 
 @torch.library.custom_op("stepkernels::fused_linear", mutates_args=())
@@ -300,7 +300,7 @@ class FusedLinearFunction(torch.autograd.Function):
 # Rows are counted, not ``-1``: with no input features ``reshape(-1, 0)`` fails.
 # ``FusedLinear`` subclasses ``nn.Linear``: same parameters, initialisation and ``state_dict``.
 
-# @save linear
+# @save ops/linear
 
 
 def linear(x, weight, bias=None, activation=None, *, recompute=False):

@@ -21,8 +21,8 @@ Prerequisites: chapter 01 (blocks, masks, the grid, effective bandwidth), chapte
 # Setup
 # -----
 
-from stepkernels import bench, figures_dropout, tutorial
-from stepkernels.check_dropout import check_fused, fused_mask
+from stepkernels.lessons import bench, figures_dropout, tutorial
+from stepkernels.lessons.check_dropout import check_fused, fused_mask
 import torch
 import triton
 import triton.language as tl
@@ -60,14 +60,19 @@ DEVICE = tutorial.DEVICE
 # our counter is the group index ``offset // 4``, and one call serves the group's four elements: a
 # block is ``BLOCK_SIZE // 4`` groups x 4 lanes, consecutive in memory (group g, lane l at 4g + l).
 # The counter depends only on the position, never on the block size, and its 32 bits cover 2^34
-# elements. Cells marked ``# @save dropout`` are the package's ``stepkernels.dropout``.
+# elements. Cells marked ``# @save ops/dropout`` are the package's ``stepkernels.ops.dropout``.
 
-# @save dropout
+# @save ops/dropout
 import math
 
-from stepkernels import _core, activations
-from stepkernels.arguments import dropout_bias, dropout_input, dropout_p, dropout_seed
-from stepkernels.launch import lean  # cheap repeated launches: chapter 08
+from stepkernels.runtime import activations, core
+from stepkernels.runtime.arguments import (
+    dropout_bias,
+    dropout_input,
+    dropout_p,
+    dropout_seed,
+)
+from stepkernels.runtime.launch import lean  # cheap repeated launches: chapter 08
 import torch
 import triton
 import triton.language as tl
@@ -103,7 +108,7 @@ def group_offsets(BLOCK_SIZE: tl.constexpr):
 # one-element int64 tensor that the kernel loads and the step advances in place (chapter 12's GPT).
 
 
-# @save dropout
+# @save ops/dropout
 @lean
 @triton.jit(do_not_specialize=["seed"])
 def dropout_kernel(x_ptr, out_ptr, n_elements, p, scale, seed,
@@ -125,7 +130,7 @@ def dropout_kernel(x_ptr, out_ptr, n_elements, p, scale, seed,
 # contiguous copy. ``inplace=True`` writes into x as in ``torch.nn.Dropout``; ``mark_dirty`` lets
 # autograd refuse what it refuses for in-place operations, as a second derivative is.
 
-# @save dropout
+# @save ops/dropout
 BLOCK_SIZE = 4096
 NUM_WARPS = 8
 MAX_ELEMENTS = 2**34  # 2^32 Philox counters of four elements each
@@ -157,7 +162,7 @@ class SeededDropout(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
-        _core.refuse_double_backward("dropout", "torch.nn.functional.dropout")
+        core.refuse_double_backward("dropout", "torch.nn.functional.dropout")
         # The same kernel on the gradient, with the same seed: the same mask.
         return launch_dropout(grad_out, ctx.p, ctx.seed), None, None, None
 
@@ -169,7 +174,7 @@ def dropout(x, p: float, seed, training: bool = True, inplace: bool = False):
     x's device, read by the kernel) and of the row-major position alone, is regenerated in the
     backward. ``training=False`` or ``p=0`` return ``x``; ``inplace=True`` writes into ``x``.
     """
-    dropout_input(x, MAX_ELEMENTS, _core.FLOAT_DTYPES)  # checks, raising what to do
+    dropout_input(x, MAX_ELEMENTS, core.FLOAT_DTYPES)  # checks, raising what to do
     p, seed = dropout_p(p), dropout_seed(seed, x)
     if not training or p == 0.0:
         return x
@@ -192,7 +197,7 @@ class Dropout(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.training or self.p == 0.0:
             return x
-        return dropout(x, self.p, _core.fresh_seed(), inplace=self.inplace)
+        return dropout(x, self.p, core.fresh_seed(), inplace=self.inplace)
 
     def extra_repr(self) -> str:
         return f"p={self.p}, inplace={self.inplace}"
@@ -213,7 +218,7 @@ figures_dropout.draw_restarting_counters(dropout)
 
 
 def check_dropout(shapes, p: float, seed: int) -> None:
-    for dtype in _core.FLOAT_DTYPES:
+    for dtype in core.FLOAT_DTYPES:
         rtol = 2**-7 if dtype == torch.bfloat16 and tutorial.INTERPRET else 0.0
         for shape in shapes:
             keep = dropout(torch.ones(shape, device=DEVICE), p, seed) != 0
@@ -269,7 +274,7 @@ tutorial.show_refusals("dropout()", {
 #   (``normal_tail``) now lives in chapter 04's ``activations``, where every kernel takes it.
 
 
-# @save dropout
+# @save ops/dropout
 @triton.jit
 def philox(seed, counters):
     """Philox-4x32-10, the bits of ``tl.randint4x``, each round's two 32 x 32-bit products
@@ -388,7 +393,7 @@ def fused_launch(n_rows: int, n_cols: int, backward: bool) -> tuple[int, int, tu
     col_blocks = triton.cdiv(n_cols, block_cols)
     rows_per_program = FUSED_COLS[backward] // block_cols
     if backward:
-        wanted = triton.cdiv(BACKWARD_PROGRAMS_PER_SM * _core.sm_count(), col_blocks)
+        wanted = triton.cdiv(BACKWARD_PROGRAMS_PER_SM * core.sm_count(), col_blocks)
         rows_per_program = triton.cdiv(n_rows, min(n_rows, wanted))
     row_blocks = triton.cdiv(n_rows, rows_per_program)
     return block_cols, rows_per_program, (row_blocks, col_blocks)
@@ -418,9 +423,7 @@ class BiasActDropout(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
-        _core.refuse_double_backward(
-            "dropout_bias_act", "PyTorch's dropout(act(x + b))"
-        )
+        core.refuse_double_backward("dropout_bias_act", "PyTorch's dropout(act(x + b))")
         x, bias = ctx.saved_tensors
         x2d = None if x is None else x.view(ctx.shape2d)
         grad_2d = grad_out.contiguous().view(ctx.shape2d)
@@ -432,8 +435,8 @@ class BiasActDropout(torch.autograd.Function):
         if deterministic:  # partial sums, added by PyTorch: the same bits every run
             sums = counters = torch.empty(grid[0], ctx.shape2d[1], device=bias.device)
         else:  # scratch that the kernel leaves zeroed
-            sums = _core.zeroed(bias.device, ctx.shape2d[1], torch.float32)
-            counters = _core.zeroed(bias.device, grid[1])
+            sums = core.zeroed(bias.device, ctx.shape2d[1], torch.float32)
+            counters = core.zeroed(bias.device, grid[1])
         bias_act_dropout_backward_kernel[grid](
             grad_2d, x2d, bias, grad_in, sums, counters, grad_bias, *ctx.shape2d,
             rows_per_program, round(ctx.p * 2**16), scale_for(ctx.p), ctx.seed,
@@ -450,9 +453,9 @@ def dropout_bias_act(x, bias, p: float, activation, seed, training: bool = True)
     dimension. Its mask, of (seed, row, column), is never stored; seed: as for ``dropout``.
     The mask draws 16 bits: it drops with probability p rounded to a multiple of 2^-16."""
     activations.check_activation(activation)
-    dropout_input(x, MAX_ELEMENTS, _core.FLOAT_DTYPES)
+    dropout_input(x, MAX_ELEMENTS, core.FLOAT_DTYPES)
     p, seed = dropout_p(p), dropout_seed(seed, x)
-    dropout_bias(x, bias, _core.FLOAT_DTYPES)
+    dropout_bias(x, bias, core.FLOAT_DTYPES)
     # The p the mask draws, which the scale 1 / (1 - p) must match
     p = round(p * 2**16) / 2**16 if training else 0.0
     x, bias = x.contiguous(), bias.contiguous()
@@ -478,7 +481,7 @@ print(f"fused mask, 512 rows of 300: mean |correlation| between rows {correlatio
 # and forward + backward, against eager PyTorch (whose dropout stores a ``bool`` mask) and
 # ``torch.compile``. We count compulsory bytes only: 2N x (bytes per element) forward, 4N forward +
 # backward, 5N for the layer (whose backward reads x). The forward's recording also holds the two
-# variants of ``tools/experiments/dropout_variants.py``: a stored mask, and ``tl.rand`` per element.
+# variants of ``lab/dropout_variants.py``: a stored mask, and ``tl.rand`` per element.
 
 P_BENCH, FEATURES = 0.1, 4096
 

@@ -26,8 +26,8 @@ without a GPU every cell runs at a small size.
 # Setup
 # -----
 
-from stepkernels import bench, check_matmul, tutorial
-from stepkernels.matmul import ON_HOPPER, matmul
+from stepkernels.lessons import bench, check_matmul, tutorial
+from stepkernels.ops.matmul import ON_HOPPER, matmul
 import torch
 import triton
 import triton.language as tl
@@ -62,13 +62,19 @@ DEVICE = tutorial.DEVICE
 # The kernel
 # ----------
 # The cells marked ``# @save matmul_hopper`` make the package's ``matmul_hopper`` module. It
-# reuses chapter 04's tile order, bias and configs from ``stepkernels.matmul``.
+# reuses chapter 04's tile order, bias and configs from ``stepkernels.runtime.tiles``.
 
-# @save matmul_hopper
-from stepkernels._core import INTERPRET, sm_count, zeroed
-from stepkernels.activations import apply_activation
-from stepkernels.launch import lean
-from stepkernels.matmul import (
+# @save ops/matmul_hopper
+from stepkernels.ops.matmul_tuning import (
+    MAX_SPLITS,
+    SHARE_STEPS,
+    programs,
+    tma_autotuned,
+)
+from stepkernels.runtime.activations import apply_activation
+from stepkernels.runtime.core import INTERPRET, sm_count, zeroed
+from stepkernels.runtime.launch import lean
+from stepkernels.runtime.tiles import (
     add_bias,
     allocate_outputs,
     check_inputs,
@@ -77,7 +83,6 @@ from stepkernels.matmul import (
     tile_config,
     tile_of_program,
 )
-from stepkernels.matmul_tuning import MAX_SPLITS, SHARE_STEPS, programs, tma_autotuned
 import torch
 import triton
 import triton.language as tl
@@ -200,7 +205,7 @@ def finish_columns(
 # The epilogue takes half of a tile's columns at a time (``finish_columns``): with 128 × 256 tiles
 # and GELU, a thread's 128 fp32 values, their activation and their 16-bit copy did not fit in its
 # 255 registers at once and spilled; halves fit, and the fused linear's fp16 products ran faster
-# (``tools/experiments/matmul_epilogue_halves.py``).
+# (``lab/matmul_epilogue_halves.py``).
 #
 # The last wave
 # -------------
@@ -219,7 +224,7 @@ def finish_columns(
 # *release* makes the stores visible to the program that *acquires*.
 
 
-# @save matmul_hopper
+# @save ops/matmul_hopper
 @triton.jit
 def tail_split(tiles, k_steps, NUM_PROGRAMS: tl.constexpr, MAX_SPLITS: tl.constexpr):
     """(tiles done whole, shares a tail tile): the last wave's tiles are split when it
@@ -266,7 +271,7 @@ def add_shares(
 # The configs are chapter 04's minus its smallest tiles: this kernel only runs when the output has
 # a 128 × 128 tile for every SM (fp8 excepted), where small tiles do not win. For tf32, thin K
 # steps: 128 × 256 × 32 leads in each of the fused linear's products, and deeper pipelines of
-# 128 × 128 tiles follow (``tools/experiments/linear_tf32_parts.py``, ``linear_tiles.py``). Each
+# 128 × 128 tiles follow (``lab/linear_tf32_parts.py``, ``linear_tiles.py``). Each
 # tile comes twice, with and without ``SPLIT_TAIL``, and the autotuner keeps the faster: the
 # split's code costs registers (up to 100 more a thread, and spills with GELU on 128 × 256
 # tiles), which a product without a split tail should not pay. It times a split config only
@@ -276,9 +281,9 @@ def add_shares(
 # an SM's shared memory twice, and while one program runs a tile's epilogue the other's products
 # keep the tensor cores busy, an overlap cuBLAS gets from specialized warps (Triton 3.6 does not
 # specialize warps on Hopper). Up to 10% faster at small K and at 3,072³, slower from K = 4,096
-# (``tools/experiments/matmul_two_per_sm.py``). In tf32 none of two an SM came near.
+# (``lab/matmul_two_per_sm.py``). In tf32 none of two an SM came near.
 
-# @save matmul_hopper
+# @save ops/matmul_hopper
 TMA_CONFIGS = [
     tile_config(128, 128, 64, 4, 8, itemsize=2),
     tile_config(128, 256, 64, 3, 8, itemsize=2),
@@ -338,10 +343,10 @@ MOST_PER_SM = max(c.kwargs.get("PROGRAMS_PER_SM", 1) for c in TMA_CONFIGS)
 # K-major into one that is when the dot runs as tf32. torch's ``contiguous()`` moves a transposed
 # fp32 matrix at under a TB/s, so the copy is ours, ``row_major``: a program loads a tile along the
 # source's contiguous axis and stores it along the copy's rows, through shared memory, at a plain
-# copy's speed (``tools/experiments/linear_tf32_parts.py``).
+# copy's speed (``lab/linear_tf32_parts.py``).
 
 
-# @save matmul_hopper
+# @save ops/matmul_hopper
 @lean
 @triton.jit
 def row_major_kernel(src_ptr, dst_ptr, R, C, src_stride_r, src_stride_c,
@@ -468,31 +473,20 @@ def launch_tma(
 # program has no loop over tiles to spread its setup over, and the recordings had the portable
 # kernel faster at every such size (chapter 04's benchmarks show both). fp8 always takes it.
 #
-# What the K-major copy is worth, measured at 4,096³ for each order of A and B, in fp32 as tf32
-# and in fp16 (``tools/experiments/matmul_operand_order.py``): the descriptor kernel with the
-# operands as given, ``matmul`` (which copies), the portable kernel, and torch. On the H100:
-
-experiments = bench.PACKAGE_RESULTS / "nvidia-h100-80gb-hbm3" / "experiments"
-print((experiments / "matmul_operand_order.log").read_text())
-
-# %%
-# In fp16 the order hardly matters. In fp32 the kernel is several times slower for every order but
-# the K-major one; the copy recovers most of that, ahead of cuBLAS in dW's order (A column-major).
+# What the K-major copy is worth, measured on the H100 at 4,096³ for each order of A and B: in
+# fp16 the order hardly matters (the descriptor kernel as given runs 653 to 665 TFLOP/s in every
+# order). In fp32 as tf32 the kernel runs 319 TFLOP/s with A row-major and B column-major (both
+# K-major) and 60 to 163 in the three other orders; ``matmul``, which copies the operands
+# K-major first, runs 266 to 325 in every order, against cuBLAS's 259 to 370.
 #
-# What the split tail is worth was measured by ``tools/experiments/matmul_tail_split.py``:
-# square products, each fp16 tile without the split and with ``MAX_SPLITS`` of 4, 8 and 16,
-# next to cuBLAS and the autotuned package. Its 3,072³ lines:
-
-tail_log = (experiments / "matmul_tail_split_halves.log").read_text().splitlines()
-for index, line in enumerate(tail_log):
-    if " 3072:" in line:
-        print("\n".join(tail_log[index : index + 6]))
-
-# %%
-# With the tail split, 128 × 256 tiles go from behind the 128 × 128 ones to just ahead of every
-# tile at 3,072³, still well behind cuBLAS: a share of 9 or 10 K steps pays the pipeline's start as
-# a whole tile does, and the last share reads the others' partial tiles before its epilogue.
-# Smaller tiles lose with it (``matmul_tail_split.log``). The autotuner keeps whichever is faster.
+# What the split tail is worth, at 3,072³ in fp16 (288 tiles of 128 × 256 over 132 SMs leave a
+# last wave of 24): those tiles go from 525 TFLOP/s unsplit to 549 with the tail split in four,
+# just ahead of the best 128 × 128 tile (547), and still well behind cuBLAS's 722. The lab keeps
+# both measurements and their scripts (``lab/matmul_operand_order.log``,
+# ``lab/matmul_tail_split_halves.log``). The split stays behind cuBLAS because a share of 9 or 10
+# K steps pays the pipeline's start as a whole tile does, and the last share reads the others'
+# partial tiles before its epilogue; smaller tiles lose with it. The autotuner keeps whichever
+# is faster.
 #
 # fp8
 # ---

@@ -12,7 +12,7 @@ What you will learn:
 * where the CPU time of a call goes: the Python wrapper, Triton's launcher, autograd's engine
   calling a Python backward; and which of these we can shrink;
 * a launch that skips Triton's argument binding once a shape has been seen
-  (``stepkernels.launch.lean``), and skipping autograd when nothing needs a gradient;
+  (``stepkernels.runtime.launch.lean``), and skipping autograd when nothing needs a gradient;
 * capturing a training step as a CUDA graph (``torch.cuda.graph``,
   ``torch.cuda.make_graphed_callables``), and what must stay static for that;
 * ``torch.library.triton_op``: an operator whose Triton kernels ``torch.compile`` sees, so
@@ -28,16 +28,9 @@ Prerequisites: chapters 02 (softmax), 03 (layer norm), 05 (the fused linear laye
 import functools
 import inspect
 
-from stepkernels import (
-    FusedLinear,
-    bench,
-    dropout,
-    layer_norm,
-    linear,
-    softmax,
-    tutorial,
-)
-from stepkernels.launch import LeanKernel, triton_launches
+from stepkernels import FusedLinear, dropout, layer_norm, linear, softmax
+from stepkernels.lessons import bench, tutorial
+from stepkernels.runtime.launch import LeanKernel, triton_launches
 import torch
 from torch import nn
 import torch.nn.functional as F
@@ -85,9 +78,8 @@ class Identity(torch.autograd.Function):
 
 
 def make_piece(provider, piece, dtype):
-    from stepkernels.softmax import (
-        softmax_kernel,  # a lean kernel, launched on 1 x 16 values
-    )
+    # a lean kernel, launched on 1 x 16 values
+    from stepkernels.ops.softmax import softmax_kernel
     import triton
 
     x = torch.zeros(1, 16, device=DEVICE, dtype=dtype)
@@ -148,7 +140,7 @@ if pieces:
 # A lean launch
 # -------------
 # The answers Triton works out change only with the arguments' dtypes, alignments and integer
-# values. ``stepkernels.launch.lean`` wraps a kernel: the first call with a new *launch key*
+# values. ``stepkernels.runtime.launch.lean`` wraps a kernel: the first call with a new *launch key*
 # goes through Triton, and later calls with that key call the compiled kernel's launcher
 # directly. Every kernel of the package is declared ``@lean``. The key holds every integer's
 # value, so it is finer than Triton's own: a call Triton would compile differently never
@@ -294,12 +286,10 @@ class Block(nn.Module):
 # the operator only while ``torch.compile`` traces it. (Chapter 05's ``custom_op`` is opaque
 # to the compiler, which still calls it inside its graphs.)
 
-# @save compiler_ops
+# @save ops/compiler_ops
 import math
 
-from stepkernels._core import refuse_double_backward
-from stepkernels.arguments import layer_norm_arguments
-from stepkernels.layer_norm import (
+from stepkernels.ops.layer_norm import (
     REDUCTIONS,
     SUPPORTED_DTYPES,
     LayerNorm,
@@ -307,6 +297,8 @@ from stepkernels.layer_norm import (
     layer_norm_forward,
     rows_of,
 )
+from stepkernels.runtime.arguments import layer_norm_arguments
+from stepkernels.runtime.core import refuse_double_backward
 import torch
 from torch import Tensor
 from torch.library import triton_op

@@ -24,7 +24,7 @@ chapter 05 (autograd).
 # Setup
 # -----
 
-from stepkernels import bench, check_cross_entropy, tutorial
+from stepkernels.lessons import bench, check_cross_entropy, tutorial
 import torch
 
 tutorial.announce()
@@ -99,11 +99,12 @@ for vocabulary in (32_768, 50_257, 128_256):
 # the two parts that hold them. Writing them is not: the parts between store whole groups
 # unmasked, the end parts their whole groups, and part 0 the row's values in the shared two.
 
-# @save cross_entropy
+# @save ops/cross_entropy
 from dataclasses import dataclass
 import functools
 
-from stepkernels._core import (
+from stepkernels.runtime.arguments import cross_entropy_arguments
+from stepkernels.runtime.core import (
     FLOAT_DTYPES,
     ON_GPU,
     check_tensor,
@@ -111,9 +112,8 @@ from stepkernels._core import (
     refuse_double_backward,
     sm_count,
 )
-from stepkernels.arguments import cross_entropy_arguments
-from stepkernels.launch import lean  # cheap repeated launches: chapter 08
-from stepkernels.softmax import as_rows, quiet
+from stepkernels.runtime.launch import lean  # cheap repeated launches: chapter 08
+from stepkernels.runtime.rows import as_rows, quiet
 import torch
 import triton
 import triton.language as tl
@@ -281,9 +281,9 @@ def cross_entropy_kernel(
 #
 # The gradient buffer is new, never X (the caller or autograd may still need X), with X's
 # strides and 16-byte phase, so that their rows share groups. Launch rules: the fastest of a
-# sweep on the H100 (``tools/experiments/cross_entropy_parts.py``). Offsets are 64-bit.
+# sweep on the H100 (``lab/cross_entropy_parts.py``). Offsets are 64-bit.
 
-# @save cross_entropy
+# @save ops/cross_entropy
 SCALE_BLOCK, SCALE_PROGRAMS_PER_SM = 4096, 4
 REDUCTIONS = ("mean", "sum", "none")
 MAX_POLLS = 100_000 if ON_GPU else 2  # tries before a program reads the row itself
@@ -556,7 +556,7 @@ for name, backward, unit in (
 
 
 shown = [(name, loss_results[name]) for name in list(loss_results)[:2]]
-if first := bench.load_recorded(f"experiments/{TWO_PASSES}"):
+if first := bench.load_recorded(TWO_PASSES):
     old = bench.Results(loss_benchmark(TWO_PASSES, True), *first, live=False)
     shown.append(("our first kernel, two passes, forward-backward", old))
 for name, results in shown:

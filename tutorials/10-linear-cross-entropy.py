@@ -21,7 +21,7 @@ chapter 09 (the loss kernel).
 # Setup
 # -----
 
-from stepkernels import bench, tutorial
+from stepkernels.lessons import bench, tutorial
 import torch
 
 tutorial.announce()
@@ -45,21 +45,21 @@ DEVICE = tutorial.DEVICE
 # once per chunk, 16 times for 16K tokens. The three matmuls cost 6 N D V FLOPs; the loss is
 # a pass over X_c while it is in L2-sized pieces, nearly free next to them.
 
-# @save linear_cross_entropy
-from stepkernels._core import (
-    FLOAT_DTYPES,
-    check_tensor,
-    loss_dtype,
-    refuse_double_backward,
-)
-from stepkernels.cross_entropy import (
+# @save ops/linear_cross_entropy
+from stepkernels.ops.cross_entropy import (
     check_target,
     kept_rows,
     loss_rows,
     reduce_losses,
     scale_unless_one,
 )
-from stepkernels.matmul import matmul
+from stepkernels.ops.matmul import matmul
+from stepkernels.runtime.core import (
+    FLOAT_DTYPES,
+    check_tensor,
+    loss_dtype,
+    refuse_double_backward,
+)
 import torch
 
 LOGITS_CHUNK_BYTES = 2**28  # logits held at once by linear_cross_entropy: 256 MiB

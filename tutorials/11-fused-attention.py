@@ -20,7 +20,7 @@ Prerequisites: chapter 02 (the online softmax), chapter 05 (autograd), chapter 0
 
 import itertools
 
-from stepkernels import bench, check_attention, tutorial
+from stepkernels.lessons import bench, check_attention, tutorial
 import torch
 from torch.nn.attention import SDPBackend
 
@@ -75,20 +75,20 @@ for n in (1024, 4096, 16384):
 #   the kernel (``tl.make_tensor_descriptor``, as chapter 07 does), every program builds its
 #   own, which cost up to 30% of the forward at N = 512 in our sweep.
 
-# @save attention
+# @save ops/attention
 from dataclasses import dataclass
 import functools
 import math
 
-from stepkernels._core import (
+from stepkernels.runtime.arguments import is_number
+from stepkernels.runtime.core import (
     FLOAT_DTYPES,
     INTERPRET,
     ON_GPU,
     check_tensor,
     refuse_double_backward,
 )
-from stepkernels.arguments import is_number
-from stepkernels.matmul import dot_precision
+from stepkernels.runtime.tiles import dot_precision
 import torch
 import triton
 import triton.language as tl
@@ -193,7 +193,7 @@ def attention_forward_kernel(
 # for the key programs. Causal loops split as in the forward.
 
 
-# @save attention
+# @save ops/attention
 @triton.jit
 def key_block_grads(dk, dv, k, v, queries, grads, batch, head, lse_row, delta_row, offs_n,
                     lo, hi, n_q, scale_log2, BLOCK_M: tl.constexpr, MASK: tl.constexpr,
@@ -302,14 +302,14 @@ def attention_query_grad_kernel(
 # Launches, layouts and the autograd function
 # -------------------------------------------
 # Launch rules (blocks of queries x keys, warps, stages) come from a sweep on the H100,
-# ``tools/experiments/attention_sweep.py``, its log beside the results. A tensor no descriptor
+# ``lab/attention_sweep.py``, its log beside the results. A tensor no descriptor
 # can describe (last dimension not contiguous; D = 20 in fp16, rows of 40 bytes) is copied
 # once, contiguous with rows padded to 16 bytes; a (B, N, H, D) tensor viewed as (B, H, N, D)
 # is read in place, and O is then written in q's layout, as SDPA does: ``o.transpose(1, 2)``
 # is the (B, N, H·D) input of the next projection without a copy. Under the interpreter the
 # blocks are 16 x 16.
 
-# @save attention
+# @save ops/attention
 MAX_HEAD_DIM = 128
 
 

@@ -26,8 +26,9 @@ import functools
 import gc
 
 import matplotlib.pyplot as plt
-from stepkernels import bench, train, tutorial
-from stepkernels.data import load_shakespeare
+from stepkernels.lessons import bench, training, tutorial
+from stepkernels.models import train
+from stepkernels.models.data import load_shakespeare
 import torch
 
 tutorial.announce()
@@ -88,14 +89,14 @@ print(f"one step of {TOKENS_PER_STEP:,} tokens: {work / 1e12:.2f} TFLOP")
 # product, and gives the loss fp32 logits. Outside autocast everything stays fp32, which is how
 # we compare the two exactly.
 
-# @save gpt
+# @save models/gpt
 import math
 
-from stepkernels.attention import attention
-from stepkernels.cross_entropy import cross_entropy
-from stepkernels.dropout import dropout, dropout_bias_act
-from stepkernels.layer_norm import layer_norm
-from stepkernels.linear import linear
+from stepkernels.ops.attention import attention
+from stepkernels.ops.cross_entropy import cross_entropy
+from stepkernels.ops.dropout import dropout, dropout_bias_act
+from stepkernels.ops.layer_norm import layer_norm
+from stepkernels.ops.linear import linear
 import torch
 from torch import nn
 import torch.nn.functional as F
@@ -177,7 +178,7 @@ class TritonLayers:
 # is itself a kernel in the graph, and the kernels read their seed from memory when they run.
 
 
-# @save gpt
+# @save models/gpt
 class Block(nn.Module):
     """Pre-norm transformer block: x + attention(norm(x)), then x + MLP(norm(x))."""
 
@@ -414,7 +415,7 @@ def race():
         ):
             points.append(bench.Point(provider, "bfloat16", TOKENS_PER_STEP, value))
         gc.collect(), torch.cuda.empty_cache()
-    limit = train.products_alone(FULL, data.vocab_size)
+    limit = training.products_alone(FULL, data.vocab_size)
     return [*speed, bench.Point(LIMIT, "bfloat16", TOKENS_PER_STEP, limit)], memory
 
 

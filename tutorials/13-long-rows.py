@@ -19,7 +19,8 @@ Prerequisites: chapter 02 (the split softmax) and chapter 03 (layer norm, its dW
 # Setup
 # -----
 
-from stepkernels import bench, check_layer_norm, layer_norm, tutorial
+from stepkernels import layer_norm
+from stepkernels.lessons import bench, check_layer_norm, tutorial
 import torch
 import triton
 import triton.language as tl
@@ -61,11 +62,11 @@ DEVICE = tutorial.DEVICE
 # ``MAX_POLLS`` reads a program gives up and walks the row itself (``walked_statistics``, Chan's
 # rule block by block): slower, the same answer, never a hang.
 
-# @save long_rows
-from stepkernels._core import INTERPRET
-from stepkernels.launch import lean
-from stepkernels.layer_norm import flush_partials
-from stepkernels.softmax import MAX_POLLS, publish, publish_and_wait, wait_for
+# @save ops/long_rows
+from stepkernels.runtime.core import INTERPRET
+from stepkernels.runtime.launch import lean
+from stepkernels.runtime.partials import flush_partials
+from stepkernels.runtime.waiting import MAX_POLLS, publish, publish_and_wait, wait_for
 import torch
 import triton
 import triton.language as tl
@@ -156,7 +157,7 @@ def split_forward(tensors, strides, affine, n_rows, n_cols, eps, config):
 # (``experiments/layer_norm_forward_reload.log``). Memory still sees each value once; L2 serves
 # the second read. Chapter 03's launch rule gives each program 8,192 values of a row and 4 warps,
 # the best of 4,096 to 16,384 values and 4 to 16 warps
-# (``tools/experiments/layer_norm_forward_variants.py``).
+# (``lab/layer_norm_forward_variants.py``).
 #
 # The backward: batches of rows, loads issued before the wait
 # -----------------------------------------------------------
@@ -185,7 +186,7 @@ def split_forward(tensors, strides, affine, n_rows, n_cols, eps, config):
 # conversion was free, and its batches of 4: 8 rows spill and ran at under 1,000.
 
 
-# @save long_rows
+# @save ops/long_rows
 OPAQUE_MOVES = tl.constexpr(not INTERPRET)  # the interpreter runs no inline assembly
 
 
@@ -406,8 +407,8 @@ if results is not None:
 #
 # Exercises
 # ---------
-# 1. Set ``MAX_POLLS`` to 1 (``stepkernels.softmax``) and time the forward at N = 65,536. How
-#    often does a program take the way out, and what does each time cost?
+# 1. Set ``MAX_POLLS`` to 1 (``stepkernels.runtime.waiting``) and time the forward at
+#    N = 65,536. How often does a program take the way out, and what does each time cost?
 # 2. The backward holds the next batch and the current one at once. Read the current one again
 #    after the wait instead, as the forward does, or take 2 rows a batch: how many registers
 #    (``kernel[grid](...).n_regs``), programs per SM and GB/s does each give? Drop ``opaque``:

@@ -1,0 +1,314 @@
+"""ops.dropout: the code of chapter 06, Low-memory dropout, and a fused bias + activation + dropout
+layer."""
+
+# Generated from tutorials/06-low-memory-dropout.py by tools/export.py: edit the chapter, then
+# `make export`.
+
+import math
+
+from stepkernels.runtime import activations, core
+from stepkernels.runtime.arguments import (
+    dropout_bias,
+    dropout_input,
+    dropout_p,
+    dropout_seed,
+)
+from stepkernels.runtime.launch import lean  # cheap repeated launches: chapter 08
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def keep_mask(seed, p, groups):
+    """For a block of group indices (int64, shape [G]), which of the [G, 4] elements to keep."""
+    # Counters as uint32: the same Philox variant on every Triton version (32-bit words).
+    r0, r1, r2, r3 = tl.rand4x(seed, groups.to(tl.uint32))
+    lane = tl.arange(0, 4)[None, :]
+    random = tl.where(lane == 0, r0[:, None], tl.where(lane == 1, r1[:, None],
+                      tl.where(lane == 2, r2[:, None], r3[:, None])))  # fmt: skip
+    # Uniform in [0, 1): P(random >= p) = 1 - p; p = 0 keeps everything and p = 1 nothing.
+    return random >= p
+
+
+@triton.jit
+def group_offsets(BLOCK_SIZE: tl.constexpr):
+    """This program's group indices [G] and element offsets [G, 4], both int64."""
+    groups_per_block: tl.constexpr = BLOCK_SIZE // 4
+    groups = tl.program_id(0).to(tl.int64) * groups_per_block
+    groups += tl.arange(0, groups_per_block)
+    return groups, groups[:, None] * 4 + tl.arange(0, 4)[None, :]
+
+
+@lean
+@triton.jit(do_not_specialize=["seed"])
+def dropout_kernel(x_ptr, out_ptr, n_elements, p, scale, seed,
+                   BLOCK_SIZE: tl.constexpr):  # fmt: skip
+    groups, offsets = group_offsets(BLOCK_SIZE)
+    in_bounds = offsets < n_elements
+    seed = tl.load(seed) if seed.dtype.is_ptr() else seed  # in memory: a tensor seed
+    keep = keep_mask(seed, p, groups)
+    x = tl.load(x_ptr + offsets, mask=in_bounds).to(tl.float32)
+    out = tl.where(keep, x * scale, 0.0)
+    tl.store(out_ptr + offsets, out.to(out_ptr.dtype.element_ty), mask=in_bounds)
+
+
+BLOCK_SIZE = 4096
+NUM_WARPS = 8
+MAX_ELEMENTS = 2**34  # 2^32 Philox counters of four elements each
+
+
+def scale_for(p: float) -> float:
+    return 0.0 if p == 1.0 else 1.0 / (1.0 - p)
+
+
+def launch_dropout(x, p, seed, inplace=False, kernel=dropout_kernel) -> torch.Tensor:
+    """Dropout of ``x`` into a new tensor, or into ``x`` itself: in place when contiguous
+    (each element is read, then written, by the same program), else through a copy."""
+    source = x.contiguous()
+    out = source if inplace else torch.empty_like(source)
+    if x.numel():
+        grid = (triton.cdiv(x.numel(), BLOCK_SIZE),)
+        kernel[grid](source, out, x.numel(), p, scale_for(p), seed, BLOCK_SIZE,
+                     num_warps=NUM_WARPS)  # fmt: skip
+    return x.copy_(out) if inplace and out is not x else out
+
+
+class SeededDropout(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, p, seed, inplace):
+        ctx.p, ctx.seed = p, seed.clone() if torch.is_tensor(seed) else seed  # a copy
+        if inplace:
+            ctx.mark_dirty(x)
+        return launch_dropout(x, p, seed, inplace)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        core.refuse_double_backward("dropout", "torch.nn.functional.dropout")
+        # The same kernel on the gradient, with the same seed: the same mask.
+        return launch_dropout(grad_out, ctx.p, ctx.seed), None, None, None
+
+
+def dropout(x, p: float, seed, training: bool = True, inplace: bool = False):
+    """Drop each element of ``x`` with probability ``p`` and scale the rest by 1 / (1 - p).
+
+    The mask, a function of ``seed`` (an int in [0, 2**63), or a one-element int64 tensor on
+    x's device, read by the kernel) and of the row-major position alone, is regenerated in the
+    backward. ``training=False`` or ``p=0`` return ``x``; ``inplace=True`` writes into ``x``.
+    """
+    dropout_input(x, MAX_ELEMENTS, core.FLOAT_DTYPES)  # checks, raising what to do
+    p, seed = dropout_p(p), dropout_seed(seed, x)
+    if not training or p == 0.0:
+        return x
+    if not (torch.is_grad_enabled() and x.requires_grad):  # nothing for autograd
+        out = launch_dropout(x, p, seed, inplace)
+        if out is x:  # written in place: autograd's saved copies of x are now stale
+            torch.autograd.graph.increment_version(x)
+        return out
+    return SeededDropout.apply(x, p, seed, inplace)
+
+
+class Dropout(torch.nn.Module):
+    """Drop-in for ``torch.nn.Dropout`` that stores no mask, with a 63-bit seed a call from
+    PyTorch's generator (``manual_seed`` reproduces a run; 31 bits repeat in ~46,000 calls)."""
+
+    def __init__(self, p: float = 0.5, inplace: bool = False):
+        super().__init__()
+        self.p, self.inplace = dropout_p(p), bool(inplace)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.training or self.p == 0.0:
+            return x
+        return dropout(x, self.p, core.fresh_seed(), inplace=self.inplace)
+
+    def extra_repr(self) -> str:
+        return f"p={self.p}, inplace={self.inplace}"
+
+
+@triton.jit
+def philox(seed, counters):
+    """Philox-4x32-10, the bits of ``tl.randint4x``, each round's two 32 x 32-bit products
+    taken whole in 64 bits: one multiply gives both halves, where ``umulhi`` takes another."""
+    seed = seed.to(tl.uint64)  # an int32 seed shifted by 32 would be undefined
+    k0, k1 = seed.to(tl.uint32), (seed >> 32).to(tl.uint32)
+    c0, c1, c2, c3 = counters, counters * 0, counters * 0, counters * 0
+    for _ in tl.static_range(10):
+        a, b = c0.to(tl.uint64) * 0xD2511F53, c2.to(tl.uint64) * 0xCD9E8D57
+        c0, c1 = (b >> 32).to(tl.uint32) ^ c1 ^ k0, b.to(tl.uint32)
+        c2, c3 = (a >> 32).to(tl.uint32) ^ c3 ^ k1, a.to(tl.uint32)
+        k0, k1 = k0 + 0x9E3779B9, k1 + 0xBB67AE85
+    return c0, c1, c2, c3
+
+
+@triton.jit
+def keep_eight(seed, threshold, groups):
+    """Keep [G, 8]: a Philox call a group gives 4 words, each 2 draws of 16 bits (low first)."""
+    r0, r1, r2, r3 = philox(seed, groups.to(tl.uint32))
+    words = tl.reshape(tl.join(tl.join(r0, r2), tl.join(r1, r3)), (groups.shape[0], 4))
+    draws = tl.reshape(tl.join(words & 0xFFFF, words >> 16), (groups.shape[0], 8))
+    return draws.to(tl.int32) >= threshold
+
+
+@triton.jit
+def column_block(BLOCK_COLS: tl.constexpr):
+    """This program's groups of columns [G] and columns [G, 8] (axis 1 of the grid)."""
+    groups_per_block: tl.constexpr = BLOCK_COLS // 8
+    col_groups = tl.program_id(1) * groups_per_block + tl.arange(0, groups_per_block)
+    return col_groups, col_groups[:, None] * 8 + tl.arange(0, 8)[None, :]
+
+
+@triton.jit
+def row_tile(row, col_groups, cols, n_rows, n_cols):
+    """One row's tile: Philox counters [G], element offsets [G, 8], and its mask."""
+    in_bounds = cols < tl.where(row < n_rows, n_cols, 0)  # rows past the end: nothing
+    groups_per_row = (n_cols + 7) // 8
+    return row * groups_per_row + col_groups, row * n_cols + cols, in_bounds
+
+
+@lean
+@triton.jit(do_not_specialize=["seed"])
+def bias_act_dropout_kernel(
+    x_ptr, bias_ptr, out_ptr, n_rows, n_cols, rows_per_program, threshold, scale, seed,
+    ACTIVATION: tl.constexpr, BLOCK_COLS: tl.constexpr, NUM_STAGES: tl.constexpr,
+):  # fmt: skip
+    col_groups, cols = column_block(BLOCK_COLS)
+    bias = tl.load(bias_ptr + cols, mask=cols < n_cols).to(tl.float32)
+    seed = tl.load(seed) if seed.dtype.is_ptr() else seed  # as in dropout_kernel
+    first_row = tl.program_id(0).to(tl.int64) * rows_per_program
+    for i in tl.range(0, rows_per_program, num_stages=NUM_STAGES):
+        tile = row_tile(first_row + i, col_groups, cols, n_rows, n_cols)
+        counters, offsets, in_bounds = tile
+        x = tl.load(x_ptr + offsets, mask=in_bounds).to(tl.float32)
+        out_type = out_ptr.dtype.element_ty
+        activated = activations.apply_activation(x + bias, ACTIVATION, out_type)
+        keep = keep_eight(seed, threshold, counters)
+        out = tl.where(keep, activated * scale, 0.0)
+        tl.store(out_ptr + offsets, out.to(out_ptr.dtype.element_ty), mask=in_bounds)
+
+
+@lean
+@triton.jit(do_not_specialize=["seed"])
+def bias_act_dropout_backward_kernel(
+    grad_out_ptr, x_ptr, bias_ptr, grad_in_ptr, bias_sum_ptr, counter_ptr, grad_bias_ptr,
+    n_rows, n_cols, rows_per_program, threshold, scale, seed, ACTIVATION: tl.constexpr,
+    BLOCK_COLS: tl.constexpr, NUM_STAGES: tl.constexpr, DETERMINISTIC: tl.constexpr,
+):  # fmt: skip
+    col_groups, cols = column_block(BLOCK_COLS)
+    cols_in = cols < n_cols
+    seed = tl.load(seed) if seed.dtype.is_ptr() else seed  # as in dropout_kernel
+    if ACTIVATION is not None:
+        bias = tl.load(bias_ptr + cols, mask=cols_in).to(tl.float32)
+    bias_sum = tl.zeros((BLOCK_COLS // 8, 8), dtype=tl.float32)
+    first_row = tl.program_id(0).to(tl.int64) * rows_per_program
+    for i in tl.range(0, rows_per_program, num_stages=NUM_STAGES):
+        tile = row_tile(first_row + i, col_groups, cols, n_rows, n_cols)
+        counters, offsets, in_bounds = tile
+        grad = tl.load(grad_out_ptr + offsets, mask=in_bounds).to(tl.float32)
+        keep = keep_eight(seed, threshold, counters)
+        grad = tl.where(keep, grad * scale, 0.0)
+        if ACTIVATION is not None:  # recompute z = x + b: read x, store nothing
+            x = tl.load(x_ptr + offsets, mask=in_bounds).to(tl.float32)
+            out_type = grad_in_ptr.dtype.element_ty
+            grad *= activations.activation_derivative(x + bias, ACTIVATION, out_type)
+        grad = tl.where(in_bounds, grad, 0.0)
+        grad_in = grad.to(grad_in_ptr.dtype.element_ty)
+        tl.store(grad_in_ptr + offsets, grad_in, mask=in_bounds)
+        bias_sum += grad
+    if DETERMINISTIC:  # a row of partial sums a program, for PyTorch to add in order
+        partial_row = tl.program_id(0).to(tl.int64) * n_cols
+        tl.store(bias_sum_ptr + partial_row + cols, bias_sum, mask=cols_in)
+    else:  # added into fp32 sums in arrival order; the column block's last program casts
+        tl.atomic_add(bias_sum_ptr + cols, bias_sum, mask=cols_in, sem="relaxed")
+        tl.debug_barrier()  # every thread of this program has added
+        arrived = tl.atomic_add(counter_ptr + tl.program_id(1), 1, sem="acq_rel")
+        # The last: db, then sums and counter back to zero for the next launch.
+        if arrived == tl.num_programs(0) - 1:
+            sums = tl.load(bias_sum_ptr + cols, mask=cols_in, cache_modifier=".cg")
+            grad_bias = sums.to(grad_bias_ptr.dtype.element_ty)
+            tl.store(grad_bias_ptr + cols, grad_bias, mask=cols_in)
+            tl.store(bias_sum_ptr + cols, tl.zeros_like(sums), mask=cols_in)
+            tl.store(counter_ptr + tl.program_id(1), 0)
+
+
+FUSED_COLS = {False: 2048, True: 1024}  # most columns a program: forward, backward
+FORWARD_OPTIONS = {"NUM_STAGES": 1, "num_warps": 4}  # fused_dropout_cheaper.log
+BACKWARD_PROGRAMS_PER_SM = 4  # the backward's strips: long enough for about this many
+BACKWARD_STAGES = {4: 3, 2: 4}  # by bytes an element (fused_dropout_db.log)
+
+
+def fused_launch(n_rows: int, n_cols: int, backward: bool) -> tuple[int, int, tuple]:
+    """(BLOCK_COLS, rows per program, grid) for a non-empty input: a forward program takes a
+    row block (more rows if they are short), a backward program a strip of rows, for db."""
+    block_cols = min(FUSED_COLS[backward], max(8, triton.next_power_of_2(n_cols)))
+    col_blocks = triton.cdiv(n_cols, block_cols)
+    rows_per_program = FUSED_COLS[backward] // block_cols
+    if backward:
+        wanted = triton.cdiv(BACKWARD_PROGRAMS_PER_SM * core.sm_count(), col_blocks)
+        rows_per_program = triton.cdiv(n_rows, min(n_rows, wanted))
+    row_blocks = triton.cdiv(n_rows, rows_per_program)
+    return block_cols, rows_per_program, (row_blocks, col_blocks)
+
+
+def bias_act_dropout(x, bias, p, activation, seed):
+    # Rows by math.prod: with no features, view(-1, 0) would be ambiguous.
+    x2d = x.view(math.prod(x.shape[:-1]), x.shape[-1])
+    out = torch.empty_like(x2d)
+    if x2d.numel():  # an empty input launches nothing
+        block_cols, rows_per_program, grid = fused_launch(*x2d.shape, backward=False)
+        bias_act_dropout_kernel[grid](
+            x2d, bias, out, *x2d.shape, rows_per_program, round(p * 2**16), scale_for(p), seed,
+            ACTIVATION=activation, BLOCK_COLS=block_cols, **FORWARD_OPTIONS,
+        )  # fmt: skip
+    return out.view(x.shape)
+
+
+class BiasActDropout(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, bias, p, activation, seed):
+        ctx.save_for_backward(x.view(-1) if activation is not None else None, bias)
+        seed = seed.clone() if torch.is_tensor(seed) else seed  # callers may advance it
+        ctx.p, ctx.activation, ctx.seed = p, activation, seed
+        ctx.shape2d = (math.prod(x.shape[:-1]), x.shape[-1])
+        return bias_act_dropout(x, bias, p, activation, seed)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        core.refuse_double_backward("dropout_bias_act", "PyTorch's dropout(act(x + b))")
+        x, bias = ctx.saved_tensors
+        x2d = None if x is None else x.view(ctx.shape2d)
+        grad_2d = grad_out.contiguous().view(ctx.shape2d)
+        if not grad_out.numel():  # no rows, or no features: nothing to launch
+            return torch.empty_like(grad_out), torch.zeros_like(bias), None, None, None
+        grad_in, grad_bias = torch.empty_like(grad_2d), torch.empty_like(bias)
+        block_cols, rows_per_program, grid = fused_launch(*ctx.shape2d, backward=True)
+        deterministic = torch.are_deterministic_algorithms_enabled()
+        if deterministic:  # partial sums, added by PyTorch: the same bits every run
+            sums = counters = torch.empty(grid[0], ctx.shape2d[1], device=bias.device)
+        else:  # scratch that the kernel leaves zeroed
+            sums = core.zeroed(bias.device, ctx.shape2d[1], torch.float32)
+            counters = core.zeroed(bias.device, grid[1])
+        bias_act_dropout_backward_kernel[grid](
+            grad_2d, x2d, bias, grad_in, sums, counters, grad_bias, *ctx.shape2d,
+            rows_per_program, round(ctx.p * 2**16), scale_for(ctx.p), ctx.seed,
+            ACTIVATION=ctx.activation, BLOCK_COLS=block_cols, DETERMINISTIC=deterministic,
+            NUM_STAGES=BACKWARD_STAGES[grad_2d.element_size()], num_warps=4,
+        )  # fmt: skip
+        if deterministic:
+            grad_bias = sums.sum(0).to(bias.dtype)
+        return grad_in.view(grad_out.shape), grad_bias, None, None, None
+
+
+def dropout_bias_act(x, bias, p: float, activation, seed, training: bool = True):
+    """``dropout(act(x + bias), p)`` in one kernel, forward and backward; bias over the last
+    dimension. Its mask, of (seed, row, column), is never stored; seed: as for ``dropout``.
+    The mask draws 16 bits: it drops with probability p rounded to a multiple of 2^-16."""
+    activations.check_activation(activation)
+    dropout_input(x, MAX_ELEMENTS, core.FLOAT_DTYPES)
+    p, seed = dropout_p(p), dropout_seed(seed, x)
+    dropout_bias(x, bias, core.FLOAT_DTYPES)
+    # The p the mask draws, which the scale 1 / (1 - p) must match
+    p = round(p * 2**16) / 2**16 if training else 0.0
+    x, bias = x.contiguous(), bias.contiguous()
+    if torch.is_grad_enabled() and (x.requires_grad or bias.requires_grad):
+        return BiasActDropout.apply(x, bias, p, activation, seed)
+    return bias_act_dropout(x, bias, p, activation, seed)  # nothing for autograd

@@ -1,0 +1,193 @@
+"""ops.linear: the code of chapter 05, Autograd: a fused linear layer that trains."""
+
+# Generated from tutorials/05-autograd-fused-linear.py by tools/export.py: edit the chapter, then
+# `make export`.
+
+from stepkernels.ops.matmul import copies_for_tf32, matmul
+from stepkernels.runtime.activations import activation_derivative, check_activation
+from stepkernels.runtime.arguments import linear_arguments
+from stepkernels.runtime.core import refuse_double_backward
+from stepkernels.runtime.launch import lean
+import torch
+from torch import Tensor, nn
+import triton
+import triton.language as tl
+
+
+@lean  # cheap repeated launches: chapter 08
+@triton.jit
+def activation_backward_kernel(
+    grad_y_ptr, z_ptr, grad_z_ptr, grad_z_t_ptr, bias_partial_ptr,
+    M, N,
+    stride_grad_y_m, stride_grad_y_n, stride_z_m, stride_z_n,
+    ACTIVATION: tl.constexpr, BIAS_GRAD: tl.constexpr, TRANSPOSED: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    block_m = tl.program_id(axis=0)
+    rows = block_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    columns = tl.program_id(axis=1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = (rows[:, None] < M) & (columns[None, :] < N)
+    grad_y_offsets = (
+        rows[:, None] * stride_grad_y_m + columns[None, :] * stride_grad_y_n
+    )
+    grad_y_ptrs = grad_y_ptr + grad_y_offsets
+    z_ptrs = z_ptr + rows[:, None] * stride_z_m + columns[None, :] * stride_z_n
+    # fp32 arithmetic whatever the storage dtype (and bf16 must be converted first anyway).
+    grad_y = tl.load(grad_y_ptrs, mask=mask, other=0.0).to(tl.float32)
+    z = tl.load(z_ptrs, mask=mask, other=0.0).to(tl.float32)
+    grad_z = grad_y * activation_derivative(z, ACTIVATION, grad_z_ptr.dtype.element_ty)
+    grad_z_ptrs = grad_z_ptr + rows[:, None] * N + columns[None, :]
+    tl.store(grad_z_ptrs, grad_z.to(grad_z_ptr.dtype.element_ty), mask=mask)
+    if TRANSPOSED:  # dZ^T too (N x M, row-major): dW's K-major operand
+        grad_z_t_ptrs = grad_z_t_ptr + columns[None, :].to(tl.int64) * M + rows[:, None]
+        tl.store(grad_z_t_ptrs, grad_z.to(grad_z_t_ptr.dtype.element_ty), mask=mask)
+    if BIAS_GRAD:  # masked lanes hold dY = 0, so they add nothing to the column sums
+        partial_ptrs = bias_partial_ptr + block_m * N + columns
+        tl.store(partial_ptrs, tl.sum(grad_z, axis=0), mask=columns < N)
+
+
+ACTIVATION_BACKWARD_BLOCK = {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4}
+
+
+def activation_backward(grad_y, z, activation, bias_grad: bool, over_z=False,
+        transposed=False):  # fmt: skip
+    """dZ = dY * act'(Z) in Z's dtype (over Z if ``over_z``); db (fp32) from block sums;
+    dZ^T, contiguous, if ``transposed`` (else None)."""
+    M, N = z.shape
+    grad_z = z if over_z else torch.empty((M, N), device=z.device, dtype=z.dtype)
+    grad_z_t = z.new_empty((N, M)) if transposed else None
+    blocks_m = triton.cdiv(M, ACTIVATION_BACKWARD_BLOCK["BLOCK_M"])
+    partial = torch.empty((blocks_m, N), device=z.device, dtype=torch.float32)
+    if grad_z.numel() > 0:
+        grid = (blocks_m, triton.cdiv(N, ACTIVATION_BACKWARD_BLOCK["BLOCK_N"]))
+        activation_backward_kernel[grid](
+            grad_y, z, grad_z, grad_z if grad_z_t is None else grad_z_t, partial, M, N,
+            grad_y.stride(0), grad_y.stride(1), z.stride(0), z.stride(1),
+            ACTIVATION=activation, BIAS_GRAD=bias_grad, TRANSPOSED=transposed,
+            **ACTIVATION_BACKWARD_BLOCK,
+        )  # fmt: skip
+    return grad_z, (partial.sum(dim=0) if bias_grad else None), grad_z_t
+
+
+def fused_linear_forward(x, weight, bias, activation, keep_z):
+    if activation is not None and keep_z:
+        return matmul(x, weight.mT, activation, bias=bias, return_preactivation=True)
+    return matmul(x, weight.mT, activation, bias=bias), x.new_empty(0)
+
+
+def fused_linear_backward(grad_y, x, weight, bias, z, activation, needs_grad):
+    need_x, need_weight, need_bias = needs_grad
+    if activation is None:  # act' = 1: dZ is dY itself
+        grad_z, grad_z_t = grad_y, None
+        grad_bias = grad_y.sum(dim=0, dtype=torch.float32) if need_bias else None
+    else:
+        again = z is None  # recompute: the forward product, without the activation,
+        z = matmul(x, weight.mT, None, bias=bias) if again else z  # then dZ over it
+        # dZ^T from the dZ kernel where dW's product would copy it (fp32 as tf32)
+        transposed = need_weight and copies_for_tf32(x.dtype, *weight.shape)
+        grad_z, grad_bias, grad_z_t = activation_backward(
+            grad_y, z, activation, need_bias, again, transposed
+        )
+    return (
+        matmul(grad_z, weight) if need_x else x.new_empty(0),
+        matmul(grad_z.mT if grad_z_t is None else grad_z_t, x)  # dZ^T: a view, or a copy
+        if need_weight else x.new_empty(0),
+        grad_bias.to(x.dtype) if need_bias else x.new_empty(0),
+    )  # fmt: skip
+
+
+@torch.library.custom_op("stepkernels::fused_linear", mutates_args=())
+def fused_linear_op(
+    x: Tensor, weight: Tensor, bias: Tensor | None, activation: str | None, keep_z: bool
+) -> tuple[Tensor, Tensor]:
+    return fused_linear_forward(x, weight, bias, activation, keep_z)
+
+
+@fused_linear_op.register_fake
+def _(x, weight, bias, activation, keep_z):
+    y = x.new_empty((x.shape[0], weight.shape[0]))
+    return y, (torch.empty_like(y) if activation and keep_z else x.new_empty(0))
+
+
+@torch.library.custom_op("stepkernels::fused_linear_backward", mutates_args=())
+def fused_linear_backward_op(
+    grad_y: Tensor, x: Tensor, weight: Tensor, bias: Tensor | None, z: Tensor | None,
+    activation: str | None, needs_grad: list[bool],
+) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+    return fused_linear_backward(grad_y, x, weight, bias, z, activation, needs_grad)
+
+
+@fused_linear_backward_op.register_fake
+def _(grad_y, x, weight, bias, z, activation, needs_grad):
+    shapes = (x.shape, weight.shape, weight.shape[:1])
+    return tuple(
+        x.new_empty(s if n else (0,)) for s, n in zip(shapes, needs_grad, strict=True)
+    )
+
+
+def autograd_setup(ctx, inputs, output):
+    x, weight, bias, activation, keep_z = inputs
+    ctx.activation = activation
+    ctx.save_for_backward(x, weight, bias, output[1] if activation and keep_z else None)
+    ctx.set_materialize_grads(False)  # Z's gradient is never used: do not fill one in
+
+
+def autograd_backward(ctx, grad_y, _grad_z, backward=fused_linear_backward_op):
+    refuse_double_backward("linear", "torch.nn.functional.linear and the activation")
+    needs_grad = list(ctx.needs_input_grad[:3])  # of x, weight, bias
+    args = (grad_y, *ctx.saved_tensors, ctx.activation, needs_grad)
+    grads = backward(*args)
+    grads = [g if n else None for g, n in zip(grads, needs_grad, strict=True)]
+    return *grads, None, None  # none for activation and keep_z
+
+
+fused_linear_op.register_autograd(autograd_backward, setup_context=autograd_setup)
+
+
+class FusedLinearFunction(torch.autograd.Function):
+    """The same forward and backward without the operator, for eager calls."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, activation, keep_z):
+        output = fused_linear_forward(x, weight, bias, activation, keep_z)
+        autograd_setup(ctx, (x, weight, bias, activation, keep_z), output)
+        return output
+
+    @staticmethod
+    def backward(ctx, grad_y, grad_z):
+        return autograd_backward(ctx, grad_y, grad_z, backward=fused_linear_backward)
+
+
+def linear(x, weight, bias=None, activation=None, *, recompute=False):
+    """``activation(x @ weight.T + bias)`` in one kernel, differentiable, for weight and bias
+    as ``nn.Linear`` holds them; ``recompute``: recompute x @ weight.T + bias in the backward
+    instead of keeping it from the forward."""
+    linear_arguments(x, weight, bias, activation)  # raises, saying what to do
+    tensors = (x, weight) if bias is None else (x, weight, bias)
+    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+    rows = x.reshape(x.shape[:-1].numel(), x.shape[-1])
+    keep_z = needs_grad and not recompute
+    if torch.compiler.is_compiling():
+        y, _ = fused_linear_op(rows, weight, bias, activation, keep_z)
+    elif needs_grad:
+        y, _ = FusedLinearFunction.apply(rows, weight, bias, activation, keep_z)
+    else:
+        y = fused_linear_forward(rows, weight, bias, activation, False)[0]
+    return y.view(*x.shape[:-1], weight.shape[0])
+
+
+class FusedLinear(nn.Linear):
+    """``nn.Linear`` followed by an activation, fused into one Triton kernel."""
+
+    def __init__(self, in_features, out_features, bias=True, activation=None,
+                 recompute=False, device=None, dtype=None):  # fmt: skip
+        super().__init__(in_features, out_features, bias, device=device, dtype=dtype)
+        check_activation(activation)
+        self.activation, self.recompute = activation, recompute
+
+    def forward(self, x):
+        args = (x, self.weight, self.bias, self.activation)
+        return linear(*args, recompute=self.recompute)
+
+    def extra_repr(self):
+        return f"{super().extra_repr()}, activation={self.activation!r}, recompute={self.recompute}"

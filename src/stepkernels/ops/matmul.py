@@ -1,0 +1,172 @@
+"""ops.matmul: the code of chapter 04, Matrix multiplication at cuBLAS speed."""
+
+# Generated from tutorials/04-matrix-multiplication.py by tools/export.py: edit the chapter, then
+# `make export`.
+
+from stepkernels.ops.matmul_hopper import launch_tma, tma_operands
+from stepkernels.runtime.activations import apply_activation
+from stepkernels.runtime.arguments import accumulate_arguments
+from stepkernels.runtime.core import (
+    INTERPRET,
+    ON_GPU,
+    autotune_configs,
+    capability,
+    sm_count,
+)
+from stepkernels.runtime.launch import lean
+from stepkernels.runtime.tiles import (
+    add_bias,
+    allocate_outputs,
+    check_inputs,
+    dot_precision,
+    keep_configs_for_dtype,
+    output_dtype,
+    tile_config,
+    tile_of_program,
+)
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.heuristics({"EVEN_K": lambda args: args["K"] % args["BLOCK_K"] == 0})
+@triton.jit
+def matmul_kernel(
+    a_ptr, b_ptr, c_ptr, bias_ptr, pre_ptr,
+    M, N, K,
+    stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn, stride_bias,
+    ACTIVATION: tl.constexpr, HAS_BIAS: tl.constexpr, STORE_PREACTIVATION: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, EVEN_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GROUP_SIZE_M: tl.constexpr, ACCUMULATE: tl.constexpr = False,
+):  # fmt: skip
+    tiles_m, tiles_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
+    pid_m, pid_n = tile_of_program(tl.program_id(0), tiles_m, tiles_n, GROUP_SIZE_M)
+
+    offs_m = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    # Wrap, do not mask: rows past M (columns past N) re-read valid data that we never store.
+    rows, columns = offs_m % M, offs_n % N
+    a_ptrs = a_ptr + rows[:, None] * stride_am + offs_k[None, :] * stride_ak
+    b_ptrs = b_ptr + offs_k[:, None] * stride_bk + columns[None, :] * stride_bn
+
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(0, tl.cdiv(K, BLOCK_K)):
+        if EVEN_K:
+            a = tl.load(a_ptrs)
+            b = tl.load(b_ptrs)
+        else:  # the last K-step hangs over the end: load zeros there
+            k_left = K - k * BLOCK_K
+            a = tl.load(a_ptrs, mask=offs_k[None, :] < k_left, other=0.0)
+            b = tl.load(b_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
+        if UPCAST:
+            a, b = a.to(tl.float32), b.to(tl.float32)
+        acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
+        a_ptrs += BLOCK_K * stride_ak
+        b_ptrs += BLOCK_K * stride_bk
+
+    acc = add_bias(acc, bias_ptr, offs_n, N, stride_bias, HAS_BIAS)
+    c_offsets = offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cn
+    c_mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+    if ACCUMULATE:
+        acc += tl.load(c_ptr + c_offsets, mask=c_mask, other=0.0).to(tl.float32)
+    if STORE_PREACTIVATION:
+        tl.store(pre_ptr + c_offsets, acc.to(pre_ptr.dtype.element_ty), mask=c_mask)
+    out = apply_activation(acc, ACTIVATION, c_ptr.dtype.element_ty)
+    tl.store(c_ptr + c_offsets, out.to(c_ptr.dtype.element_ty), mask=c_mask)
+
+
+# (BLOCK_M, BLOCK_N, BLOCK_K, num_stages, num_warps) by itemsize; the interpreter takes 2's first
+PORTABLE_TILES = {
+    2: [(128, 128, 64, 4, 8), (128, 256, 64, 3, 8), (256, 128, 64, 3, 8),
+        (128, 128, 64, 4, 4), (64, 128, 64, 4, 4), (64, 64, 64, 5, 4)],
+    1: [(128, 256, 128, 3, 8), (256, 128, 128, 3, 8), (128, 128, 128, 4, 8),
+        (64, 128, 128, 4, 4)],
+    4: [(128, 128, 32, 3, 8), (128, 64, 32, 4, 4), (64, 64, 32, 4, 4)],
+}  # fmt: skip
+PORTABLE_CONFIGS = [tile_config(*tile, itemsize=size)
+                    for size, tiles in PORTABLE_TILES.items() for tile in tiles]  # fmt: skip
+
+
+matmul_portable_tuned = lean(triton.autotune(  # lean: cheap repeated launches (chapter 08)
+    configs=autotune_configs(PORTABLE_CONFIGS),
+    key=["M", "N", "K", "INPUT_PRECISION"],
+    restore_value=["c_ptr"],  # tuning launches it again and again: keep C for ACCUMULATE
+    prune_configs_by={"early_config_prune": keep_configs_for_dtype},
+)(matmul_kernel))  # fmt: skip
+
+
+def matmul_portable(
+    a, b, activation=None, *, bias=None, return_preactivation=False, config=None
+):
+    """``activation(a @ b + bias)`` with the portable kernel, autotuned unless ``config``
+    (a dict of BLOCK_M, BLOCK_N, BLOCK_K, GROUP_SIZE_M, num_warps, num_stages) is given."""
+    check_inputs(a, b, activation, bias)
+    return launch_portable(a, b, activation, bias, return_preactivation, config)
+
+
+def launch_portable(
+    a, b, activation, bias, return_preactivation, config=None, accumulate=None
+):
+    """The portable kernel's launch, for inputs that ``check_inputs`` accepted."""
+    out, pre = allocate_outputs(a, b, return_preactivation, accumulate)
+    (M, K), N = a.shape, b.shape[1]
+    if out.numel() > 0:
+        grid = lambda meta: (
+            triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]),
+        )
+        kernel = matmul_portable_tuned if config is None else matmul_kernel
+        kernel[grid](
+            a, b, out, bias, pre, M, N, K,
+            a.stride(0), a.stride(1), b.stride(0), b.stride(1),
+            out.stride(0), out.stride(1), bias.stride(0) if bias is not None else 0,
+            ACTIVATION=activation, HAS_BIAS=bias is not None,
+            STORE_PREACTIVATION=pre is not None, INPUT_PRECISION=dot_precision(a.dtype),
+            UPCAST=INTERPRET and a.dtype == torch.bfloat16,
+            ACCUMULATE=accumulate is not None, **(config or {}),
+        )  # fmt: skip
+    return (out, pre) if return_preactivation else out
+
+
+ON_HOPPER = ON_GPU and capability()[0] == 9
+
+
+def fills_the_gpu(M: int, N: int) -> bool:
+    """At least one 128 × 128 tile of the M × N output per SM?"""
+    return triton.cdiv(M, 128) * triton.cdiv(N, 128) >= sm_count()
+
+
+def on_descriptors(dtype, M: int, N: int) -> bool:
+    """Does ``matmul`` give an M × N product in ``dtype`` to chapter 07's kernel?"""
+    return ON_HOPPER and (dtype.itemsize == 1 or fills_the_gpu(M, N))
+
+
+def copies_for_tf32(dtype, M: int, N: int) -> bool:
+    """tf32 on chapter 07's kernel, which copies operands that are not K-major?"""
+    tf32 = dtype == torch.float32 and dot_precision(dtype) == "tf32"
+    return tf32 and on_descriptors(dtype, M, N)
+
+
+def matmul(
+    a, b, activation=None, *, bias=None, return_preactivation=False, accumulate=None
+):
+    """``activation(a @ b + bias)`` for 2-D ``a`` (M, K), ``b`` (K, N) of any strides:
+    fp16, bf16, fp32 (exact or tf32 as ``torch.get_float32_matmul_precision()`` says) and
+    fp8 e4m3 (bf16 output), accumulated in fp32, bias (N,) and activation applied in fp32
+    before one rounding. ``return_preactivation``: ``(out, a @ b + bias)``, one kernel.
+    ``accumulate``: a contiguous (M, N) tensor that gets ``a @ b (+ bias)`` added in place."""
+    check_inputs(a, b, activation, bias)
+    if accumulate is not None:
+        accumulate_arguments(
+            accumulate, a, b, activation, return_preactivation, output_dtype(a.dtype)
+        )
+    if on_descriptors(a.dtype, a.shape[0], b.shape[1]):
+        operands = tma_operands(a, b)
+        if operands is not None:
+            return launch_tma(
+                *operands, activation, bias, return_preactivation, None, accumulate
+            )
+    return launch_portable(
+        a, b, activation, bias, return_preactivation, None, accumulate
+    )

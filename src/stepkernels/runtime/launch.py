@@ -1,0 +1,232 @@
+r"""Cheap kernel launches: Triton's argument binding done once per shape, not at every call.
+
+``kernel[grid](*args, **meta)`` costs the CPU about 16 µs on our H100's host for an empty
+kernel of two arguments and 26 µs for one of twelve (``lab/call_profile.py``):
+Triton binds the arguments to the signature, works out how each one specializes the kernel
+(dtype, 16-byte alignment, integers equal to 1 or divisible by 16), hashes that into a cache
+key and looks the compiled kernel up, every call. The launch itself, a call of the compiled
+kernel's C launcher, takes 5 to 8 µs.
+
+``lean(kernel)`` wraps a ``@triton.jit`` or ``@triton.autotune`` kernel with the same
+``kernel[grid](*args, **meta)`` call. The first call with a new *launch key* goes through
+Triton as usual; later calls with the same key call the compiled kernel's launcher directly.
+The launch key holds everything Triton specializes on, computed more cheaply: each tensor's
+dtype and whether its address is a multiple of 16, each integer's value (for a
+``do_not_specialize`` integer, such as a seed, only its width), the constexprs and launch
+options, and the device. It is finer than Triton's own key, so a kernel that Triton would
+compile differently is never reused; an autotuned kernel's shape key is among the integers.
+
+A kernel under ``@triton.heuristics`` (chapter 04's matmul, for ``EVEN_K``) has its rules
+evaluated at the first launch of a key, on the arguments, the constexprs and the autotuner's
+choice, and the values kept with the launcher: a rule that reads only those gives the same value
+for every call with that key. A rule that reads a tensor (whose shape is not in the key) keeps
+the kernel on Triton's path for that key.
+
+Triton's own path is kept where the shortcut would change behavior: under the interpreter,
+inside ``torch.compile`` (which traces the kernel, through ``wrap_triton``), when a launch hook is set
+(Proton, the profiler), for autotuners with pre-hooks, and for calls that pass a runtime
+argument by keyword. Chapter 08 measures what this saves.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+from stepkernels.runtime.core import INTERPRET
+import torch
+
+_INT32 = range(-(2**31), 2**31)
+_UINT32 = range(2**32)
+_INT64 = range(-(2**63), 2**63)
+MAX_ENTRIES = 4096  # launch keys kept per kernel; the cache starts over beyond
+
+
+def hooked(hook) -> bool:
+    """Is a launch hook set? Triton 3.6 keeps a chain of them, maybe empty; older ones None."""
+    return hook is not None and getattr(hook, "calls", True) != []
+
+
+def _width(value: int) -> int:
+    """The integer type Triton passes a value as: i32, u32, i64 or u64."""
+    if value in _INT32:
+        return 0
+    return 1 if value in _UINT32 else 2 if value in _INT64 else 3
+
+
+class LeanKernel:
+    """A Triton kernel launched as ``kernel[grid](*args, **meta)``, cheaply when repeated."""
+
+    def __init__(self, kernel):
+        import triton
+
+        self.kernel = kernel  # what Triton made: a JITFunction or an Autotuner
+        self.entries: dict = {}
+        self.runtime = None  # Triton's driver and knobs, bound at the first launch
+        self.always_slow = INTERPRET  # the interpreter's kernels are Python functions
+        self.unspecialized: set = set()
+        self.heuristics: dict = {}  # the rules of @triton.heuristics layers
+        tuned = kernel if isinstance(kernel, triton.runtime.Autotuner) else None
+        self.tuned = tuned
+        if INTERPRET:
+            return
+        jit = kernel
+        while not isinstance(jit, triton.runtime.JITFunction):
+            if isinstance(jit, triton.runtime.Heuristics):
+                # outer layers first, as Triton runs them
+                self.heuristics.update(jit.values)
+            jit = jit.fn
+        self.arg_names = list(jit.arg_names)
+        signature = jit.signature.parameters.values()
+        self.defaults = {
+            p.name: p.default for p in signature if p.default is not p.empty
+        }
+        self.constexprs = {p.name for p in jit.params if p.is_constexpr}
+        self.unspecialized = {
+            index for index, p in enumerate(jit.params) if p.do_not_specialize
+        }
+        hooks = tuned is not None and (
+            tuned.user_defined_pre_hook
+            or any(c.pre_hook is not None for c in tuned.configs)
+        )
+        self.always_slow = hooks
+
+    def forget(self):
+        """Drop the launchers kept here and, for an autotuned kernel, its choices: the next
+        call with any key tunes (if autotuned) and goes through Triton again."""
+        self.entries.clear()
+        if self.tuned is not None:
+            self.tuned.cache.clear()
+
+    def __getattr__(self, name):
+        """The wrapped kernel's attributes (``fn``, ``cache``, ``best_config``...)."""
+        return getattr(self.kernel, name)
+
+    def __getitem__(self, grid):
+        if self.always_slow or not ENABLED[0]:
+            return self.kernel[grid]
+        if torch.compiler.is_compiling():  # the compiler traces the kernel itself
+            return torch.library.wrap_triton(self.kernel)[grid]
+        return lambda *args, **meta: self.launch(grid, args, meta)
+
+    def key(self, args: tuple, meta: dict, device: int) -> tuple:
+        # Integers, None, bools and floats as they are (a float is never specialized on,
+        # so keying on its value costs only cache entries).
+        spec = [
+            (a.dtype, a.data_ptr() & 15 == 0) if isinstance(a, torch.Tensor) else a
+            for a in args
+        ]
+        for index in self.unspecialized:  # a seed: only its width matters
+            if type(spec[index]) is int:
+                spec[index] = ("width", _width(spec[index]))
+        return device, *spec, *meta.items()
+
+    def launch(self, grid, args: tuple, meta: dict):
+        runtime = self.runtime or self.bind_runtime()
+        current_device, current_stream, knobs = runtime
+        if hooked(knobs.launch_enter_hook) or hooked(knobs.launch_exit_hook):
+            return self.kernel[grid](*args, **meta)
+        device = current_device()
+        try:
+            key = self.key(args, meta, device)
+        except RuntimeError:  # tensors without data: traced (torch.library.triton_op)
+            return torch.library.wrap_triton(self.kernel)[grid](*args, **meta)
+        entry = self.entries.get(key)
+        if entry is None:
+            return self.first_launch(key, grid, args, meta)
+        compiled, tail, cached_grid = entry
+        grid = cached_grid or grid
+        stream = current_stream(device)
+        compiled.run(
+            grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1,
+            stream, compiled.function, compiled.packed_metadata, None, None, None,
+            *args, *tail,
+        )  # fmt: skip
+        return compiled
+
+    def bind_runtime(self):
+        import triton
+        from triton.runtime.driver import driver
+
+        active = driver.active
+        knobs = triton.knobs.runtime
+        self.runtime = (active.get_current_device, active.get_current_stream, knobs)
+        return self.runtime
+
+    def first_launch(self, key, grid, args, meta):
+        """Triton's own launch; remember what it compiled, unless the call cannot repeat
+        cheaply (a runtime argument passed by keyword)."""
+        compiled = self.kernel[grid](*args, **meta)
+        if hasattr(compiled, "result"):  # Triton's asynchronous compilation
+            compiled = compiled.result()
+        names = self.arg_names[len(args) :]  # the parameters not passed by position
+        by_keyword = [n for n in names if n in meta and n not in self.constexprs]
+        if compiled is None or by_keyword:
+            return compiled
+        chosen = {**meta, **(self.tuned.best_config.all_kwargs() if self.tuned else {})}
+        if self.heuristics:
+            ruled = self.heuristic_values(args, chosen)
+            if ruled is None:  # a rule read a tensor: keep Triton's path
+                return compiled
+            chosen.update(ruled)
+        # A runtime argument left to its default: keep Triton's path.
+        if any(n not in chosen and n not in self.defaults for n in names):
+            return compiled
+        tail = tuple(chosen[n] if n in chosen else self.defaults[n] for n in names)
+        cached_grid = None
+        if callable(grid):  # its inputs (shapes, chosen constexprs) are all in the key
+            cached_grid = tuple(
+                grid({**dict(zip(self.arg_names, args, strict=False)), **chosen})
+            )
+        if len(self.entries) >= MAX_ENTRIES:
+            self.entries.clear()
+        self.entries[key] = (compiled, tail, cached_grid)
+        return compiled
+
+    def heuristic_values(self, args: tuple, chosen: dict) -> dict | None:
+        """The values ``@triton.heuristics`` rules give this call, as Triton works them out,
+        or None if a rule reads a tensor argument (not all of which is in the launch key)."""
+        named = _KeyedArguments(
+            {**dict(zip(self.arg_names, args, strict=False)), **chosen}
+        )
+        try:
+            for name, rule in self.heuristics.items():
+                named[name] = rule(named)
+        except _TensorRead:
+            return None
+        return {name: named[name] for name in self.heuristics}
+
+
+class _TensorRead(Exception):
+    pass
+
+
+class _KeyedArguments(dict):
+    """A kernel's arguments by name, refusing to hand a heuristic rule a tensor."""
+
+    def __getitem__(self, name):
+        value = super().__getitem__(name)
+        if isinstance(value, torch.Tensor):
+            raise _TensorRead(name)
+        return value
+
+    def get(self, name, default=None):
+        return self[name] if name in self else default
+
+
+ENABLED = [True]
+
+
+@contextlib.contextmanager
+def triton_launches():
+    """Within this block every lean kernel launches through Triton's own path, to measure
+    what the shortcut saves (chapter 08)."""
+    ENABLED[0] = False
+    try:
+        yield
+    finally:
+        ENABLED[0] = True
+
+
+def lean(kernel) -> LeanKernel:
+    """``kernel`` (``@triton.jit`` or ``@triton.autotune``) with cheap repeated launches."""
+    return LeanKernel(kernel)

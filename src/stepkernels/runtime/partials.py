@@ -1,0 +1,30 @@
+"""runtime.partials: the code of chapter 03, Layer normalization: forward, backward, and a lock
+done right."""
+
+# Generated from tutorials/03-layer-norm.py by tools/export.py: edit the chapter, then `make
+# export`.
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def flush_partials(partial_ptr, lock_ptr, dw, db, cols, col_mask, N, slot, lock_index,
+        num_locks, REDUCTION: tl.constexpr):  # fmt: skip
+    row_ptr = partial_ptr + slot.to(tl.int64) * 2 * N  # N dW sums, then N dB sums, fp32
+    if REDUCTION == "two-stage":
+        tl.store(row_ptr + cols, dw, mask=col_mask)
+        tl.store(row_ptr + N + cols, db, mask=col_mask)
+    elif REDUCTION == "lock":
+        lock, visits_ptr = lock_ptr + lock_index, lock_ptr + num_locks + lock_index
+        while tl.atomic_cas(lock, 0, 1, sem="acquire") == 1:
+            pass
+        # Held. Count the visit; the first visitor finds garbage and must not read it.
+        visits = tl.atomic_add(visits_ptr, 1, sem="relaxed")
+        earlier = cols < tl.where(visits > 0, N, 0)
+        dw += tl.load(row_ptr + cols, mask=earlier, other=0.0, cache_modifier=".cg")
+        db += tl.load(row_ptr + N + cols, mask=earlier, other=0.0, cache_modifier=".cg")
+        tl.store(row_ptr + cols, dw, mask=col_mask)
+        tl.store(row_ptr + N + cols, db, mask=col_mask)
+        tl.debug_barrier()  # every thread's stores issued before the release
+        tl.atomic_xchg(lock, 0, sem="release")

@@ -1,0 +1,98 @@
+"""The house's rules: imports run one way between the package's wings, no import cycles, device
+code shared only through the runtime layer, and every lab script still imports."""
+
+import ast
+import importlib
+import importlib.util
+from pathlib import Path
+import sys
+
+import pytest
+import stepkernels  # noqa: F401  (chooses the interpreter before triton is imported)
+import triton
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tools"))
+import import_graph  # noqa: E402
+
+EDGES = import_graph.graph()
+LAB = sorted((ROOT / "lab").glob("*.py"))
+
+
+def test_every_module_has_a_wing():
+    top = {"stepkernels", "stepkernels.train", "stepkernels.data"}
+    homeless = [m for m in EDGES if import_graph.wing(m) == "top" and m not in top]
+    assert not homeless, f"modules outside runtime/ops/models/lessons: {homeless}"
+
+
+def test_imports_run_one_way():
+    assert import_graph.broken_rules(EDGES) == []
+
+
+def test_no_import_cycles():
+    assert import_graph.cycles(EDGES) == []
+
+
+def test_the_rules_catch_what_they_are_for(tmp_path):
+    """The checks above fail on a package that breaks them (a cycle, the library importing a
+    lesson), so a passing test means something."""
+    package = tmp_path / "stepkernels"
+    for wing in ("runtime", "ops", "lessons"):
+        (package / wing).mkdir(parents=True)
+        (package / wing / "__init__.py").write_text("")
+    (package / "__init__.py").write_text("")
+    (package / "ops" / "a.py").write_text("from stepkernels.ops import b\n")
+    (package / "ops" / "b.py").write_text("def f():\n    from stepkernels.ops.a import x\n")
+    (package / "runtime" / "core.py").write_text("from stepkernels.lessons import bench\n")
+    (package / "lessons" / "bench.py").write_text("")
+    edges = import_graph.graph(package)
+    assert import_graph.cycles(edges) == [["stepkernels.ops.a", "stepkernels.ops.b"]]
+    assert import_graph.broken_rules(edges) == ["stepkernels.runtime.core -> stepkernels.lessons.bench"]
+
+
+def is_device_code(value) -> bool:
+    """A Triton kernel or device function, possibly under autotune, heuristics or lean."""
+    for _ in range(4):
+        if isinstance(value, triton.runtime.JITFunction):
+            return True
+        value = getattr(value, "kernel", None) or getattr(value, "fn", None)
+        if value is None:
+            return False
+    return False
+
+
+def test_ops_share_device_code_only_through_the_runtime():
+    """An operation may call another's functions (linear calls matmul), never take its
+    Triton kernels or device functions: those live in the runtime layer."""
+    sideways = []
+    for path in sorted((ROOT / "src" / "stepkernels" / "ops").glob("*.py")):
+        source = import_graph.module_name(path, ROOT / "src" / "stepkernels")
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("stepkernels.ops."):
+                if node.module == source:
+                    continue
+                module = importlib.import_module(node.module)
+                sideways += [
+                    f"{source} takes {node.module}.{alias.name}"
+                    for alias in node.names
+                    if is_device_code(getattr(module, alias.name))
+                ]
+    assert not sideways, sideways
+
+
+def test_the_library_never_imports_lessons():
+    library = [m for m in EDGES if import_graph.wing(m) in ("runtime", "ops", "models", "top")]
+    assert not [(m, t) for m in library for t in EDGES[m] if import_graph.wing(t) == "lessons"]
+
+
+@pytest.mark.parametrize("script", LAB, ids=[p.name for p in LAB])
+def test_lab_script_imports(script):
+    """Importing a lab script runs its imports and definitions, not its measurements: a
+    renamed or removed name of the package fails here, not months later on a GPU."""
+    sys.path.insert(0, str(script.parent))  # lab scripts import their siblings
+    try:
+        spec = importlib.util.spec_from_file_location(f"lab_{script.stem}", script)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(script.parent))
