@@ -30,7 +30,8 @@ help:
 	@echo "make bench          on a GPU: run every chapter at full size and record the results"
 	@echo "                    and the recorded experiments (lab/; CHAPTERS=... ONLY=...:"
 	@echo "                    just those chapters and, of them, just the benchmarks named)"
-	@echo "make results-table  rewrite the README's results table from the recorded results"
+	@echo "make results-table  rewrite the README's headline table and docs/results.rst from"
+	@echo "                    the recorded results"
 	@echo "make clean          remove what the builds wrote; distclean also removes $(VENV) and data"
 
 # Set-up: one stamp per requirements file, so each target installs only what it needs; the

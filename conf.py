@@ -56,6 +56,8 @@ sphinx_gallery_conf = {
     "first_notebook_cell": NOTEBOOK_SETUP_CELL,
     "notebook_images": True,
     "image_srcset": ["2x"],  # plots sharp on high-DPI screens
+    # A cell's figures one under another at full width, not side by side as thumbnails.
+    "image_scrapers": ("stepkernels.lessons.tutorial.full_width_figures",),
     "remove_config_comments": True,
     "abort_on_example_error": True,
     "download_all_examples": True,

@@ -1,3 +1,4 @@
+import contextlib
 import csv
 import importlib.util
 import json
@@ -93,22 +94,37 @@ def test_cpu_time_benchmarks_plot_and_summarize_without_a_limit(capsys):
     assert ax.get_ylabel() == f"float32\n{bench.CPU_UNIT}"
     bench.summarize(cpu_bench, points, FAKE_ENV)
     out = capsys.readouterr().out
-    assert "360.0 µs of CPU per call" in out and "% of" not in out
+    assert "triton 360 µs of CPU per call; torch 120" in out and "% of" not in out
 
 
-def test_results_table_shows_cpu_time_without_a_share(tmp_path):
+def results_table_tool():
     spec = importlib.util.spec_from_file_location("results_table", ROOT / "tools" / "results_table.py")
     results_table = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(results_table)
+    return results_table
+
+
+def table_rows(rst: str) -> list[list[str]]:
+    """The rows of the list-tables in ``rst``, each a list of its cells."""
+    rows = []
+    for line in rst.splitlines():
+        if line.startswith("   * - "):
+            rows.append([line[7:]])
+        elif line.startswith("     - "):
+            rows[-1].append(line[7:])
+    return rows
+
+
+def test_results_table_shows_cpu_time_without_a_share(tmp_path):
     points = [bench.Point("triton", "float32", 2**10, 364.0), bench.Point("triton", "float32", 2**12, 300.0)]
     bench.record(copy_benchmark(unit=bench.CPU_UNIT), points, FAKE_ENV, results_dir=tmp_path)
-    markdown = results_table.results_markdown(tmp_path)
-    assert "| float32 | triton | 364 | 300 |" in markdown
+    assert ["float32", "triton", "364", "300"] in table_rows(results_table_tool().results_rst(tmp_path))
 
 
-def test_summary_states_the_share_of_the_limit(capsys):
+def test_summary_states_the_share_of_the_limit_and_names_what_it_compares_with(capsys):
     bench.summarize(copy_benchmark(), POINTS, FAKE_ENV)
-    assert "90.0% of 3,000" in capsys.readouterr().out
+    out = " ".join(capsys.readouterr().out.split())
+    assert "triton 2,700 GB/s, 90% of the copy bandwidth (3,000 GB/s); 1.04x torch's 2,600" in out
 
 
 def test_run_without_a_gpu_smoke_runs_providers_and_shows_no_timings(tmp_path, monkeypatch, capsys):
@@ -130,25 +146,40 @@ def test_run_without_a_gpu_plots_the_recording(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("STEPKERNELS_RESULTS", str(tmp_path))
     bench.run(copy_benchmark())
     assert "recorded on Some GPU 80GB" in plt.gcf()._suptitle.get_text()
-    lines = capsys.readouterr().out.splitlines()
-    assert ["triton", "2,700.0", "GB/s", "90.0%", "of", "3,000"] in [line.split() for line in lines]
+    out = capsys.readouterr().out
+    assert "triton 2,700 GB/s, 90% of the copy bandwidth" in " ".join(out.split())
 
 
-def test_readme_results_table_is_up_to_date():
+def test_readme_headline_and_results_page_are_up_to_date():
     table = subprocess.run(
         [sys.executable, "tools/results_table.py", "README.md", "--check"], cwd=ROOT, capture_output=True, text=True
     )
     assert table.returncode == 0, table.stderr
+    assert "   results\n" in (ROOT / "docs" / "index.rst").read_text()  # in the gallery's toctree
 
 
-def test_results_table_reads_recordings(tmp_path):
-    spec = importlib.util.spec_from_file_location("results_table", ROOT / "tools" / "results_table.py")
-    results_table = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(results_table)
+def test_results_page_reads_recordings_and_is_valid_restructuredtext(tmp_path):
+    docutils_core = pytest.importorskip("docutils.core")
     bench.record(copy_benchmark(), POINTS, FAKE_ENV, results_dir=tmp_path)
-    markdown = results_table.results_markdown(tmp_path)
-    assert "### Some GPU 80GB" in markdown
-    assert "| float32 | triton | 1,500 (50%) | 2,700 (90%) |" in markdown
+    rst = results_table_tool().results_rst(tmp_path)
+    assert "Some GPU 80GB\n-------------" in rst
+    assert ["float32", "triton", "1,500 (50%)", "2,700 (90%)"] in table_rows(rst)
+    docutils_core.publish_doctree(  # a warning raises: the gallery builds with -W
+        rst.replace(":doc:`measuring`", "measuring"), settings_overrides={"halt_level": 2, "report_level": 5}
+    )
+
+
+def test_readme_headline_is_ours_against_the_fastest_peer_at_the_largest_size(tmp_path, monkeypatch):
+    tool = results_table_tool()
+    monkeypatch.setattr(tool, "KEYS", [tool.Key("01", "copy", "float32")])
+    points = POINTS + [
+        bench.Point("liger", "float32", 2**12, 3000.0),
+        bench.Point("triton (old)", "float32", 2**12, 9e3),
+    ]
+    bench.record(copy_benchmark(), points, FAKE_ENV, results_dir=tmp_path)
+    headline = tool.headline_markdown(tmp_path)
+    assert "**Some GPU 80GB**, recorded 2026-11-22 by `make bench`" in headline
+    assert "| 01 | copy, float32 | elements: 4,096 | 2,700 GB/s | liger 3,000 | 0.90x |" in headline
 
 
 def test_every_provider_of_a_plot_gets_its_own_color():
@@ -248,9 +279,12 @@ def test_categories_are_bars_with_their_names_and_fp8_has_no_fp16_limit():
 
 
 def test_summary_says_what_it_shows_and_reads_its_size_plainly(capsys):
+    bench.forget_environment_line()
     bench.summarize(copy_benchmark(), POINTS, FAKE_ENV, live=False)
-    first = capsys.readouterr().out.splitlines()[0]
-    assert first == "copy, float32, at 4,096 (elements), recorded 2026-11-22 on Some GPU 80GB:"
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "copy: recorded on Some GPU 80GB, 2026-11-22"
+    assert lines[1] == "  (driver 1.2.3, CUDA 13.0, torch 2.11.0, triton 3.6.0)"
+    assert lines[2].startswith("  float32, at 4,096 (elements): triton 2,700 GB/s")
 
 
 def test_call_and_cpu_times_round_trip_and_older_recordings_have_none(tmp_path):
@@ -278,7 +312,7 @@ def test_standing_counts_the_points_ahead_of_every_peer_and_the_share_of_the_lim
     results = bench.Results(copy_benchmark(), points, FAKE_ENV, live=False)
     (line,) = results.standing("triton", limit="copy")
     assert results.standing("triton", "copy", peers=["torch"]) != [line]
-    assert line == ("float32: triton at or above every peer at 1 of 2 points; 1,500 to 2,700 GB/s, "
+    assert line == ("float32: triton at or above torch and liger at 1 of 2 sizes; 1,500 to 2,700 GB/s, "
                     "50% to 90% of copy")  # fmt: skip
 
 
@@ -379,4 +413,260 @@ def test_a_call_that_cannot_be_captured_is_skipped_and_the_others_measured(monke
     fake.bench.x_values, fake.bench.providers = [2**10], ["triton", "broken", "torch"]
     points = bench.measure_on_stream(fake.bench)
     assert [p.provider for p in points] == ["triton", "torch"]
-    assert "broken at elements=1024: skipped" in capsys.readouterr().out
+    assert "broken at 1,024 (elements): skipped" in capsys.readouterr().out
+
+
+# ------------------------------------------------------------------ what a reader sees
+RECORDINGS = sorted(bench.PACKAGE_RESULTS.glob("*/*.csv"))
+
+
+@pytest.mark.parametrize("path", RECORDINGS, ids=lambda path: f"{path.parent.name}/{path.stem}")
+def test_a_recorded_plot_is_labelled_by_its_recording_not_by_the_live_run(path, monkeypatch):
+    """Chapter 13 built its axis label from the size it runs (4,096 values under the
+    interpreter) while showing points recorded at 2^26: the label must be the recording's."""
+    if ON_GPU:
+        pytest.skip("on a GPU run measures instead")
+    monkeypatch.setenv("STEPKERNELS_RESULTS_GPU", path.parent.name)
+    with path.open() as f:
+        x_name = next(csv.DictReader(f))["x_name"]
+    live = copy_benchmark(name=path.stem, x_name="a label built from the live run's sizes", providers=[])
+    results = bench.run(live)
+    assert plt.gcf().axes[-1].get_xlabel() == x_name
+    assert results.bench.x_name == x_name
+    plt.close("all")
+
+
+def boxes_overlap(a, b) -> bool:
+    return a.x0 < b.x1 and b.x0 < a.x1 and a.y0 < b.y1 and b.y0 < a.y1
+
+
+def test_long_category_names_do_not_collide():
+    names = {i: f"{word} {i}: a longer name of its piece" for i, word in enumerate(["torch.empty_like", "a.b.c"] * 4)}
+    points = [bench.Point(p, "float16", x, 10.0 + x) for x in names for p in ("triton", "torch", "torch.compile")]
+    fig = bench.plot(copy_benchmark(x_labels=names, unit=bench.CPU_UNIT), points, FAKE_ENV, live=False)
+    fig.canvas.draw()
+    boxes = [label.get_window_extent() for label in fig.axes[0].get_xticklabels()]
+    assert len(boxes) == len(names)
+    assert not any(boxes_overlap(a, b) for a, b in zip(boxes, boxes[1:], strict=False))
+
+
+def test_the_title_and_legend_sit_off_each_other_and_off_the_axes():
+    providers = ["triton", "triton (portable)", "torch", "torch.compile", "liger_kernel", "copy (same bytes)"]
+    points = [bench.Point(p, d, x, 100.0 * (i + 1), call=50.0, cpu_us=9.0)
+              for i, p in enumerate(providers) for d in ("float16", "float32") for x in (2**10, 2**12)]  # fmt: skip
+    fig = bench.plot(copy_benchmark(name="a-benchmark-with-a-rather-long-name"), points, FAKE_ENV, live=False)
+    fig.canvas.draw()
+    title, (legend,) = fig._suptitle.get_window_extent(), fig.legends
+    legend = legend.get_window_extent()
+    assert not boxes_overlap(title, legend)
+    for ax in fig.axes:
+        assert not boxes_overlap(ax.get_window_extent(), legend)
+        assert not boxes_overlap(ax.get_window_extent(), title)
+    figure = fig.bbox
+    assert figure.x0 <= legend.x0 and legend.x1 <= figure.x1 and figure.y0 <= legend.y0
+
+
+def test_a_line_lying_on_another_is_dashed_over_it_and_named_in_the_legend():
+    """Chapter 09's memory plot drew torch.compile's line exactly over ours."""
+    points = [
+        bench.Point(p, "bfloat16", x, v) for p in ("triton", "torch.compile") for x, v in ((2**10, 1.0), (2**12, 2.0))
+    ]
+    points += [bench.Point("torch", "bfloat16", x, 3.0 * x / 2**10) for x in (2**10, 2**12)]
+    fig = bench.plot(copy_benchmark(unit=bench.MEMORY_UNIT), points, FAKE_ENV, live=False)
+    labels = [text.get_text() for text in fig.legends[0].get_texts()]
+    assert labels == ["triton", "torch", "torch.compile (same as triton)"]
+    lines = {tuple(line.get_ydata()): line for line in fig.axes[0].get_lines()}
+    ours, theirs = [line for line in fig.axes[0].get_lines() if list(line.get_ydata()) == [1.0, 2.0]]
+    assert ours.get_linestyle() == "-" and theirs.get_linestyle() == "--"
+    assert ours.get_marker() != theirs.get_marker() and len(lines) == 2
+
+
+def test_large_rates_read_without_an_offset_or_exponent():
+    """Chapter 12's throughput axis showed 1e6 above its ticks."""
+    points = [bench.Point(p, "bfloat16", 16384, v) for p, v in (("torch", 1.23e6), ("triton", 1.8e6), ("limit", 7.3e6))]
+    fig = bench.plot(copy_benchmark(unit="tokens/s", x_labels={16384: "a model"}), points, FAKE_ENV, live=False)
+    fig.canvas.draw()
+    (ax,) = fig.axes
+    assert ax.yaxis.get_offset_text().get_text() == ""
+    ticks = [t.get_text() for t in ax.get_yticklabels() if t.get_text()]
+    assert "0" in ticks and all(t == "0" or t.endswith("M") for t in ticks), ticks
+    assert bench.tick_text(2.0e6, 5e5, 8e6) == "2.0M"
+    assert bench.tick_text(3000, 500, 3500) == "3,000"
+    assert bench.tick_text(0.25, 0.25, 1.0) == "0.25"
+    assert bench.tick_text(250e3, 50e3, 300e3) == "250k"
+
+
+def test_category_names_wrap_at_spaces_and_dots():
+    assert bench.wrap_label("autograd.grad, Python backward", 15) == "autograd.grad,\nPython backward"
+    assert bench.wrap_label("autograd.Function.apply", 12) == "autograd.\nFunction.\napply"
+    assert bench.wrap_label("short", 12) == "short"
+
+
+def test_show_draws_for_a_reader_and_never_blocks_the_gallery_or_tests(monkeypatch):
+    import matplotlib
+
+    calls = []
+    monkeypatch.setattr(plt, "show", lambda **kwargs: calls.append(("show", kwargs)))
+    monkeypatch.setattr(plt, "pause", lambda seconds: calls.append(("pause", seconds)))
+    monkeypatch.setattr(bench.atexit, "register", lambda fn: calls.append(("at exit", fn)) or fn)
+    monkeypatch.setattr(bench, "_shown_at_exit", [])
+    plt.figure()
+    for backend, expected in [
+        ("agg", []),  # the gallery and nbval under Agg: the scraper takes the figures
+        ("module://matplotlib_inline.backend_inline", [("show", {})]),  # a notebook: an output now
+        ("tkagg", [("show", {"block": False}), ("pause", 0.001), ("at exit", plt.show)]),  # a script
+        ("qtagg", [("show", {"block": False}), ("pause", 0.001)]),  # the windows wait once, at exit
+    ]:
+        monkeypatch.setattr(matplotlib, "get_backend", lambda backend=backend: backend)
+        calls.clear()
+        bench.show()
+        assert calls == expected, backend
+    plt.close("all")
+
+
+def test_the_gallery_scraper_shows_a_cells_figures_one_under_another_at_full_width(tmp_path):
+    pytest.importorskip("sphinx_gallery")
+    from stepkernels.lessons import tutorial
+
+    def scrape(file_conf):
+        plt.figure(), plt.figure()
+        paths = iter([tmp_path / "one.png", tmp_path / "two.png"])
+        block_vars = {"image_path_iterator": paths, "file_conf": file_conf, "example_globals": {}}
+        conf = {"image_srcset": [], "compress_images": [], "matplotlib_animations": (False, None),
+                "src_dir": str(tmp_path)}  # fmt: skip
+        return tutorial.full_width_figures(None, block_vars, conf)
+
+    rst = scrape({})
+    assert rst.count("sphx-glr-single-img") == 2 and "sphx-glr-multi-img" not in rst
+    assert scrape({"multi_image": "multi"}).count("sphx-glr-multi-img") == 2  # a file may ask for thumbnails
+
+
+def test_each_block_names_its_software_once_and_lines_name_only_gpu_and_date(capsys, tmp_path):
+    bench.forget_environment_line()
+    for _ in range(2):
+        bench.summarize(copy_benchmark(), POINTS, FAKE_ENV, live=False)
+    out = capsys.readouterr().out
+    assert out.count("driver 1.2.3") == 1 and out.count("recorded on Some GPU 80GB, 2026-11-22") == 2
+    results = bench.Results(copy_benchmark(), POINTS, FAKE_ENV, live=False)
+    assert results.how == "recorded on Some GPU 80GB, 2026-11-22"
+    assert "driver 1.2.3" in results.environment
+
+
+def test_the_full_table_is_there_when_asked(capsys):
+    timed = [bench.Point(p.provider, p.dtype, p.x, p.value, call=p.value / 2, cpu_us=12.0) for p in POINTS]
+    results = bench.Results(copy_benchmark(), timed, FAKE_ENV, live=False)
+    table = results.table()
+    assert table.splitlines()[0] == "copy, float32, at 4,096 (elements), recorded on Some GPU 80GB, 2026-11-22:"
+    assert "triton" in table.splitlines()[1] and "90% of 3,000" in table and "12.0 µs of CPU per call" in table
+
+
+def test_categories_are_named_not_numbered_in_summaries_and_recorded_tables(tmp_path, capsys):
+    names = {0: "softmax", 1: "layer_norm"}
+    points = [bench.Point(p, "float16", x, v) for p, x, v in [("triton", 0, 30.0), ("torch", 0, 7.0),
+                                                             ("triton", 1, 40.0), ("torch", 1, 9.0)]]  # fmt: skip
+    labelled = copy_benchmark(x_labels=names, unit=bench.CPU_UNIT, headline_x=0)
+    bench.summarize(labelled, points, FAKE_ENV)
+    assert '  float32, "softmax": triton 30.0' in capsys.readouterr().out.replace("float16", "float32")
+    bench.record(labelled, points, FAKE_ENV, results_dir=tmp_path)
+    found = bench.load_recorded("copy", results_dir=tmp_path)
+    assert bench.as_recorded(copy_benchmark(), found[1]).x_labels == {0: "softmax", 1: "layer_norm"}
+    header = table_rows(results_table_tool().results_rst(tmp_path))[0]
+    assert header == ["dtype", "provider", "softmax", "layer\\_norm"]
+
+
+def test_no_page_shows_an_absolute_path_of_the_machine_that_built_it(tmp_path, monkeypatch, capsys):
+    if ON_GPU:
+        pytest.skip("on a GPU run measures instead")
+    monkeypatch.setenv("STEPKERNELS_RESULTS", str(tmp_path))
+    bench.run(copy_benchmark(make=lambda provider, n, dtype: lambda: None))
+    out = capsys.readouterr().out
+    assert "No recorded GPU results for 'copy'" in out and str(tmp_path) not in out
+    assert bench.shown_path(bench.PACKAGE_RESULTS / "some-gpu" / "copy.csv") == "stepkernels/results/some-gpu/copy.csv"
+
+
+# ------------------------------------------------------------ a quick run on a GPU, faked
+class FakeGPU:
+    """Stands in for a GPU in ``bench.run``: measuring returns, for each x value asked, a
+    point per provider at 0.8 times the recorded value, and logs the x values asked."""
+
+    ENV = {**FAKE_ENV, "gpu": "Other GPU 24GB", "date": "2026-12-01", "limits": {"GB/s": 900.0}}
+
+    def __init__(self, monkeypatch, tmp_path, recorded=True):
+        self.asked = []
+        if recorded:
+            bench.record(copy_benchmark(), POINTS, FAKE_ENV, results_dir=tmp_path)
+        monkeypatch.setenv("STEPKERNELS_RESULTS", str(tmp_path))
+        for name in ("STEPKERNELS_RECORD", "STEPKERNELS_FULL", "STEPKERNELS_ONLY"):
+            monkeypatch.delenv(name, raising=False)
+        monkeypatch.setattr(bench, "ON_GPU", True)
+        monkeypatch.setattr(bench, "gpu_name", lambda: self.ENV["gpu"])
+        monkeypatch.setattr(bench, "environment", lambda: dict(self.ENV))
+        monkeypatch.setattr(bench, "gpu_state", lambda: contextlib.nullcontext({}))
+        monkeypatch.setattr(bench, "measure", self.measure)
+
+    def measure(self, benchmark):
+        self.asked.append(list(benchmark.x_values))
+        value = {p.x: p.value for p in POINTS if p.provider == "triton"}
+        return [bench.Point(p, "float32", x, 0.8 * value[x]) for x in benchmark.x_values for p in benchmark.providers]
+
+
+def test_a_quick_run_measures_the_largest_size_over_the_recording(monkeypatch, tmp_path, capsys):
+    gpu = FakeGPU(monkeypatch, tmp_path)
+    results = bench.run(copy_benchmark())
+    assert gpu.asked == [[2**12]]
+    assert results.points == bench.load_recorded("copy")[0] and not results.live  # the prose quotes the recording
+    assert [(p.provider, p.x, p.value) for p in results.measured] == [
+        ("triton", 2**12, 2160.0),
+        ("torch", 2**12, 2160.0),
+    ]
+    fig = plt.gcf()
+    labels = [text.get_text() for text in fig.legends[0].get_texts()]
+    assert "recorded on Some GPU 80GB" in labels and "measured now on Other GPU 24GB" in labels
+    assert "markers: measured now on Other GPU 24GB" in fig._suptitle.get_text()
+    out = " ".join(capsys.readouterr().out.split())
+    assert "copy: measured now on Other GPU 24GB, beside the recording on Some GPU 80GB" in out
+    assert "triton 2,160 GB/s (2,700 recorded), 240% of this GPU's copy bandwidth (900 GB/s)" in out
+    assert not list(tmp_path.glob("other-gpu-24gb/*"))  # a quick run records nothing
+    plt.close("all")
+
+
+@pytest.mark.parametrize("setting", ["STEPKERNELS_FULL", "STEPKERNELS_RECORD"])
+def test_the_full_sweep_runs_when_asked_and_a_recording_is_always_one(setting, monkeypatch, tmp_path):
+    gpu = FakeGPU(monkeypatch, tmp_path)
+    monkeypatch.setenv(setting, "1")
+    results = bench.run(copy_benchmark())
+    assert gpu.asked == [[2**10, 2**12]] and results.live and results.measured is None
+    written = tmp_path / "other-gpu-24gb" / "copy.csv"
+    assert written.exists() == (setting == "STEPKERNELS_RECORD")
+    if written.exists():
+        assert {p.x for p in bench.read_points(written)} == {2**10, 2**12}
+    plt.close("all")
+
+
+def test_a_quick_run_without_a_recording_measures_the_quick_points_and_says_so(monkeypatch, tmp_path, capsys):
+    gpu = FakeGPU(monkeypatch, tmp_path, recorded=False)
+    results = bench.run(copy_benchmark())
+    assert gpu.asked == [[2**12]] and results.live and "STEPKERNELS_FULL=1" in capsys.readouterr().out
+    plt.close("all")
+
+
+def test_which_x_values_a_quick_run_measures():
+    assert bench.quick_x_values(copy_benchmark(x_values=[2**16, 2**10, 2**12])) == [2**16]
+    assert bench.quick_x_values(copy_benchmark(x_values=[0, 1, 2], x_labels={0: "a", 1: "b", 2: "c"})) == [0, 1, 2]
+    assert bench.quick_x_values(copy_benchmark(x_values=[4096])) == [4096]
+
+
+def test_a_quick_run_of_a_measurement_not_timed_by_bench(monkeypatch, tmp_path):
+    """``points_of`` (a training run, say) runs in a quick run only through ``quick``; without it
+    the recording shows, unless there is none."""
+    FakeGPU(monkeypatch, tmp_path)
+    ran = []
+    full = lambda: ran.append("full") or POINTS
+    short = lambda: ran.append("quick") or POINTS[2:]
+    shown = bench.run(copy_benchmark(), full, draw=False)
+    assert ran == [] and not shown.live and shown.points == bench.load_recorded("copy")[0]
+    shown = bench.run(copy_benchmark(), full, draw=False, quick=short)
+    assert ran == ["quick"] and shown.measured == POINTS[2:]
+    assert bench.run(copy_benchmark(name="unrecorded"), full, draw=False, quick=short).live and ran[-1] == "full"
+    monkeypatch.setenv("STEPKERNELS_FULL", "1")
+    assert bench.run(copy_benchmark(), full, draw=False, quick=short).live and ran[-1] == "full"

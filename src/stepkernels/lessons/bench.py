@@ -1,10 +1,13 @@
 r"""Timing, recording and plotting for the chapters' benchmarks, in one place.
 
-On a GPU, ``run(benchmark)`` measures every provider at every size (GPU time of CUDA-graph
-replays, L2 flushed), plots the rates against the hardware limit and prints a summary; with
-``STEPKERNELS_RECORD=1`` (``make bench``) it also writes them to the results folder. Without a
-GPU it calls every provider once at a small size, so the code runs, and shows the results
-recorded on a GPU instead: interpreter timings are never shown.
+On a GPU, ``run(benchmark)`` measures, plots the rates against the hardware limit and prints a
+short headline (``Results.table()`` has every provider). By default a run is quick: each
+benchmark measures its largest size (every category of a benchmark of categories), every
+provider, drawn over the curves recorded on a GPU. With ``STEPKERNELS_FULL=1``, or
+``STEPKERNELS_RECORD=1`` (``make bench``, which also writes the results folder), it measures
+every size (GPU time of CUDA-graph replays, L2 flushed). Without a GPU it calls every provider
+once at a small size, so the code runs, and shows the results recorded on a GPU instead:
+interpreter timings are never shown.
 
 Importing this module changes nothing: every setting a measurement needs (Inductor's compile
 threads, dynamo's recompile limit, fp32 matmul precision) is set for the measurement and
@@ -13,9 +16,11 @@ restored after it, also on error.
 
 from __future__ import annotations
 
+import atexit
 from collections.abc import Callable
 import contextlib
 import csv
+import dataclasses
 from dataclasses import dataclass
 import datetime
 import functools
@@ -91,6 +96,11 @@ class Benchmark:
     # in "reduce-overhead" mode: each compile's dynamo.reset() drops the CUDA-graph trees of
     # the model before, which turns would call again).
     in_turns: bool = True
+    # The provider the headline speaks for: None, "triton" or the first "triton ..." one.
+    ours: str | None = None
+    # Providers drawn as references, not peers (a limit measured as a provider, say); the
+    # copy of the same bytes always is one.
+    references: tuple = ()
 
 
 @dataclass
@@ -312,6 +322,11 @@ def timing_of(bench: Benchmark) -> str:
     )
 
 
+def gpu_name() -> str:
+    """The name of the GPU that measures (torch's name for it)."""
+    return torch.cuda.get_device_name()
+
+
 def environment() -> dict:
     """What a reader needs to reproduce a measurement on this machine."""
     try:
@@ -324,7 +339,7 @@ def environment() -> dict:
     except (OSError, subprocess.SubprocessError):
         driver = "unknown"
     return {
-        "gpu": torch.cuda.get_device_name(),
+        "gpu": gpu_name(),
         "driver": driver or "unknown",
         "cuda": torch.version.cuda,
         "torch": torch.__version__,
@@ -491,7 +506,7 @@ def timed_in_turn(bench: Benchmark, x, dtype, providers: list) -> list[Point]:
             except torch.OutOfMemoryError:  # a RuntimeError too, but not one to skip
                 raise
             except RuntimeError as error:  # a call a CUDA graph cannot capture
-                print(f"  {provider} at {bench.x_name}={x}: skipped, {error}")
+                print(f"  {provider} at {x_text(bench, x)}: skipped, {error}")
         samples = {provider: [] for provider in prepared}
         for _ in range(ROUNDS):
             for provider, p in prepared.items():
@@ -515,7 +530,7 @@ def timed_in_turn(bench: Benchmark, x, dtype, providers: list) -> list[Point]:
     except torch.OutOfMemoryError:
         if len(providers) > 1:
             raise
-        print(f"  {providers[0]} at {bench.x_name}={x}: out of GPU memory, skipped")
+        print(f"  {providers[0]} at {x_text(bench, x)}: out of GPU memory, skipped")
         return []
     finally:
         prepared.clear()
@@ -545,7 +560,11 @@ def record(
                              f"{p.value:.6g}", bench.unit, *optional])  # fmt: skip
     env_path = folder / "environment.json"
     recorded = json.loads(env_path.read_text()) if env_path.exists() else {}
-    benchmarks = {**recorded.get("benchmarks", {}), bench.name: env}
+    entry = env
+    if bench.x_labels:  # the categories' names, for tables read without the chapter
+        labels = {str(x): str(label) for x, label in bench.x_labels.items()}
+        entry = {**env, "x_labels": labels}
+    benchmarks = {**recorded.get("benchmarks", {}), bench.name: entry}
     env_path.write_text(
         json.dumps({**env, "benchmarks": dict(sorted(benchmarks.items()))}, indent=1)
         + "\n"
@@ -573,25 +592,71 @@ def recorded_gpu_dir(results_dir: Path | None = None) -> Path | None:
 
 
 def load_recorded(
-    name: str, results_dir: Path | None = None
+    name: str, results_dir: Path | None = None, gpu: str | None = None
 ) -> tuple[list[Point], dict] | None:
-    folder = recorded_gpu_dir(results_dir)
+    """The points recorded for the benchmark ``name`` and the environment they ran in, with
+    the recording's own axis added (``x_name`` and ``unit`` from its CSV); None if nothing is
+    recorded. ``gpu``: that GPU's recording where there is one, else the one shown."""
+    root = results_dir or default_results_dir()
+    own = None if gpu is None else root / gpu_slug(gpu)
+    if own is not None and (own / f"{name}.csv").exists():
+        folder = own
+    else:
+        folder = recorded_gpu_dir(results_dir)
     if folder is None or not (folder / f"{name}.csv").exists():
         return None
     env = json.loads((folder / "environment.json").read_text())
-    return read_points(folder / f"{name}.csv"), env["benchmarks"].get(name, env)
+    points, axis = read_recording(folder / f"{name}.csv")
+    return points, {**env["benchmarks"].get(name, env), **axis}
+
+
+def read_recording(path: Path) -> tuple[list[Point], dict]:
+    """The points of a recording, and its axis: ``x_name`` and ``unit`` as recorded. Call
+    and CPU time only where it has them (recordings before 2026-11-23's second run timed the
+    GPU alone)."""
+    optional = lambda text: float(text) if text else None
+    with path.open() as f:
+        rows = list(csv.DictReader(f))
+    points = [
+        Point(r["provider"], r["dtype"], float(r["x"]), float(r["value"]),
+              call=optional(r.get("call_value")), cpu_us=optional(r.get("cpu_us")))
+        for r in rows
+    ]  # fmt: skip
+    axis = {"x_name": rows[0]["x_name"], "unit": rows[0]["unit"]} if rows else {}
+    return points, axis
 
 
 def read_points(path: Path) -> list[Point]:
-    """The points of a recording; call and CPU time only where it has them (recordings
-    before 2026-11-23's second run timed the GPU alone)."""
-    optional = lambda text: float(text) if text else None
-    with path.open() as f:
-        return [
-            Point(r["provider"], r["dtype"], float(r["x"]), float(r["value"]),
-                  call=optional(r.get("call_value")), cpu_us=optional(r.get("cpu_us")))
-            for r in csv.DictReader(f)
-        ]  # fmt: skip
+    """The points of a recording (``read_recording`` without the axis)."""
+    return read_recording(path)[0]
+
+
+def as_number(x: float) -> int | float:
+    """A recorded x value as the chapter wrote it: 1024, not 1024.0."""
+    return int(x) if float(x).is_integer() else x
+
+
+def as_recorded(bench: Benchmark, env: dict) -> Benchmark:
+    """``bench`` as its recording ``env`` (from ``load_recorded``) names it: the axis and unit
+    of the recorded CSV, the categories' names where recorded. A chapter's own label can
+    differ (one built from the sizes it runs under the interpreter, say), and a plot of
+    recorded points must not carry it."""
+    changes = {key: env[key] for key in ("x_name", "unit") if key in env}
+    if "x_labels" in env:
+        changes["x_labels"] = {
+            as_number(float(x)): name for x, name in env["x_labels"].items()
+        }
+    return dataclasses.replace(bench, **changes) if changes else bench
+
+
+def shown_path(path: Path) -> str:
+    """``path`` as a page may print it: from the package's folder (stepkernels/...) or the
+    working folder, never the absolute path of the machine that built the page."""
+    path = Path(path).resolve()
+    for base in (PACKAGE_RESULTS.parent.parent, Path.cwd()):
+        if path.is_relative_to(base):
+            return str(path.relative_to(base))
+    return f".../{path.parent.name}/{path.name}"
 
 
 def smoke(bench: Benchmark) -> None:
@@ -604,11 +669,37 @@ def smoke(bench: Benchmark) -> None:
                 make_call(bench, provider, bench.smoke_x, dtype)()
 
 
-def describe(env: dict) -> str:
+def versions(env: dict) -> str:
+    """The software a measurement ran with."""
     return (
-        f"{env['gpu']}, {env['date']} (driver {env['driver']}, CUDA {env['cuda']}, "
-        f"torch {env['torch']}, triton {env['triton']})"
+        f"driver {env['driver']}, CUDA {env['cuda']}, torch {env['torch']}, "
+        f"triton {env['triton']}"
     )
+
+
+def describe(env: dict) -> str:
+    """The GPU, the date and the software of a measurement, in one line."""
+    return f"{env['gpu']}, {env['date']} ({versions(env)})"
+
+
+# The software versions last printed by a summary: a block of output names them once.
+# ``tutorial.announce()`` forgets them at the start of a chapter.
+_versions_printed: list = [None]
+
+
+def forget_environment_line() -> None:
+    """Let the next summary print its software again (a new chapter begins)."""
+    _versions_printed[0] = None
+
+
+def environment_line(env: dict) -> str | None:
+    """The versions of ``env`` for a summary to print, or None where the last summary printed
+    the same ones."""
+    line = versions(env)
+    if _versions_printed[0] == line:
+        return None
+    _versions_printed[0] = line
+    return line
 
 
 def limit_for(unit: str, dtype: str, env: dict) -> float | None:
@@ -619,83 +710,364 @@ def limit_for(unit: str, dtype: str, env: dict) -> float | None:
     return env["limits"].get(unit)
 
 
-def plot(bench: Benchmark, points: list[Point], env: dict, live: bool):
+# Units where less is better: the headline's best peer is the least.
+LOWER_IS_BETTER = (CPU_UNIT, MEMORY_UNIT)
+
+
+def size_text(x: float) -> str:
+    """A size as a reader writes it: 4,096; 2^16 for powers of two from 2^14; 0.5."""
+    x = int(x) if float(x).is_integer() else x
+    if isinstance(x, int) and x >= 2**14 and x & (x - 1) == 0:
+        return f"2^{x.bit_length() - 1}"
+    return f"{x:,}"
+
+
+def x_text(bench: Benchmark, x) -> str:
+    """How a reader names the point ``x``: its category's name, or its size and axis."""
+    if bench.x_labels and x in bench.x_labels:
+        return str(bench.x_labels[x])
+    return f"{size_text(x)} ({bench.x_name})"
+
+
+def value_text(value: float) -> str:
+    """A value with the digits that matter: 1.80M; 2,700; 33.4; 2.17."""
+    if value >= 1e6:
+        return f"{value / 1e6:,.2f}M"
+    if value >= 100:
+        return f"{value:,.0f}"
+    return f"{value:,.1f}" if value >= 10 else f"{value:.2f}"
+
+
+def ours_of(bench: Benchmark, providers: list) -> str:
+    """The provider a headline speaks for: ``bench.ours``, else "triton", else the first whose
+    name starts with it, else the first."""
+    for candidate in (bench.ours, "triton"):
+        if candidate in providers:
+            return candidate
+    return next((p for p in providers if p.startswith("triton")), providers[0])
+
+
+def peers_of(bench: Benchmark, providers: list, ours: str) -> list:
+    """The providers ``ours`` is compared with: not our own variants ("triton ..."), not the
+    copy of the same bytes, not the benchmark's references."""
+    return [p for p in providers if p != ours and not p.startswith("triton")
+            and p != COPY_PROVIDER and p not in bench.references]  # fmt: skip
+
+
+def names_text(names: list) -> str:
+    """torch; torch and liger_kernel; torch, torch.compile and liger_kernel."""
+    return names[0] if len(names) == 1 else ", ".join(names[:-1]) + f" and {names[-1]}"
+
+
+def headline(
+    bench: Benchmark, at: dict, env: dict, recorded: dict | None = None
+) -> list[str]:
+    """The lines that say how ``ours`` does at one point (``at``: provider -> Point), naming
+    what it is compared with: its value and share of the limit, then its ratio to the best
+    peer among those named (for CPU time and memory, where less is better, every peer's
+    value instead: a ratio to a near-zero value says nothing); with ``recorded`` (provider
+    -> Point), the recorded values beside those a quick run measured now."""
+    ours = ours_of(bench, list(at))
+    unit, mine = bench.unit, at[ours]
+    then = lambda p: (
+        "" if recorded is None or p not in recorded
+        else f" ({value_text(recorded[p].value)} recorded)"
+    )  # fmt: skip
+    line = f"{ours} {value_text(mine.value)} {unit}{then(ours)}"
+    limit = limit_for(unit, mine.dtype, env)
+    if limit:
+        whose = "this GPU's" if recorded is not None else "the"
+        share = f"{mine.value / limit:.0%} of {whose} {LIMIT_NAME[unit]}"
+        line += f", {share} ({limit:,.0f} {unit})"
+    peers = peers_of(bench, list(at), ours)
+    shown = [ours]
+    if peers and unit in LOWER_IS_BETTER:
+        line += "; " + ", ".join(
+            f"{p} {value_text(at[p].value)}{then(p)}" for p in peers
+        )
+    elif peers and max(at[p].value for p in peers) > 0:
+        best = max(peers, key=lambda p: at[p].value)
+        shown.append(best)
+        among = f", the fastest of {names_text(peers)}" if len(peers) > 1 else ""
+        line += (f"; {mine.value / at[best].value:.2f}x {best}'s "
+                 f"{value_text(at[best].value)}{then(best)}{among}")  # fmt: skip
+    lines = [line]
+    called = []
+    for name in shown:
+        p = at[name]
+        if p.call is not None and p.cpu_us is not None:
+            called.append(
+                f"{name} {value_text(p.call)} {unit} ({p.cpu_us:,.0f} µs of CPU)"
+            )
+        elif p.cpu_us is not None and unit not in LOWER_IS_BETTER:
+            called.append(f"{name} {p.cpu_us:,.0f} µs of CPU")
+    if called:
+        lines.append("called from Python: " + ", ".join(called))
+    return lines
+
+
+SUMMARY_WIDTH = 100  # characters: a page's output box and a notebook's
+
+
+def summarize(
+    bench: Benchmark,
+    points: list[Point],
+    env: dict,
+    live: bool = True,
+    measured: list[Point] | None = None,
+    measured_env: dict | None = None,
+) -> None:
+    """Print a short headline: where the figures come from (the software once a block), then
+    per dtype how ours does at the headline size against the best peer, whose rivals it
+    names, and the limit. A quick run's ``measured`` points are compared at their size with
+    the recording ``points``. Every provider: ``Results.table()``."""
+    bench = bench if live else as_recorded(bench, env)
+    if measured:
+        head = (f"{bench.name}: measured now on {measured_env['gpu']}, beside the recording "
+                f"on {env['gpu']}, {env['date']}")  # fmt: skip
+        shown, source = measured, measured_env
+    elif bench.headline_x is not None:
+        how = "measured now on" if live else "recorded on"
+        head = f"{bench.name}: {how} {env['gpu']}, {env['date']}"
+        shown, source = points, env
+    else:
+        return
+    print(textwrap.fill(head, SUMMARY_WIDTH, subsequent_indent="    "))
+    if software := environment_line(source):
+        print(f"  ({software})")
+    for dtype in dict.fromkeys(p.dtype for p in shown):
+        mine = [p for p in shown if p.dtype == dtype]
+        x = max(p.x for p in mine) if measured else bench.headline_x
+        at = {p.provider: p for p in mine if p.x == x}
+        if not at:
+            continue
+        recorded = None
+        if measured:
+            recorded = {p.provider: p for p in points if (p.dtype, p.x) == (dtype, x)}
+        lines = headline(bench, at, source, recorded)
+        where = (f'"{bench.x_labels[x]}"' if bench.x_labels and x in bench.x_labels
+                 else f"at {x_text(bench, x)}")  # fmt: skip
+        print(textwrap.fill(f"{dtype}, {where}: {lines[0]}", SUMMARY_WIDTH,
+                            initial_indent="  ", subsequent_indent="      "))  # fmt: skip
+        for line in lines[1:]:
+            print(textwrap.fill(line, SUMMARY_WIDTH, initial_indent="    ",
+                                subsequent_indent="      "))  # fmt: skip
+
+
+def tick_text(value: float, step: float, top: float) -> str:
+    """A tick label that needs no offset or exponent above the axis: 0.25; 3,000; 250k; 1.5M,
+    with the decimals the ticks' ``step`` needs, in the scale that ``top`` (the axis's
+    largest tick) sets."""
+    scale, suffix = 1.0, ""
+    for threshold, size, name in ((1e9, 1e9, "G"), (1e6, 1e6, "M"), (1e4, 1e3, "k")):
+        if top >= threshold:
+            scale, suffix = size, name
+            break
+    if value == 0:
+        return "0"
+    digits = 3
+    for places in range(3):
+        scaled = step / scale * 10**places
+        if math.isclose(scaled, round(scaled), rel_tol=1e-6, abs_tol=1e-9):
+            digits = places
+            break
+    return f"{value / scale:,.{digits}f}{suffix}"
+
+
+def readable_ticks():
+    """A matplotlib formatter writing every tick with ``tick_text``."""
+    from matplotlib.ticker import Formatter
+
+    class ReadableTicks(Formatter):
+        ticks: list = []
+
+        def set_locs(self, locs):  # every tick, before any is formatted
+            self.ticks = sorted(locs)
+
+        def __call__(self, value, pos=None):
+            ticks = self.ticks or [value]
+            steps = [b - a for a, b in zip(ticks, ticks[1:], strict=False) if b > a]
+            step = min(steps, default=abs(value) or 1.0)
+            return tick_text(value, step, max(abs(v) for v in ticks))
+
+    return ReadableTicks()
+
+
+def wrap_label(text: str, width: int) -> str:
+    """``text`` in lines of at most ``width`` characters, broken after spaces, dots,
+    underscores, commas or slashes (a single longer word keeps its line)."""
+    lines, line = [], ""
+    for piece in re.split(r"(?<=[ ._,/])", text):
+        if line and len((line + piece).rstrip()) > width:
+            lines.append(line.rstrip())
+            line = piece.lstrip()
+        else:
+            line += piece
+    return "\n".join([*lines, line.rstrip()])
+
+
+def series(points: list[Point], provider: str, dtype: str) -> list[Point]:
+    """The points of ``provider`` in ``dtype``, in the order of x."""
+    mine = (p for p in points if (p.provider, p.dtype) == (provider, dtype))
+    return sorted(mine, key=lambda p: p.x)
+
+
+def lying_under(xs: list, values: list, drawn: dict, tolerance: float) -> str | None:
+    """The provider among ``drawn`` (provider -> (xs, values)) whose line this one would
+    hide: the same x values, every value within ``tolerance``."""
+    for other, (other_xs, other_values) in drawn.items():
+        pairs = zip(values, other_values, strict=True) if other_xs == xs else None
+        if pairs is not None and all(abs(a - b) <= tolerance for a, b in pairs):
+            return other
+    return None
+
+
+def draw_limit(ax, unit: str, limit: float, measured_now: bool, recorded: bool) -> None:
+    """The measured ceiling, dashed and named above it at the left; measured now beside a
+    recording, dash-dotted and named below it, so that two close ceilings keep apart."""
+    where = "measured now" if measured_now else "recorded" if recorded else "measured"
+    color = "black" if measured_now else "0.35"
+    ax.axhline(limit, lw=1, ls="-." if measured_now else "--", color=color)
+    ax.annotate(
+        f"{LIMIT_NAME[unit]} {limit:,.0f} {unit} ({where})", (0.01, limit),
+        xycoords=("axes fraction", "data"), va="top" if measured_now else "bottom",
+        fontsize=8, color=color,
+    )  # fmt: skip
+
+
+def dodged(xs: list, index: int, count: int, log2: bool) -> list:
+    """``xs`` moved aside by the ``index``-th of ``count`` small steps, so that markers of
+    several providers at one x sit side by side, none hidden under another."""
+    step = index - (count - 1) / 2
+    return [x * 2 ** (0.06 * step) if log2 else x * (1 + 0.01 * step) for x in xs]
+
+
+FIGURE_WIDTH = 8.0  # inches: a page's column and a notebook's output, at 100 dpi
+AXIS_WIDTH = 6.8  # inches of it left to the axes beside the y labels
+MARKERS = ("o", "s", "^", "D", "v", "P", "X", "<", ">", "h")
+# Lines closer than this share of the axis's height at every point look like one.
+SAME_LINE = 0.006
+FADED = 0.45  # the alpha of recorded lines beneath points measured now
+
+
+def plot(
+    bench: Benchmark,
+    points: list[Point],
+    env: dict,
+    live: bool,
+    measured: list[Point] | None = None,
+    measured_env: dict | None = None,
+):
     """One panel per dtype, stacked so that each is legible at page width, with the measured
-    ceiling dashed and one legend beside them, off the data."""
+    ceiling dashed, the title above and one legend below. Each provider has its color and
+    marker; a line lying on another's is dashed and hollow over it, and named so in the
+    legend. Recorded points are labelled as their recording names them (its axis, not the
+    chapter's). A quick run's ``measured`` points (in ``measured_env``) are large markers
+    over the faded lines of ``points``, then the recording."""
+    from matplotlib.lines import Line2D
+    from matplotlib.patches import Patch
     import matplotlib.pyplot as plt
 
-    dtypes = list(dict.fromkeys(p.dtype for p in points))
+    measured = measured or []
+    live_x_name = bench.x_name
+    bench = bench if live else as_recorded(bench, env)
+    shown = [*points, *measured]
+    dtypes = list(dict.fromkeys(p.dtype for p in shown))
     fig, axes = plt.subplots(
-        len(dtypes), 1, figsize=(8.0, 1.2 + 3.0 * len(dtypes)), squeeze=False,
+        len(dtypes), 1, figsize=(FIGURE_WIDTH, 1.7 + 2.9 * len(dtypes)), squeeze=False,
         sharex=True, layout="constrained",
     )  # fmt: skip
     # A recording may hold providers this machine cannot run (a library not installed here).
-    providers = list(dict.fromkeys([*bench.providers, *(p.provider for p in points)]))
+    providers = list(dict.fromkeys([*bench.providers, *(p.provider for p in shown)]))
+    drawn = [p for p in providers if any(q.provider == p for q in shown)]
     colors = provider_colors(providers, bench.colors)
-    categories = bench.x_labels
+    markers = {p: MARKERS[i % len(MARKERS)] for i, p in enumerate(drawn)}
+    categories, faded = bench.x_labels, bool(measured)
+    alpha = FADED if faded else 1.0
+    now_style = dict(ls="none", ms=9, mec="black", zorder=4)
+    lies_on: dict = {}  # provider -> (the provider whose line it lies on, in which dtypes)
     for ax, dtype in zip(axes[:, 0], dtypes, strict=True):
         limit = limit_for(bench.unit, dtype, env)
-        drawn = [p for p in providers if any(q.provider == p for q in points)]
+        live_limit = limit_for(bench.unit, dtype, measured_env) if faded else None
+        values = [p.value for p in shown if p.dtype == dtype]
+        top = max([limit or 0, live_limit or 0, *values])
+        lines: dict = {}
         for index, provider in enumerate(drawn):
-            mine = sorted(
-                (p for p in points if p.provider == provider and p.dtype == dtype),
-                key=lambda p: p.x,
+            mine, now = (
+                series(points, provider, dtype),
+                series(measured, provider, dtype),
             )
-            if not mine:
-                continue
-            values = [p.value for p in mine]
+            color, marker = colors[provider], markers[provider]
             if categories:  # one bar per provider in each category, no lines between
                 width = 0.8 / len(drawn)
-                xs = [
-                    list(categories).index(p.x) + (index - (len(drawn) - 1) / 2) * width
-                    for p in mine
-                ]
-                ax.bar(xs, values, width, label=provider, color=colors[provider])
-                called = [
-                    (x, p.call)
-                    for x, p in zip(xs, mine, strict=True)
-                    if p.call is not None
-                ]
-                if called:  # the call's rate: a black tick on each bar
-                    ax.scatter(
-                        *zip(*called, strict=True),
-                        marker="_",
-                        s=120,
-                        color="black",
-                        zorder=3,
-                    )
-                continue
-            xs = [p.x for p in mine]
-            ax.plot(
-                xs, values, marker="o", ms=3, label=provider, color=colors[provider]
-            )
-            called = [(p.x, p.call) for p in mine if p.call is not None]
-            if called:  # the same call made from Python: dotted, in the same color
-                ax.plot(
-                    *zip(*called, strict=True), ls=":", lw=1.5, color=colors[provider]
+                offset = (index - (len(drawn) - 1) / 2) * width
+                at = {x: i + offset for i, x in enumerate(categories)}
+                mine, now = (
+                    [p for p in mine if p.x in at],
+                    [p for p in now if p.x in at],
                 )
-            if live and mine[0].low is not None:
-                lows, highs = [p.low for p in mine], [p.high for p in mine]
-                ax.fill_between(xs, lows, highs, alpha=0.2, color=colors[provider])
+                xs = [at[p.x] for p in mine]
+                ax.bar(xs, [p.value for p in mine], width, color=color, alpha=alpha)
+                called = [(at[p.x], p.call) for p in mine if p.call is not None]
+                if called:  # the call's rate: a black tick on each bar
+                    ax.scatter(*zip(*called, strict=True), marker="_", s=120,
+                               color="black", zorder=3)  # fmt: skip
+                if now:
+                    ax.plot([at[p.x] for p in now], [p.value for p in now], marker=marker,
+                            mfc=color, **now_style)  # fmt: skip
+                continue
+            if mine:
+                xs, ys = [p.x for p in mine], [p.value for p in mine]
+                under = lying_under(xs, ys, lines, SAME_LINE * top)
+                lines[provider] = (xs, ys)
+                style = dict(color=color, marker=marker, ms=4, lw=1.5, alpha=alpha)
+                if (
+                    under is not None
+                ):  # dashed and hollow: the line beneath shows through
+                    lies_on.setdefault(provider, (under, []))[1].append(dtype)
+                    style.update(ls="--", mfc="none", ms=8)
+                ax.plot(xs, ys, **style)
+                called = [(p.x, p.call) for p in mine if p.call is not None]
+                if called:  # the same call made from Python: dotted, in the same color
+                    ax.plot(*zip(*called, strict=True), ls=":", lw=1.5, color=color,
+                            alpha=alpha)  # fmt: skip
+                if live and mine[0].low is not None:
+                    lows, highs = [p.low for p in mine], [p.high for p in mine]
+                    ax.fill_between(xs, lows, highs, alpha=0.2, color=color)
+            if now:  # side by side: one size holds every provider's marker
+                xs = dodged([p.x for p in now], index, len(drawn), bench.x_log2)
+                ax.plot(
+                    xs, [p.value for p in now], marker=marker, mfc=color, **now_style
+                )
         if limit is not None:
-            ax.axhline(limit, ls="--", lw=1, color="0.35")
-            ax.annotate(
-                f"{LIMIT_NAME[bench.unit]} {limit:,.0f} {bench.unit} (measured)",
-                (0.01, limit), xycoords=("axes fraction", "data"), va="bottom",
-                fontsize=8, color="0.35",
-            )  # fmt: skip
-        if categories:
-            ax.set_xticks(range(len(categories)), [str(v) for v in categories.values()])
+            draw_limit(ax, bench.unit, limit, measured_now=False, recorded=faded)
+        if live_limit is not None:
+            draw_limit(ax, bench.unit, live_limit, measured_now=True, recorded=False)
+        if categories:  # names wrapped to their category's share of the axis
+            characters = max(6, int(AXIS_WIDTH * 72 / (0.55 * 8) / len(categories)))
+            names = [wrap_label(str(v), characters) for v in categories.values()]
+            ax.set_xticks(range(len(categories)), names, fontsize=8)
         elif bench.x_log2:
             ax.set_xscale("log", base=2)
-        top = max([limit or 0, *(p.value for p in points if p.dtype == dtype)])
         ax.set(ylim=(0, 1.15 * top), ylabel=f"{dtype}\n{bench.unit}")
+        ax.yaxis.set_major_formatter(readable_ticks())
         ax.grid(alpha=0.3, axis="y" if categories else "both")
     axes[-1, 0].set_xlabel(bench.x_name)
-    handles, labels = axes[0, 0].get_legend_handles_labels()
+    handles, labels = [], []
+    for provider in drawn:
+        label, dashed = provider, provider in lies_on
+        if dashed:
+            under, where = lies_on[provider]
+            label += f" (same as {under}"
+            label += ")" if len(where) == len(dtypes) else f" in {names_text(where)})"
+        if categories:
+            handles.append(Patch(color=colors[provider]))
+        else:
+            handles.append(Line2D([], [], color=colors[provider], marker=markers[provider],
+                                  ls="--" if dashed else "-", mfc="none" if dashed else None,
+                                  ms=6 if dashed else 4))  # fmt: skip
+        labels.append(label)
     if any(p.call is not None for p in points):
-        from matplotlib.lines import Line2D
-
         bars = bool(categories)
         handles += [
             Line2D([], [], color="0.3", ls="-", lw=6 if bars else 1.5),
@@ -703,57 +1075,90 @@ def plot(bench: Benchmark, points: list[Point], env: dict, live: bool):
                    ms=12),
         ]  # fmt: skip
         labels += ["GPU time (CUDA graph)", "called from Python"]
-    fig.legend(handles, labels, loc="outside right upper", fontsize=8)
-    how = "measured now" if live else "recorded"
-    title = f"{bench.name}: {how} on {describe(env)}"
-    fig.suptitle(textwrap.fill(title, 72), fontsize=9)
+    if faded:
+        recorded = Patch(color="0.3", alpha=FADED) if categories else Line2D(
+            [], [], color="0.3", alpha=FADED)  # fmt: skip
+        handles += [recorded, Line2D([], [], marker="o", mfc="0.6", **now_style)]
+        at = "" if live_x_name == bench.x_name else f", at {live_x_name}"
+        labels += [f"recorded on {env['gpu']}",
+                   f"measured now on {measured_env['gpu']}{at}"]  # fmt: skip
+    widest = max(map(len, labels))
+    columns = max(1, min(len(labels), int(FIGURE_WIDTH / (0.06 * widest + 0.55))))
+    fig.legend(handles, labels, loc="outside lower center", ncols=columns, fontsize=8,
+               frameon=False)  # fmt: skip
+    if faded:
+        lines = [bench.name, f"markers: measured now on {describe(measured_env)}",
+                 f"lines: recorded on {describe(env)}"]  # fmt: skip
+    else:
+        how = "measured now" if live else "recorded"
+        lines = [
+            f"{bench.name}: {how} on {env['gpu']}, {env['date']}",
+            f"({versions(env)})",
+        ]
+    fig.suptitle("\n".join(textwrap.fill(line, 105) for line in lines), fontsize=9)
     return fig
 
 
-def summarize(
-    bench: Benchmark, points: list[Point], env: dict, live: bool = True
-) -> None:
-    """Print each provider's rate at the headline size and its share of the hardware limit,
-    saying whether the figures were measured now or recorded."""
-    if bench.headline_x is None:
+def in_notebook() -> bool:
+    """Whether this code runs in a Jupyter kernel (a notebook, whatever its backend)."""
+    ipython = sys.modules.get("IPython")
+    shell = ipython.get_ipython() if ipython is not None else None
+    return getattr(shell, "kernel", None) is not None
+
+
+# Backends that draw into files: no window to show, and sphinx-gallery's scraper (which
+# collects a cell's figures itself) or a test reads the figure.
+FILE_BACKENDS = ("agg", "cairo", "pdf", "pgf", "ps", "svg", "template")
+_shown_at_exit: list = []
+
+
+def show() -> None:
+    """Show the figures drawn so far where a reader can see them now: in a notebook, as the
+    cell's next output (each figure its own output, at full width); in a script run with a
+    window, in windows that stay open until closed when the script ends (``plt.show()``).
+    Nothing under a backend that draws into files: the gallery (Agg), nbval with Agg, tests."""
+    import matplotlib
+    import matplotlib.pyplot as plt
+
+    backend = matplotlib.get_backend().lower()
+    if backend in FILE_BACKENDS or not plt.get_fignums():
         return
-    how = "measured now" if live else f"recorded {env['date']} on {env['gpu']}"
-    for dtype in dict.fromkeys(p.dtype for p in points):
-        limit = limit_for(bench.unit, dtype, env)
-        print(
-            f"{bench.name}, {dtype}, at {bench.headline_x:,} ({bench.x_name}), {how}:"
-        )
-        width = max(14, *(len(p.provider) for p in points))
-        rate = 10 + len(bench.unit)  # "12,345.6 GB/s"
-        if any(p.call is not None for p in points):
-            print(f"  {'':<{width}} {'GPU time':>{rate}}  {'':<16} "
-                  f"{'called from Python':>{max(rate, 18)}}  CPU per call")  # fmt: skip
-        elif any(p.cpu_us is not None for p in points):
-            print(f"  {'':<{width}} {'called from Python':>{rate}}  {'':<16} CPU per call")  # fmt: skip
-        for p in points:
-            if p.dtype == dtype and p.x == bench.headline_x:
-                share = (
-                    "" if limit is None else f"{p.value / limit:6.1%} of {limit:,.0f}"
-                )
-                value = f"{p.value:,.1f} {bench.unit}"
-                line = f"  {p.provider:<{width}} {value:>{rate}}  {share:<16}"
-                if p.call is not None:
-                    called = f"{p.call:,.1f} {bench.unit}"
-                    line += f" {called:>{max(rate, 18)}}  {p.cpu_us:7.1f} µs"
-                elif p.cpu_us is not None:  # the value is the call from Python
-                    line += f" {p.cpu_us:7.1f} µs"
-                print(line.rstrip())
+    if "inline" in backend or in_notebook():
+        plt.show()
+        return
+    plt.show(block=False)  # drawn now; the windows wait for the reader at the end
+    plt.pause(0.001)
+    if not _shown_at_exit:
+        _shown_at_exit.append(atexit.register(plt.show))
 
 
 @dataclass
 class Results:
     """What ``run`` measured or loaded, for a chapter to quote: figures reach the page through
-    code, so a new recording cannot make the prose wrong."""
+    code, so a new recording cannot make the prose wrong. Recorded results carry the
+    recording's own labels and sizes (``as_recorded``). After a quick run the points are the
+    recording's, complete, and ``measured`` holds the few points measured now."""
 
     bench: Benchmark
     points: list[Point]
     env: dict
     live: bool
+    measured: list[Point] | None = None
+    measured_env: dict | None = None
+
+    def __post_init__(self):
+        if not self.live:
+            self.bench = as_recorded(self.bench, self.env)
+            dtypes = [
+                getattr(torch, d, None)
+                for d in dict.fromkeys(p.dtype for p in self.points)
+            ]
+            self.bench = dataclasses.replace(
+                self.bench,
+                x_values=sorted({as_number(p.x) for p in self.points})
+                or self.bench.x_values,
+                dtypes=tuple(d for d in dtypes if d is not None) or self.bench.dtypes,
+            )
 
     def value(self, provider: str, x, dtype: str | torch.dtype = "float32") -> float:
         """The rate (or CPU time) of ``provider`` at ``x``; NaN where nothing was recorded."""
@@ -801,7 +1206,7 @@ class Results:
             "of CPU per call"
             for p in (ours, theirs)
         ]
-        head = f"{self.bench.name}, {name}, at {x:,} ({self.bench.x_name}), {self.how}:"
+        head = f"{self.bench.name}, {name}, at {x_text(self.bench, x)}, {self.how}:"
         return "\n  ".join([head, *parts])
 
     def providers(self) -> list[str]:
@@ -809,20 +1214,36 @@ class Results:
         return list(dict.fromkeys(p.provider for p in self.points))
 
     def standing(self, ours: str, limit: str | None = None, peers=None) -> list[str]:
-        """One line per dtype: at how many x ``ours`` is at or above every peer (``peers``,
-        or every other provider recorded but ``limit``), its range of values, and its share
-        of the ``limit`` provider."""
+        """One line per dtype: at how many of the sizes ``ours`` is at or above every peer
+        (``peers``, or every other provider but ``limit``), naming them, its range of values,
+        and its share of the ``limit`` provider. For CPU time and memory, at or below."""
         peers = peers or [p for p in self.providers() if p not in (ours, limit)]
+        lower = self.bench.unit in LOWER_IS_BETTER
         lines = []
         for dtype in dict.fromkeys(p.dtype for p in self.points):
             xs = sorted(
                 {p.x for p in self.points if (p.provider, p.dtype) == (ours, dtype)}
             )
             mine = [self.value(ours, x, dtype) for x in xs]
-            best = [max((self.value(p, x, dtype) for p in peers if self.point(p, x, dtype)),
-                        default=-math.inf) for x in xs]  # fmt: skip
-            ahead = sum(m >= b for m, b in zip(mine, best, strict=True))
-            line = (f"{dtype}: {ours} at or above every peer at {ahead} of {len(xs)} points; "
+            rivals = [p for p in peers if any(self.point(p, x, dtype) for x in xs)]
+            best = [
+                (min if lower else max)(
+                    (
+                        self.value(p, x, dtype)
+                        for p in rivals
+                        if self.point(p, x, dtype)
+                    ),
+                    default=math.inf if lower else -math.inf,
+                )
+                for x in xs
+            ]
+            ahead = sum(
+                (m <= b) if lower else (m >= b) for m, b in zip(mine, best, strict=True)
+            )
+            side = "at or below" if lower else "at or above"
+            noun = "categories" if self.bench.x_labels else "sizes"
+            against = names_text(rivals) if rivals else "no peer"
+            line = (f"{dtype}: {ours} {side} {against} at {ahead} of {len(xs)} {noun}; "
                     f"{min(mine):,.0f} to {max(mine):,.0f} {self.bench.unit}")  # fmt: skip
             if limit:
                 shares = [
@@ -833,9 +1254,42 @@ class Results:
             lines.append(line)
         return lines
 
+    def table(self, x=None) -> str:
+        """Every provider at ``x`` (the headline size, else the largest), per dtype: its value,
+        its share of the limit, and where timed the call from Python and its CPU time."""
+        unit, lines = self.bench.unit, []
+        for dtype in dict.fromkeys(p.dtype for p in self.points):
+            mine = [p for p in self.points if p.dtype == dtype]
+            at = x if x is not None else self.bench.headline_x
+            at = at if any(p.x == at for p in mine) else max(p.x for p in mine)
+            lines.append(
+                f"{self.bench.name}, {dtype}, at {x_text(self.bench, at)}, {self.how}:"
+            )
+            rows = [p for p in mine if p.x == at]
+            width = max(len(p.provider) for p in rows)
+            limit = limit_for(unit, dtype, self.env)
+            for p in rows:
+                line = f"  {p.provider:<{width}}  {value_text(p.value):>9} {unit}"
+                if limit:
+                    line += f"  {p.value / limit:5.0%} of {limit:,.0f}"
+                if p.call is not None:
+                    line += f"  called from Python {value_text(p.call):>9}"
+                if p.cpu_us is not None and unit != CPU_UNIT:
+                    line += f"  {p.cpu_us:8,.1f} µs of CPU per call"
+                lines.append(line)
+        return "\n".join(lines)
+
     @property
     def how(self) -> str:
-        return "measured now" if self.live else f"recorded on {describe(self.env)}"
+        """Where the points come from, in a few words: a line may carry it."""
+        if self.live:
+            return f"measured now on {self.env['gpu']}"
+        return f"recorded on {self.env['gpu']}, {self.env['date']}"
+
+    @property
+    def environment(self) -> str:
+        """The GPU, date and software of the points, in full."""
+        return describe(self.env)
 
 
 def selected(name: str) -> bool:
@@ -845,16 +1299,80 @@ def selected(name: str) -> bool:
     return not (ON_GPU and only and name not in only.split(","))
 
 
-def run(
-    bench: Benchmark, points_of: Callable | None = None, draw: bool = True
-) -> Results | None:
-    """Measure (GPU) or show the recording (no GPU), draw the plot and print the summary.
+def full_sweep() -> bool:
+    """Whether a GPU run measures every size: under ``make bench`` (STEPKERNELS_RECORD=1,
+    since a recording is always the full sweep) or with STEPKERNELS_FULL=1. Otherwise a run
+    is quick (``quick_x_values``)."""
+    return "1" in (
+        os.environ.get("STEPKERNELS_RECORD"),
+        os.environ.get("STEPKERNELS_FULL"),
+    )
 
-    Returns the points shown (None when there are none). With STEPKERNELS_RECORD=1 (``make
-    bench``) the measurement is also written to the results folder; with STEPKERNELS_ONLY set
-    to benchmark names, separated by commas, a GPU measures only those. ``points_of()``, for
-    what is not one timed call (a training run), measures the points instead of ``make``;
-    ``draw=False`` leaves the plot and summary to the chapter.
+
+def quick_x_values(bench: Benchmark) -> list:
+    """The x values a quick run measures: the largest size (for every dtype and provider),
+    or every category of a benchmark of categories (they are not sizes)."""
+    if bench.x_labels or len(bench.x_values) <= 1:
+        return list(bench.x_values)
+    return [max(bench.x_values)]
+
+
+def measure_now(
+    bench: Benchmark, points_of: Callable | None, quick: Callable | None
+) -> Results:
+    """A GPU run: the full sweep (recorded under ``make bench``), or a quick one drawn over
+    the recording of this GPU (else of the GPU recorded last)."""
+    full = full_sweep()
+    if points_of is not None:
+        how, partial = (points_of, False) if full else (quick, True)
+    else:
+        timed = (
+            bench
+            if full
+            else dataclasses.replace(bench, x_values=quick_x_values(bench))
+        )
+        how = functools.partial(measure, timed)
+        partial = list(timed.x_values) != list(bench.x_values)
+    recorded = load_recorded(bench.name, gpu=gpu_name()) if partial else None
+    if partial and recorded is None and points_of is not None:
+        how, partial = (
+            points_of,
+            False,
+        )  # nothing recorded to show instead: measure it all
+    if how is None:
+        print(
+            f"{bench.name}: not measured in a quick run (STEPKERNELS_FULL=1 measures it)"
+        )
+        return Results(bench, *recorded, live=False)
+    with gpu_state() as state:
+        points = how()
+    env = {**environment(), "gpu_state": state, "timing": timing_of(bench)}
+    if not partial:
+        if os.environ.get("STEPKERNELS_RECORD") == "1":
+            print(f"recorded {shown_path(record(bench, points, env))}")
+        return Results(bench, points, env, live=True)
+    if recorded is None:
+        print(f"{bench.name}: nothing recorded to draw these points over; "
+              "STEPKERNELS_FULL=1 measures every size")  # fmt: skip
+        return Results(bench, points, env, live=True)
+    return Results(bench, *recorded, live=False, measured=points, measured_env=env)
+
+
+def run(
+    bench: Benchmark,
+    points_of: Callable | None = None,
+    draw: bool = True,
+    quick: Callable | None = None,
+) -> Results | None:
+    """Measure (GPU) or show the recording (no GPU), draw the plot and print the headline.
+
+    Returns the points shown (None when there are none). On a GPU a run is quick unless
+    STEPKERNELS_FULL=1 or STEPKERNELS_RECORD=1 (``make bench``, which also writes the results
+    folder): it measures ``quick_x_values`` and draws them over the recording. With
+    STEPKERNELS_ONLY set to benchmark names, separated by commas, a GPU measures only those.
+    ``points_of()``, for what is not one timed call (a training run), measures the points
+    instead of ``make``; a quick run calls ``quick()`` instead, and without one shows the
+    recording. ``draw=False`` leaves the plot and headline to the chapter.
     """
     if not selected(bench.name):
         print(
@@ -862,25 +1380,25 @@ def run(
         )
         return None
     if ON_GPU:
-        with gpu_state() as state:
-            points = (points_of or functools.partial(measure, bench))()
-        env = {**environment(), "gpu_state": state, "timing": timing_of(bench)}
-        if os.environ.get("STEPKERNELS_RECORD") == "1":
-            print(f"recorded {record(bench, points, env)}")
+        results = measure_now(bench, points_of, quick)
     else:
         if points_of is None:
             smoke(bench)
         found = load_recorded(bench.name)
         if found is None:
-            where = f"{bench.name!r} under {default_results_dir()}"
-            print(f"No recorded GPU results for {where}: run `make bench` on a GPU.")
+            where = shown_path(default_results_dir())
+            print(
+                f"No recorded GPU results for {bench.name!r} in {where}: run `make bench` on a GPU."
+            )
             return None
-        points, env = found
-    if not draw:
-        return Results(bench, points, env, live=ON_GPU)
-    plot(bench, points, env, live=ON_GPU)
-    summarize(bench, points, env, live=ON_GPU)
-    return Results(bench, points, env, live=ON_GPU)
+        results = Results(bench, *found, live=False)
+    if draw:
+        plot(bench, results.points, results.env, results.live, results.measured,
+             results.measured_env)  # fmt: skip
+        show()
+        summarize(bench, results.points, results.env, results.live, results.measured,
+                  results.measured_env)  # fmt: skip
+    return results
 
 
 def text_file(name: str, text: str | None = None) -> str | None:
