@@ -27,15 +27,13 @@ compiler cannot drop), beside ``two-stage`` and ``dx only``.
 import itertools
 import sys
 
-sys.path.insert(0, __import__("os").path.dirname(__file__))  # sm90, beside this script
-
-from layer_norm_backward_launch import alternating, inputs, shares  # noqa: E402
-import sm90  # noqa: E402
-from stepkernels.lessons import bench  # noqa: E402
-from stepkernels.ops.layer_norm import backward_config, layer_norm_backward, layer_norm_backward_kernel  # noqa: E402
-from stepkernels.runtime import core  # noqa: E402
-import torch  # noqa: E402
-import triton  # noqa: E402
+from layer_norm_backward_launch import alternating, inputs, shares
+import sm90
+from stepkernels.lessons import bench
+from stepkernels.ops.layer_norm import backward_config, layer_norm_backward, layer_norm_backward_kernel
+from stepkernels.runtime import core
+import torch
+import triton
 
 FLUSH = """        flush_partials(partial_ptr, lock_ptr, dw, db, cols, col_mask, N, slot, slot,
                        num_locks, REDUCTION)  # fmt: skip
