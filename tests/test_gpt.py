@@ -114,7 +114,7 @@ def test_refuses_bad_input():
         with pytest.raises(TypeError, match="targets must be a tensor of token ids"):
             model(idx, bad_targets)
     for prompt, options in ((idx[:, :0], {}), (idx[0], {}), (idx, {"top_k": 0}), (idx, {"temperature": 0})):
-        with pytest.raises(ValueError, match="time|temperature"):
+        with pytest.raises(ValueError, match="time|temperature|top_k"):
             model.generate(prompt, 2, **options)
     with pytest.raises(ValueError, match=r"time, got shape \(8,\): one sequence is idx\[None\]"):
         model.generate(idx[0], 2)  # no block_size in the message: a prompt may be longer

@@ -330,8 +330,9 @@ def softmax_backward_split_kernel(
 # gave these rules. One row of 256 fp32 values over 4 warps gives each thread two values, too few
 # loads in flight to hide DRAM's latency: a tile holds about 4,096 values, a warp per 1,024. A
 # persistent, pipelined grid was never faster for the fused kernels. The wrappers see rows with
-# unit stride: a slice like ``x[:, :N]`` is read in place, a transposed matrix copied. The
-# backward refuses ``create_graph=True``: autograd cannot differentiate a Triton kernel.
+# unit stride: a slice like ``x[:, :N]`` is read in place, a transposed matrix copied, and a
+# ``dim`` other than the last (the fastest) moved last, ``x.movedim(dim, -1)``: a copy too.
+# The backward refuses ``create_graph=True``: autograd cannot differentiate a Triton kernel.
 
 # @save ops/softmax
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -453,18 +454,20 @@ class SoftmaxFunction(torch.autograd.Function):
         return softmax_backward(y, dy, ctx.log), None
 
 
-def softmax(x: torch.Tensor, *, log: bool = False) -> torch.Tensor:
-    """``torch.softmax(x, dim=-1)`` (``log=True``: ``log_softmax``) for fp32, fp16 and
-    bf16, with autograd."""
-    softmax_arguments(x, log, SUPPORTED_DTYPES)  # raises, saying what to do
+def softmax(x: torch.Tensor, dim: int = -1, *, log: bool = False) -> torch.Tensor:
+    """``torch.softmax(x, dim)`` (``log=True``: ``log_softmax``) for fp32, fp16 and bf16,
+    with autograd; a ``dim`` but the last (the fastest) is moved there, then back."""
+    dim = softmax_arguments(x, dim, log, SUPPORTED_DTYPES)  # raises, saying what to do
+    if dim != x.dim() - 1:
+        return softmax(x.movedim(dim, -1), log=log).movedim(-1, dim)
     if x.requires_grad and torch.is_grad_enabled():
         return SoftmaxFunction.apply(x, log)
     return softmax_forward(x, log)  # autograd's machinery costs the CPU ~15 µs: skip it
 
 
-def log_softmax(x: torch.Tensor) -> torch.Tensor:
-    """``torch.log_softmax(x, dim=-1)`` for fp32, fp16 and bf16, with autograd."""
-    return softmax(x, log=True)
+def log_softmax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """``torch.log_softmax(x, dim)`` for fp32, fp16 and bf16, with autograd (as softmax)."""
+    return softmax(x, dim, log=True)
 
 
 # %%

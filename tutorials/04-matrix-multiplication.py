@@ -359,8 +359,8 @@ FP8_DTYPES = (torch.float8_e4m3fn,) if INTERPRET or capability() >= (8, 9) else 
 SUPPORTED_DTYPES = FLOAT_DTYPES + FP8_DTYPES
 
 
-def check_inputs(a, b, activation, bias):
-    matmul_arguments(a, b, activation, bias, SUPPORTED_DTYPES)  # raising what to do
+def check_inputs(a, b, activation, bias, return_preactivation=False):
+    matmul_arguments(a, b, activation, bias, SUPPORTED_DTYPES, return_preactivation)
 
 
 def output_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -444,7 +444,7 @@ def matmul(
     fp8 e4m3 (bf16 output), accumulated in fp32, bias (N,) and activation applied in fp32
     before one rounding. ``return_preactivation``: ``(out, a @ b + bias)``, one kernel.
     ``accumulate``: a contiguous (M, N) tensor that gets ``a @ b (+ bias)`` added in place."""
-    check_inputs(a, b, activation, bias)
+    check_inputs(a, b, activation, bias, return_preactivation)
     if accumulate is not None:
         accumulate_arguments(
             accumulate, a, b, activation, return_preactivation, output_dtype(a.dtype)

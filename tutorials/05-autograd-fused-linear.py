@@ -122,8 +122,8 @@ print("strides: B, B^T in dA, A^T in dB:", *strides)
 
 # @save ops/linear
 from stepkernels.ops.matmul import copies_for_tf32, matmul
-from stepkernels.runtime.activations import activation_derivative, check_activation
-from stepkernels.runtime.arguments import linear_arguments
+from stepkernels.runtime.activations import activation_derivative
+from stepkernels.runtime.arguments import linear_arguments, linear_options
 from stepkernels.runtime.core import refuse_double_backward
 from stepkernels.runtime.launch import lean
 import torch
@@ -307,7 +307,7 @@ def linear(x, weight, bias=None, activation=None, *, recompute=False):
     """``activation(x @ weight.T + bias)`` in one kernel, differentiable, for weight and bias
     as ``nn.Linear`` holds them; ``recompute``: recompute x @ weight.T + bias in the backward
     instead of keeping it from the forward."""
-    linear_arguments(x, weight, bias, activation)  # raises, saying what to do
+    linear_arguments(x, weight, bias, activation, recompute)  # raises what to do
     tensors = (x, weight) if bias is None else (x, weight, bias)
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
     rows = x.reshape(x.shape[:-1].numel(), x.shape[-1])
@@ -327,7 +327,7 @@ class FusedLinear(nn.Linear):
     def __init__(self, in_features, out_features, bias=True, activation=None,
                  recompute=False, device=None, dtype=None):  # fmt: skip
         super().__init__(in_features, out_features, bias, device=device, dtype=dtype)
-        check_activation(activation)
+        linear_options(activation, recompute)  # refused now, not at the first call
         self.activation, self.recompute = activation, recompute
 
     def forward(self, x):

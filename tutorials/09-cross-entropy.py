@@ -88,7 +88,8 @@ for vocabulary in (32_768, 50_257, 128_256):
 # parts, numbered next to each other, run together. Like chapter 02 we read the row ourselves
 # after ``MAX_POLLS`` tries, unless the gradient overwrites the logits (chapter 10), where a
 # sibling may have written its part; x_t is read first for that reason. A target outside
-# [0, V), not ``ignore_index``, gives its row NaN, never a finite loss (PyTorch asserts).
+# [0, V), not ``ignore_index``, stops the kernel at a ``tl.device_assert`` (compiled in by
+# ``debug=True``), as PyTorch's loss stops at its own: a check on the host would wait for the GPU.
 #
 # **Rows off the 16-byte grid.** With V = 50,257 in bf16, row r starts 100,514 r bytes in, on
 # a 16-byte boundary for one row in eight. Triton vectorizes an access only where it can prove
@@ -201,6 +202,7 @@ def cross_entropy_kernel(
             x = tl.where(in_row, x, -float("inf"))
     target = tl.load(target_ptr + row).to(tl.int64)
     in_range = (target >= 0) & (target < n_cols)
+    tl.device_assert(in_range | (target == ignore_index), "target outside [0, V)")
     # x_t before any program of the row writes its gradient, maybe over the logits
     x_target = tl.load(logits_ptr + span + lead + target, in_range, 0.0).to(tl.float32)
     part_max = tl.max(x, axis=0)
@@ -288,6 +290,7 @@ SCALE_BLOCK, SCALE_PROGRAMS_PER_SM = 4096, 4
 REDUCTIONS = ("mean", "sum", "none")
 MAX_POLLS = 100_000 if ON_GPU else 2  # tries before a program reads the row itself
 WAIT = 2**31 - 1 if ON_GPU else 2  # in place: wait as long as it takes
+ASSERTS = {"debug": True, "sanitize_overflow": False}  # asserts in, overflow checks out
 
 
 @lean
@@ -375,7 +378,7 @@ def loss_rows(logits, target, options, grad=None, scale=None, launch=None):
             options.ignore_index, options.smoothing, PART=part, PARTS_POW2=parts_pow2,
             SMOOTH=options.smoothing > 0, WRITE_GRAD=write_grad, HAS_SCALE=has_scale,
             ALIGN=align, ALIGNED=aligned, MAX_POLLS=WAIT if grad is logits else MAX_POLLS,
-            num_warps=launch.num_warps, maxnreg=launch.max_registers,
+            num_warps=launch.num_warps, maxnreg=launch.max_registers, **ASSERTS,
         )  # fmt: skip
     return losses
 
@@ -431,9 +434,9 @@ class CrossEntropyFunction(torch.autograd.Function):
         return grad, None, None
 
 
-def check_target(target, n_rows, ignore_index, label_smoothing, reduction) -> Options:
+def check_target(target, shape, ignore_index, label_smoothing, reduction) -> Options:
     checked = cross_entropy_arguments(
-        target, n_rows, ignore_index, label_smoothing, reduction, REDUCTIONS
+        target, *shape, ignore_index, label_smoothing, reduction, REDUCTIONS
     )
     return Options(*checked, reduction)
 
@@ -443,7 +446,8 @@ def cross_entropy(
 ):
     """``torch.nn.functional.cross_entropy`` for (tokens, vocabulary) logits in fp32, fp16 or
     bf16 and integer targets, computed in fp32, with autograd; no class weights (options by
-    keyword). A target outside [0, V) that is not ``ignore_index`` gives NaN for its row."""
+    keyword). A target outside [0, V), not ``ignore_index``: a ValueError for CPU tensors; on
+    a GPU a device-side assert, as PyTorch's, after which CUDA fails in this process."""
     check_tensor(logits, "logits", FLOAT_DTYPES)
     if logits.dim() != 2 or logits.shape[1] == 0:
         raise ValueError(
@@ -451,7 +455,7 @@ def cross_entropy(
             "with logits.reshape(-1, logits.shape[-1]) ((N, C, d1, ...): move C last first)"
         )
     options = check_target(
-        target, len(logits), ignore_index, label_smoothing, reduction
+        target, logits.shape, ignore_index, label_smoothing, reduction
     )
     logits, target = as_rows(logits), target.contiguous()
     if logits.stride(0) < logits.shape[1]:  # rows share memory: so would the gradient's
@@ -467,8 +471,8 @@ def cross_entropy(
 # -----------
 # ``check_cross_entropy.check`` compares loss and gradient with ``F.cross_entropy`` in fp64, within
 # a rounding of the dtype: rows of several parts and off the 16-byte grid (a strided slice),
-# smoothing with ignored rows, every reduction, large logits. Then what we do where torch stops (a
-# target out of range gives NaN) and errors that say what to do.
+# smoothing with ignored rows, every reduction, large logits. Then errors that say what to do: a
+# target out of range among them on the CPU (on a GPU it stops the kernel, and CUDA with it).
 
 
 def logits_off_the_grid(n_rows, n_cols, dtype, scale=1.0):
@@ -489,17 +493,17 @@ large = logits_off_the_grid(5, n_cols, torch.float32, scale=1000.0)
 check_cross_entropy.check(cross_entropy, large, check_cross_entropy.targets(5, n_cols, DEVICE),
                           grad_atol=2**-23 * large.abs().max().item())  # fmt: skip
 print(f"cross_entropy matches PyTorch: V = {n_cols:,}, 3 dtypes, 3 reductions")
-bad_target = torch.tensor([1, 7, -100, -3], device=DEVICE)
-print("targets 1, 7 (of V = 5), ignored, -3:",
-      cross_entropy(torch.zeros(4, 5, device=DEVICE), bad_target, reduction="none"))  # fmt: skip
 zeros = lambda *shape, dtype=None: torch.zeros(*shape, device=DEVICE, dtype=dtype)
-tutorial.show_refusals("cross_entropy()", {
+bad_calls = {
     "float target": lambda: cross_entropy(zeros(2, 5), zeros(2)),
     "3-D logits": lambda: cross_entropy(zeros(2, 3, 5), zeros(2, 3, dtype=torch.long)),
     "wrong target shape": lambda: cross_entropy(zeros(2, 5), zeros(3, dtype=torch.long)),
     "int8 logits": lambda: cross_entropy(zeros(2, 5, dtype=torch.int8), zeros(2).long()),
     "reduction": lambda: cross_entropy(zeros(2, 5), zeros(2).long(), reduction="avg"),
-})  # fmt: skip
+}  # fmt: skip
+if not tutorial.ON_GPU:
+    bad_calls["target 7 of 5"] = lambda: cross_entropy(zeros(2, 5), zeros(2).long() + 7)
+tutorial.show_refusals("cross_entropy()", bad_calls)
 
 # %%
 # Benchmarks

@@ -144,7 +144,9 @@ def linear_cross_entropy(x, weight, target, bias=None, *, ignore_index=-100,
                          label_smoothing=0.0, reduction="mean", chunk_tokens=None):  # fmt: skip
     """``cross_entropy(x @ weight.T + bias, target)`` for x (tokens, hidden) and weight
     (vocabulary, hidden) of one dtype, with autograd, never holding more than
-    ``chunk_tokens`` rows of logits (default: 256 MiB of them)."""
+    ``chunk_tokens`` rows of logits (default: 256 MiB of them). A target outside [0, V)
+    that is not ``ignore_index`` is an error, as for ``cross_entropy``: a ValueError for CPU
+    tensors, a device-side assert on a GPU."""
     check_tensor(x, "x", FLOAT_DTYPES)
     check_tensor(weight, "weight", FLOAT_DTYPES)
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
@@ -153,19 +155,22 @@ def linear_cross_entropy(x, weight, target, bias=None, *, ignore_index=-100,
             f"{tuple(x.shape)} and weight {tuple(weight.shape)}: flatten x with "
             "x.reshape(-1, x.shape[-1])"
         )
-    if weight.shape[0] == 0 or x.dtype != weight.dtype:
-        raise ValueError(f"weight needs at least one row and x's dtype, got "
-                         f"{tuple(weight.shape)} {weight.dtype}; x is {x.dtype}")  # fmt: skip
+    if weight.shape[0] == 0:
+        raise ValueError(f"weight needs at least one row, got {tuple(weight.shape)}")
+    if x.dtype != weight.dtype:
+        raise TypeError(f"weight is {weight.dtype} but x is {x.dtype}: one dtype for both, "
+                        "convert one with .to(...)")  # fmt: skip
     if bias is not None:
         check_tensor(bias, "bias", (x.dtype,))
         if bias.shape != weight.shape[:1]:
             raise ValueError(f"bias must have shape ({weight.shape[0]},), got "
                              f"{tuple(bias.shape)}")  # fmt: skip
-    if chunk_tokens is not None and (type(chunk_tokens) is not int or chunk_tokens < 1):
-        raise ValueError(
-            f"chunk_tokens must be an int of at least 1, got {chunk_tokens!r}"
-        )
-    options = check_target(target, x.shape[0], ignore_index, label_smoothing, reduction)
+    if chunk_tokens is not None and type(chunk_tokens) is not int:
+        raise TypeError(f"chunk_tokens must be an int or None, got {chunk_tokens!r}")
+    if chunk_tokens is not None and chunk_tokens < 1:
+        raise ValueError(f"chunk_tokens must be at least 1, got {chunk_tokens}")
+    shape = (x.shape[0], weight.shape[0])  # the logits'
+    options = check_target(target, shape, ignore_index, label_smoothing, reduction)
     return LinearCrossEntropyFunction.apply(
         x, weight, bias, target.contiguous(), options, chunk_tokens
     )

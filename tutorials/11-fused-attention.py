@@ -445,9 +445,9 @@ def check_attention_inputs(q, k, v, causal, sm_scale):
         raise ValueError(f"head_dim must be 1 to {MAX_HEAD_DIM}, got {q.shape[3]}")
     if k.shape[2] == 0 and q.shape[2] > 0:
         raise ValueError("there are queries but no keys: pass at least one key")
-    if sm_scale is not None and not (
-        is_number(sm_scale) and 1e-45 <= sm_scale < math.inf
-    ):
+    if sm_scale is not None and not is_number(sm_scale):
+        raise TypeError(f"sm_scale must be a number or None, got {sm_scale!r}")
+    if sm_scale is not None and not (1e-45 <= sm_scale < math.inf):
         raise ValueError(  # smaller scales vanish in fp32: masked -inf scores x 0 = NaN
             f"sm_scale must be a finite number >= 1e-45 or None, got {sm_scale!r}"
         )

@@ -9,6 +9,7 @@ from stepkernels.ops.cross_entropy import cross_entropy
 from stepkernels.ops.dropout import dropout, dropout_bias_act
 from stepkernels.ops.layer_norm import layer_norm
 from stepkernels.ops.linear import linear
+from stepkernels.runtime.arguments import classes_in_range, sampling_arguments
 import torch
 from torch import nn
 import torch.nn.functional as F
@@ -140,8 +141,9 @@ class GPT(nn.Module):
     def forward(self, idx, targets=None):
         """Logits (B, T, vocab) for token ids ``idx`` (B, T), and the mean cross-entropy
         against ``targets`` (B, T) when given, else None. A target outside the vocabulary
-        (other than -100, ignored) gives a NaN loss with our kernels; PyTorch's raise."""
-        check_tokens(idx, targets, self.block_size)
+        (other than -100, ignored) is an error on both layers: a ValueError for CPU tensors,
+        checked first; on a GPU a device-side assert in the loss, ours or PyTorch's."""
+        check_tokens(idx, targets, self.block_size, self.tokens.num_embeddings)
         layers = TritonLayers() if self.use_triton else TorchLayers()
         p = self.dropout if self.training else 0.0
         seeds = self.seeds.add_(len(self.seeds)) if p > 0 and self.use_triton else None
@@ -160,11 +162,9 @@ class GPT(nn.Module):
     @torch.no_grad()
     def generate(self, idx, new_tokens, temperature=1.0, top_k=None, generator=None):
         """Extend each row of ``idx`` (B, T) by ``new_tokens`` sampled one at a time."""
-        check_tokens(idx, None)  # a prompt of at least one token, as long as it likes
-        if not temperature > 0 or (top_k is not None and top_k < 1):
-            raise ValueError(
-                f"need temperature > 0, top_k >= 1: {temperature}, {top_k}"
-            )
+        # a prompt of at least one token, as long as it likes
+        check_tokens(idx, None, vocab_size=self.tokens.num_embeddings)
+        sampling_arguments(new_tokens, temperature, top_k)
         for _ in range(new_tokens):
             context = idx[:, -self.block_size :]
             length = context.shape[1]
@@ -184,11 +184,12 @@ class GPT(nn.Module):
 TOKEN_DTYPES = (torch.int64, torch.int32)
 
 
-def check_tokens(idx, targets, block_size=math.inf):
-    """idx (batch, time) with 1 <= time <= block_size, targets of its shape."""
+def check_tokens(idx, targets, block_size=math.inf, vocab_size=None):
+    """idx (batch, time) with 1 <= time <= block_size, targets of its shape; on CPU tensors,
+    their ids below ``vocab_size`` (targets may be -100, ignored)."""
     for name, tokens in (("idx", idx), ("targets", targets)):
         ids = isinstance(tokens, torch.Tensor) and tokens.dtype in TOKEN_DTYPES
-        if tokens is not None and not ids:
+        if (tokens is not None or name == "idx") and not ids:
             raise TypeError(f"{name} must be a tensor of token ids, int64 or int32")
     if idx.dim() != 2 or not 0 < idx.shape[1] <= block_size:
         too_long = idx.dim() == 2 and idx.shape[1] > block_size
@@ -200,3 +201,7 @@ def check_tokens(idx, targets, block_size=math.inf):
     if targets is not None and targets.shape != idx.shape:
         raise ValueError(f"targets must match idx's shape {tuple(idx.shape)}, got "
                          f"{tuple(targets.shape)}")  # fmt: skip
+    if vocab_size is not None:
+        classes_in_range(idx, vocab_size, "idx")
+        if targets is not None:
+            classes_in_range(targets, vocab_size, "targets", ignore_index=-100)

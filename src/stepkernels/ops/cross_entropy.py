@@ -104,6 +104,7 @@ def cross_entropy_kernel(
             x = tl.where(in_row, x, -float("inf"))
     target = tl.load(target_ptr + row).to(tl.int64)
     in_range = (target >= 0) & (target < n_cols)
+    tl.device_assert(in_range | (target == ignore_index), "target outside [0, V)")
     # x_t before any program of the row writes its gradient, maybe over the logits
     x_target = tl.load(logits_ptr + span + lead + target, in_range, 0.0).to(tl.float32)
     part_max = tl.max(x, axis=0)
@@ -177,6 +178,7 @@ SCALE_BLOCK, SCALE_PROGRAMS_PER_SM = 4096, 4
 REDUCTIONS = ("mean", "sum", "none")
 MAX_POLLS = 100_000 if ON_GPU else 2  # tries before a program reads the row itself
 WAIT = 2**31 - 1 if ON_GPU else 2  # in place: wait as long as it takes
+ASSERTS = {"debug": True, "sanitize_overflow": False}  # asserts in, overflow checks out
 
 
 @lean
@@ -264,7 +266,7 @@ def loss_rows(logits, target, options, grad=None, scale=None, launch=None):
             options.ignore_index, options.smoothing, PART=part, PARTS_POW2=parts_pow2,
             SMOOTH=options.smoothing > 0, WRITE_GRAD=write_grad, HAS_SCALE=has_scale,
             ALIGN=align, ALIGNED=aligned, MAX_POLLS=WAIT if grad is logits else MAX_POLLS,
-            num_warps=launch.num_warps, maxnreg=launch.max_registers,
+            num_warps=launch.num_warps, maxnreg=launch.max_registers, **ASSERTS,
         )  # fmt: skip
     return losses
 
@@ -320,9 +322,9 @@ class CrossEntropyFunction(torch.autograd.Function):
         return grad, None, None
 
 
-def check_target(target, n_rows, ignore_index, label_smoothing, reduction) -> Options:
+def check_target(target, shape, ignore_index, label_smoothing, reduction) -> Options:
     checked = cross_entropy_arguments(
-        target, n_rows, ignore_index, label_smoothing, reduction, REDUCTIONS
+        target, *shape, ignore_index, label_smoothing, reduction, REDUCTIONS
     )
     return Options(*checked, reduction)
 
@@ -332,7 +334,8 @@ def cross_entropy(
 ):
     """``torch.nn.functional.cross_entropy`` for (tokens, vocabulary) logits in fp32, fp16 or
     bf16 and integer targets, computed in fp32, with autograd; no class weights (options by
-    keyword). A target outside [0, V) that is not ``ignore_index`` gives NaN for its row."""
+    keyword). A target outside [0, V), not ``ignore_index``: a ValueError for CPU tensors; on
+    a GPU a device-side assert, as PyTorch's, after which CUDA fails in this process."""
     check_tensor(logits, "logits", FLOAT_DTYPES)
     if logits.dim() != 2 or logits.shape[1] == 0:
         raise ValueError(
@@ -340,7 +343,7 @@ def cross_entropy(
             "with logits.reshape(-1, logits.shape[-1]) ((N, C, d1, ...): move C last first)"
         )
     options = check_target(
-        target, len(logits), ignore_index, label_smoothing, reduction
+        target, logits.shape, ignore_index, label_smoothing, reduction
     )
     logits, target = as_rows(logits), target.contiguous()
     if logits.stride(0) < logits.shape[1]:  # rows share memory: so would the gradient's

@@ -8,10 +8,12 @@ import math
 
 from stepkernels.runtime import activations, core
 from stepkernels.runtime.arguments import (
+    activation_argument,
     dropout_bias,
     dropout_input,
     dropout_p,
     dropout_seed,
+    flag_argument,
 )
 from stepkernels.runtime.launch import lean  # cheap repeated launches: chapter 08
 import torch
@@ -98,6 +100,8 @@ def dropout(x, p: float, seed, training: bool = True, inplace: bool = False):
     """
     dropout_input(x, MAX_ELEMENTS, core.FLOAT_DTYPES)  # checks, raising what to do
     p, seed = dropout_p(p), dropout_seed(seed, x)
+    flag_argument("training", training)
+    flag_argument("inplace", inplace)
     if not training or p == 0.0:
         return x
     if not (torch.is_grad_enabled() and x.requires_grad):  # nothing for autograd
@@ -114,7 +118,8 @@ class Dropout(torch.nn.Module):
 
     def __init__(self, p: float = 0.5, inplace: bool = False):
         super().__init__()
-        self.p, self.inplace = dropout_p(p), bool(inplace)
+        flag_argument("inplace", inplace)
+        self.p, self.inplace = dropout_p(p), inplace
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.training or self.p == 0.0:
@@ -302,10 +307,11 @@ def dropout_bias_act(x, bias, p: float, activation, seed, training: bool = True)
     """``dropout(act(x + bias), p)`` in one kernel, forward and backward; bias over the last
     dimension. Its mask, of (seed, row, column), is never stored; seed: as for ``dropout``.
     The mask draws 16 bits: it drops with probability p rounded to a multiple of 2^-16."""
-    activations.check_activation(activation)
+    activation_argument(activation)
     dropout_input(x, MAX_ELEMENTS, core.FLOAT_DTYPES)
     p, seed = dropout_p(p), dropout_seed(seed, x)
     dropout_bias(x, bias, core.FLOAT_DTYPES)
+    flag_argument("training", training)
     # The p the mask draws, which the scale 1 / (1 - p) must match
     p = round(p * 2**16) / 2**16 if training else 0.0
     x, bias = x.contiguous(), bias.contiguous()

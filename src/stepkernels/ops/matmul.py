@@ -156,7 +156,7 @@ def matmul(
     fp8 e4m3 (bf16 output), accumulated in fp32, bias (N,) and activation applied in fp32
     before one rounding. ``return_preactivation``: ``(out, a @ b + bias)``, one kernel.
     ``accumulate``: a contiguous (M, N) tensor that gets ``a @ b (+ bias)`` added in place."""
-    check_inputs(a, b, activation, bias)
+    check_inputs(a, b, activation, bias, return_preactivation)
     if accumulate is not None:
         accumulate_arguments(
             accumulate, a, b, activation, return_preactivation, output_dtype(a.dtype)

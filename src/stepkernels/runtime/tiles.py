@@ -54,8 +54,8 @@ FP8_DTYPES = (torch.float8_e4m3fn,) if INTERPRET or capability() >= (8, 9) else 
 SUPPORTED_DTYPES = FLOAT_DTYPES + FP8_DTYPES
 
 
-def check_inputs(a, b, activation, bias):
-    matmul_arguments(a, b, activation, bias, SUPPORTED_DTYPES)  # raising what to do
+def check_inputs(a, b, activation, bias, return_preactivation=False):
+    matmul_arguments(a, b, activation, bias, SUPPORTED_DTYPES, return_preactivation)
 
 
 def output_dtype(dtype: torch.dtype) -> torch.dtype:
