@@ -87,9 +87,11 @@ for vocabulary in (32_768, 50_257, 128_256):
 # Waiting needs the siblings running: programs start in the order of their ids, so a row's
 # parts, numbered next to each other, run together. Like chapter 02 we read the row ourselves
 # after ``MAX_POLLS`` tries, unless the gradient overwrites the logits (chapter 10), where a
-# sibling may have written its part; x_t is read first for that reason. A target outside
-# [0, V), not ``ignore_index``, stops the kernel at a ``tl.device_assert`` (compiled in by
-# ``debug=True``), as PyTorch's loss stops at its own: a check on the host would wait for the GPU.
+# sibling may have written its part; x_t is read first for that reason. The interpreter runs
+# programs one at a time, so none can wait there: a row in parts writes its gradient to a
+# buffer of its own, then over the logits. A target outside [0, V), not ``ignore_index``,
+# stops the kernel at a ``tl.device_assert`` (compiled in by ``debug=True``), as PyTorch's loss
+# stops at its own: a check on the host would wait for the GPU.
 #
 # **Rows off the 16-byte grid.** With V = 50,257 in bf16, row r starts 100,514 r bytes in, on
 # a 16-byte boundary for one row in eight. Triton vectorizes an access only where it can prove
@@ -369,6 +371,12 @@ def loss_rows(logits, target, options, grad=None, scale=None, launch=None):
     if n_parts > 1:
         stats = torch.empty(n_rows, 3, parts_pow2, device=logits.device)
         counters = torch.zeros(n_rows, device=logits.device, dtype=torch.int32)
+    in_place = grad is logits
+    if in_place and n_parts > 1 and not ON_GPU:
+        # The interpreter runs a grid's programs one at a time: none can wait for a sibling
+        # yet to run, and its way out would read parts the siblings before it have already
+        # overwritten. So the gradient goes to a buffer of its own, then over the logits.
+        grad = empty_rows_like(logits)
     has_scale = scale is not None
     scale = scale if has_scale else losses
     with quiet():
@@ -380,6 +388,8 @@ def loss_rows(logits, target, options, grad=None, scale=None, launch=None):
             ALIGN=align, ALIGNED=aligned, MAX_POLLS=WAIT if grad is logits else MAX_POLLS,
             num_warps=launch.num_warps, maxnreg=launch.max_registers, **ASSERTS,
         )  # fmt: skip
+    if in_place and grad is not logits:
+        logits.copy_(grad)
     return losses
 
 

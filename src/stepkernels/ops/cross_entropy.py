@@ -257,6 +257,12 @@ def loss_rows(logits, target, options, grad=None, scale=None, launch=None):
     if n_parts > 1:
         stats = torch.empty(n_rows, 3, parts_pow2, device=logits.device)
         counters = torch.zeros(n_rows, device=logits.device, dtype=torch.int32)
+    in_place = grad is logits
+    if in_place and n_parts > 1 and not ON_GPU:
+        # The interpreter runs a grid's programs one at a time: none can wait for a sibling
+        # yet to run, and its way out would read parts the siblings before it have already
+        # overwritten. So the gradient goes to a buffer of its own, then over the logits.
+        grad = empty_rows_like(logits)
     has_scale = scale is not None
     scale = scale if has_scale else losses
     with quiet():
@@ -268,6 +274,8 @@ def loss_rows(logits, target, options, grad=None, scale=None, launch=None):
             ALIGN=align, ALIGNED=aligned, MAX_POLLS=WAIT if grad is logits else MAX_POLLS,
             num_warps=launch.num_warps, maxnreg=launch.max_registers, **ASSERTS,
         )  # fmt: skip
+    if in_place and grad is not logits:
+        logits.copy_(grad)
     return losses
 
 
