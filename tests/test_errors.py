@@ -22,6 +22,7 @@ from stepkernels import (
     Dropout,
     DropoutBiasAct,
     FusedLinear,
+    GPTConfig,
     LayerNorm,
     add,
     attention,
@@ -56,7 +57,7 @@ seed_tensor = torch.tensor(7, device=DEVICE)
 
 def gpt():
     torch.manual_seed(0)
-    return GPT(11, 8, 1, 2, 16).to(DEVICE)
+    return GPT(GPTConfig(11, 8, 1, 2, 16)).to(DEVICE)
 
 
 idx = torch.tensor([[1, 2, 3, 4]], device=DEVICE)
@@ -315,7 +316,9 @@ CASES = [
     ("GPT", "wrong shape", lambda: gpt()(idx[0]), ValueError, "idx"),
     ("GPT", "wrong shape", lambda: gpt()(idx, idx[:, :2]), ValueError, "targets"),
     ("GPT", "not a tensor", lambda: gpt()(idx.tolist()), TypeError, "idx"),
-    ("GPT", "bad scalar (value)", lambda: GPT(11, 8, 1, 3, 16), ValueError, "n_head"),
+    ("GPTConfig", "bad scalar (value)", lambda: GPTConfig(11, 8, 1, 3, 16), ValueError, "n_head"),
+    ("GPTConfig", "bad scalar (type)", lambda: GPTConfig(11.0, 8, 1, 2, 16), TypeError, "vocab_size"),
+    ("GPTConfig", "bad scalar (value)", lambda: GPTConfig(11, 8, 1, 2, 16, dropout=1.0), ValueError, "dropout"),
     ("GPT", "bad scalar (value)", lambda: gpt().generate(idx, 2, temperature=0.0), ValueError, "temperature"),
     ("GPT", "bad scalar (type)", lambda: gpt().generate(idx, 2, top_k=1.5), TypeError, "top_k"),
     ("GPT", "bad scalar (type)", lambda: gpt().generate(idx, 2.0), TypeError, "new_tokens"),
@@ -343,7 +346,9 @@ def test_each_kind_of_mistake_has_one_error_type_that_names_the_argument(case):
     function, kind, call, error, argument = case
     with pytest.raises(Exception) as caught:
         call()
-    assert type(caught.value) is error, f"{type(caught.value).__name__}: {caught.value}"
+    # the kind's type, or an error of the package's that is one (GPTConfig's name their field)
+    assert isinstance(caught.value, error), f"{type(caught.value).__name__}: {caught.value}"
+    assert not isinstance(caught.value, {TypeError: ValueError, ValueError: TypeError}[error])
     assert raised_by_us(caught.value), f"raised inside {caught.traceback[-1].path}"
     assert re.search(rf"\b{argument}\b", str(caught.value)), str(caught.value)
 
@@ -400,7 +405,7 @@ def test_ignored_and_in_range_targets_pass_the_check():
 
 TRAP = """
 import torch, stepkernels
-from stepkernels import cross_entropy, linear_cross_entropy, GPT
+from stepkernels import cross_entropy, linear_cross_entropy, GPT, GPTConfig
 targets = torch.tensor([0, 3, {bad}, -100], device="cuda")
 if "{loss}" == "cross_entropy":
     loss = cross_entropy(torch.randn(4, {V}, device="cuda"), targets)
@@ -408,7 +413,7 @@ elif "{loss}" == "linear_cross_entropy":
     loss = linear_cross_entropy(torch.randn(4, 8, device="cuda"),
                                 torch.randn({V}, 8, device="cuda"), targets)
 else:
-    model = GPT({V}, 8, 1, 2, 16).cuda()
+    model = GPT(GPTConfig({V}, 8, 1, 2, 16)).cuda()
     loss = model(torch.zeros(1, 4, dtype=torch.long, device="cuda"), targets[None])[1]
 torch.cuda.synchronize()
 print("no trap:", loss.item())

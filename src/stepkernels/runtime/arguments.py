@@ -281,8 +281,8 @@ def sampling_arguments(new_tokens, temperature, top_k) -> None:
         raise ValueError(f"new_tokens must be at least 0, got {new_tokens}")
     if not is_number(temperature):
         raise TypeError(f"temperature must be a number, got {temperature!r}")
-    if not temperature > 0:  # also refuses nan
-        raise ValueError(f"temperature must be > 0, got {temperature}")
+    if not 0 < temperature < math.inf:  # also refuses nan
+        raise ValueError(f"temperature must be > 0 and finite, got {temperature}")
     if top_k is not None and not is_number(top_k, numbers.Integral):
         raise TypeError(f"top_k must be an int or None, got {top_k!r}")
     if top_k is not None and top_k < 1:
