@@ -595,17 +595,18 @@ def softmax_benchmark(name: str, passes: int, **fields) -> bench.Benchmark:
 
 
 def compare(results, x: int, others=("torch", "torch.compile", "naive")) -> None:
-    """Print triton's GB/s over each of ``others``' and over a copy's at ``x``, and at
-    how many N it is ahead of torch."""
+    """A table of triton's GB/s over each of ``others``' and over a copy's of the same
+    bytes at ``x``, with the number of N at which triton is ahead of torch."""
+    columns = [*others, bench.COPY_PROVIDER]
+    print(f"{results.bench.name}: triton's GB/s over the others' at N = {x:,}")
+    names = [c if c != bench.COPY_PROVIDER else "a copy" for c in columns]  # same bytes
+    print(f"  {'':9}" + "".join(f"{c:>15}" for c in names) + "  ahead of torch")
     for dtype in dict.fromkeys(p.dtype for p in results.points):
-        leads = [f"{results.ratio('triton', o, x, dtype):.2f}x {o}" for o in others]
-        copy = results.ratio("triton", bench.COPY_PROVIDER, x, dtype)
+        ratios = [results.ratio("triton", c, x, dtype) for c in columns]
         xs = sorted({p.x for p in results.points if p.dtype == dtype})
         ahead = sum(results.ratio("triton", "torch", n, dtype) > 1 for n in xs)
-        print(
-            f"{dtype}, N = {x:,}: triton at {', '.join(leads)} and {copy:.0%} of a "
-            f"copy of the same bytes; ahead of torch at {ahead} of {len(xs)} N"
-        )
+        row = "".join(f"{r:>14.2f}x" for r in ratios)
+        print(f"  {dtype:9}{row}  at {ahead} of {len(xs)} N")
 
 
 PROVIDERS = ["triton", "torch", "torch.compile", "naive", bench.COPY_PROVIDER]
