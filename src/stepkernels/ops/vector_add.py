@@ -34,9 +34,10 @@ def add(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     check_tensor(y, "y", SUPPORTED_DTYPES, contiguous=True)
     if x.shape != y.shape or x.dtype != y.dtype:
         raise ValueError(
-            f"add() takes tensors of one shape and dtype, got {tuple(x.shape)} {x.dtype} and "
-            f"{tuple(y.shape)} {y.dtype}: broadcast first with torch.broadcast_tensors(x, y) "
-            "and call .contiguous() on the results, or convert with .to(dtype)"
+            f"add() takes tensors of one shape and dtype, got {tuple(x.shape)} "
+            f"{x.dtype} and {tuple(y.shape)} {y.dtype}: broadcast first with "
+            "torch.broadcast_tensors(x, y) and call .contiguous() on the results, or "
+            "convert with .to(dtype)"
         )
     out = torch.empty_like(x)
     n_elements = out.numel()
