@@ -285,8 +285,9 @@ def layer_norm_backward_split_kernel(x_ptr, dy_ptr, dx_ptr, weight_ptr, mean_ptr
             db += tl.sum(dy, axis=0)
     if REDUCTION != "none":
         slot = group % GROUP_SIZE_M if REDUCTION == "lock" else group
-        flush_partials(partial_ptr, lock_ptr, dw, db, cols, col_mask, N, slot,
-                       chunk * GROUP_SIZE_M + slot, num_locks, REDUCTION)  # fmt: skip
+        buffers = (partial_ptr, lock_ptr)
+        slots = (slot, chunk * GROUP_SIZE_M + slot, num_locks)
+        flush_partials(buffers, (dw, db), (cols, col_mask), N, slots, REDUCTION)
 
 
 def split_backward(tensors, strides, options, n_rows, n_cols, num_locks, config):

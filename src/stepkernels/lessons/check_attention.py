@@ -78,8 +78,9 @@ def check(attention, q, k, v, causal=False, sm_scale=None, tolerance=None):
     grads = torch.autograd.grad(out, (q, k, v), grad_out.to(q.device, q.dtype))
     wanted = torch.autograd.grad(want, exact, grad_out.to(want.device, torch.float64))
     tolerance = tolerance or TOLERANCE[q.dtype]
-    for name, ours, reference in zip(("out", "dq", "dk", "dv"), (out, *grads),
-                                     (want, *wanted), strict=True):  # fmt: skip
+    for name, ours, reference in zip(
+        ("out", "dq", "dk", "dv"), (out, *grads), (want, *wanted), strict=True
+    ):
         assert ours.shape == reference.shape, (name, ours.shape, reference.shape)
         error = worst_relative_error(ours, reference)
         assert error <= tolerance, (

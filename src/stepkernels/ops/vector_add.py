@@ -33,8 +33,10 @@ def add(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     check_tensor(x, "x", SUPPORTED_DTYPES, contiguous=True)
     check_tensor(y, "y", SUPPORTED_DTYPES, contiguous=True)
     if x.dtype != y.dtype:
-        raise TypeError(f"add() takes x and y of one dtype, got x {x.dtype} and y "
-                        f"{y.dtype}: convert one with .to(dtype)")  # fmt: skip
+        raise TypeError(
+            f"add() takes x and y of one dtype, got x {x.dtype} and y "
+            f"{y.dtype}: convert one with .to(dtype)"
+        )
     if x.shape != y.shape:
         raise ValueError(
             f"add() takes x and y of one shape, got x {tuple(x.shape)} and y "

@@ -42,13 +42,17 @@ def softmax_arguments(x, dim, log, dtypes) -> int:
     counted from the front."""
     check_tensor(x, "x", dtypes)
     if x.dim() == 0:
-        raise ValueError("x is 0-dim, but softmax runs over one of its dimensions: "
-                         "pass x.reshape(1) (whose softmax is [1.0])")  # fmt: skip
+        raise ValueError(
+            "x is 0-dim, but softmax runs over one of its dimensions: "
+            "pass x.reshape(1) (whose softmax is [1.0])"
+        )
     if not is_number(dim, numbers.Integral):
         raise TypeError(f"dim must be an int, a dimension of x, got {dim!r}")
     if not -x.dim() <= dim < x.dim():
-        raise ValueError(f"dim {dim} is out of range for x of {x.dim()} dimensions: "
-                         f"pass one in [{-x.dim()}, {x.dim() - 1}]")  # fmt: skip
+        raise ValueError(
+            f"dim {dim} is out of range for x of {x.dim()} dimensions: "
+            f"pass one in [{-x.dim()}, {x.dim() - 1}]"
+        )
     flag_argument("log", log)
     return int(dim) % x.dim()
 
@@ -101,11 +105,13 @@ def accumulate_arguments(out, a, b, activation, return_preactivation, dtype):
     empty = out.shape == shape and out.numel() == 0
     laid_out = out.stride() == (shape[1], 1) and out.data_ptr() % 16 == 0
     if out.shape != shape or not (empty or laid_out):
-        raise ValueError(f"accumulate must be {shape} with strides ({shape[1]}, 1) and 16-byte "
-                         f"aligned, got {tuple(out.shape)} with strides {out.stride()} at "
-                         f"{out.data_ptr() % 16} past 16 bytes: add into "
-                         f"out.clone(memory_format=torch.contiguous_format), then copy "
-                         f"it back")  # fmt: skip
+        raise ValueError(
+            f"accumulate must be {shape} with strides ({shape[1]}, 1) and 16-byte "
+            f"aligned, got {tuple(out.shape)} with strides {out.stride()} at "
+            f"{out.data_ptr() % 16} past 16 bytes: add into "
+            f"out.clone(memory_format=torch.contiguous_format), then copy "
+            f"it back"
+        )
     apart = (a.untyped_storage().data_ptr(), b.untyped_storage().data_ptr())
     if storage in apart and not empty:
         raise ValueError("accumulate shares memory with a or b: pass a copy of those")
@@ -121,8 +127,10 @@ def parameter_dtype(name, param, x, fp32_too=False) -> None:
         also = " (fp32 parameters take x of any dtype, as torch's)" if fp32_too else ""
         if torch.is_autocast_enabled(x.device.type):  # casts torch's layers only
             also += "; torch.autocast does not cast for our kernels (chapter 12 casts by hand)"
-        raise TypeError(f"{name} is {param.dtype} but x is {x.dtype}: one dtype for all, "
-                        f"convert x or the parameter with .to(...){also}")  # fmt: skip
+        raise TypeError(
+            f"{name} is {param.dtype} but x is {x.dtype}: one dtype for all, "
+            f"convert x or the parameter with .to(...){also}"
+        )
 
 
 def linear_arguments(x, weight, bias, activation, recompute=False) -> None:
@@ -169,8 +177,9 @@ def reduction_argument(reduction, reductions) -> None:
         raise ValueError(f"reduction {reduction!r} unknown: choose one of {reductions}")
 
 
-def layer_norm_arguments(x, normalized_shape, weight, bias, eps, reduction, block_size, dtypes,
-        reductions):  # fmt: skip
+def layer_norm_arguments(
+    x, normalized_shape, weight, bias, eps, reduction, block_size, dtypes, reductions
+):
     """``normalized_shape`` as a tuple, once chapter 03's ``layer_norm`` arguments pass."""
     check_tensor(x, "x", dtypes)  # never None, which the parameters may be
     for name, tensor in (("weight", weight), ("bias", bias)):
@@ -182,22 +191,27 @@ def layer_norm_arguments(x, normalized_shape, weight, bias, eps, reduction, bloc
         raise TypeError(f"normalized_shape must be ints, got {normalized_shape!r}")
     shape = tuple(int(size) for size in shape)  # NumPy's too, as torch takes them
     if not shape or len(shape) > x.dim() or x.shape[x.dim() - len(shape) :] != shape:
-        raise ValueError(f"normalized_shape {shape} must be the trailing dimensions of "
-                         f"x {tuple(x.shape)}: pass x.shape[-k:] for k dimensions")  # fmt: skip
+        raise ValueError(
+            f"normalized_shape {shape} must be the trailing dimensions of "
+            f"x {tuple(x.shape)}: pass x.shape[-k:] for k dimensions"
+        )
     if math.prod(shape) == 0:
         raise ValueError("normalized_shape has a zero dimension: nothing to normalize")
     for name, param in (("weight", weight), ("bias", bias)):
         if param is not None and param.shape != shape:
-            raise ValueError(f"{name} must have normalized_shape {shape}, got "
-                             f"{tuple(param.shape)}")  # fmt: skip
+            raise ValueError(
+                f"{name} must have normalized_shape {shape}, got {tuple(param.shape)}"
+            )
         if param is not None:
             parameter_dtype(name, param, x, fp32_too=True)
     # dW and dB come out in the weight's dtype (x's without one), as torch's layer norm has it
     given = weight if weight is not None else x
     if bias is not None and bias.dtype != given.dtype:
         which = "the weight's" if weight is not None else "x's (no weight given)"
-        raise TypeError(f"bias must have {which} dtype {given.dtype}, got {bias.dtype}: pass "
-                        f"bias.to({given.dtype}), or fp32 weight and bias together")  # fmt: skip
+        raise TypeError(
+            f"bias must have {which} dtype {given.dtype}, got {bias.dtype}: pass "
+            f"bias.to({given.dtype}), or fp32 weight and bias together"
+        )
     if not is_number(eps):
         raise TypeError(f"eps must be a number, got {eps!r}")
     if not eps >= 0:  # also refuses nan
@@ -207,9 +221,11 @@ def layer_norm_arguments(x, normalized_shape, weight, bias, eps, reduction, bloc
         p is not None and p.requires_grad for p in (weight, bias)
     )
     if reduction == "lock" and reduced and torch.are_deterministic_algorithms_enabled():
-        message = ("layer_norm's reduction='lock' adds dW and dB in the order programs arrive, so "
-                   "their last bits vary from run to run, and torch.use_deterministic_algorithms"
-                   "(True) is set: use reduction='two-stage' (the default), the same bits every run")  # fmt: skip
+        message = (
+            "layer_norm's reduction='lock' adds dW and dB in the order programs arrive, so "
+            "their last bits vary from run to run, and torch.use_deterministic_algorithms"
+            "(True) is set: use reduction='two-stage' (the default), the same bits every run"
+        )
         if not torch.is_deterministic_algorithms_warn_only_enabled():
             raise RuntimeError(message)
         warnings.warn(message, stacklevel=3)
@@ -222,8 +238,9 @@ def layer_norm_arguments(x, normalized_shape, weight, bias, eps, reduction, bloc
     return shape
 
 
-def cross_entropy_arguments(target, n_rows, n_classes, ignore_index, label_smoothing,
-        reduction, reductions) -> tuple:  # fmt: skip
+def cross_entropy_arguments(
+    target, n_rows, n_classes, ignore_index, label_smoothing, reduction, reductions
+) -> tuple:
     """Chapter 09's options, checked: (ignore_index as an int, label_smoothing as a float)."""
     check_tensor(target, "target")
     if target.is_floating_point() or target.dtype not in (torch.int64, torch.int32):
@@ -337,5 +354,7 @@ def dropout_bias(x: torch.Tensor, bias: torch.Tensor, dtypes) -> None:
             f"{tuple(x.shape)}, bias {tuple(bias.shape)}"
         )
     if bias.dtype != x.dtype:
-        raise TypeError(f"bias is {bias.dtype} but x is {x.dtype}: convert the bias with "
-                        "bias.to(x.dtype)")  # fmt: skip
+        raise TypeError(
+            f"bias is {bias.dtype} but x is {x.dtype}: convert the bias with "
+            "bias.to(x.dtype)"
+        )

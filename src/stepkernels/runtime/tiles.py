@@ -12,7 +12,7 @@ import triton.language as tl
 
 @triton.jit
 def tile_of_program(tile_id, tiles_m, tiles_n, GROUP_SIZE_M: tl.constexpr):
-    # Groups of GROUP_SIZE_M tile rows; inside a group, tiles are numbered column by column.
+    # Groups of GROUP_SIZE_M tile rows, whose tiles are numbered column by column.
     tiles_per_group = GROUP_SIZE_M * tiles_n
     first_row = (tile_id // tiles_per_group) * GROUP_SIZE_M
     rows_in_group = min(tiles_m - first_row, GROUP_SIZE_M)  # the last may be short
@@ -63,7 +63,7 @@ def output_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def dot_precision(dtype: torch.dtype) -> str:
-    """``tl.dot``'s input precision: fp32 follows torch's setting, as torch.matmul does."""
+    """``tl.dot``'s input precision: fp32 follows torch's setting, as torch.matmul."""
     exact = dtype == torch.float32 and torch.get_float32_matmul_precision() == "highest"
     return "ieee" if exact else "tf32"  # "tf32", the default, means nothing for 16 bits
 
