@@ -27,7 +27,7 @@ zeroing every replay repeats), and the package without dW and dB (``dx only``).
 import itertools
 
 from layer_norm_backward_launch import alternating, inputs, shares
-from layer_norm_backward_parts import FLUSH
+from layer_norm_backward_parts import FLUSH, SIGNATURE, WITH_SUMS
 import sm90
 from stepkernels.lessons import bench
 from stepkernels.ops import layer_norm as package
@@ -108,8 +108,8 @@ backward_one_kernel = sm90.kernel_variant(
     "layer_norm_one_kernel",
     [
         (FLUSH, FLUSH + FINISH, 1),
-        ("partial_ptr, lock_ptr, x_row_stride", "partial_ptr, lock_ptr, dw_ptr, db_ptr, x_row_stride", 1),
-        ("NUM_STAGES: tl.constexpr):", "NUM_STAGES: tl.constexpr, " + CONSTANTS + "):", 1),
+        (SIGNATURE, WITH_SUMS, 1),
+        ("    NUM_STAGES: tl.constexpr,\n):", "    NUM_STAGES: tl.constexpr,\n    " + CONSTANTS + ",\n):", 1),
     ],
     names={"finish_sums": finish_sums},
 )

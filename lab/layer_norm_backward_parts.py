@@ -35,8 +35,9 @@ from stepkernels.runtime import core
 import torch
 import triton
 
-FLUSH = """        flush_partials(partial_ptr, lock_ptr, dw, db, cols, col_mask, N, slot, slot,
-                       num_locks, REDUCTION)  # fmt: skip
+# The package's flush, as chapter 03 writes it (the replacements below need its exact text).
+FLUSH = """        buffers, slots = (partial_ptr, lock_ptr), (slot, slot, num_locks)
+        flush_partials(buffers, (dw, db), (cols, col_mask), N, slots, REDUCTION)
 """
 ATOMIC = """        tl.atomic_add(partial_ptr + cols, dw, mask=col_mask, sem="relaxed")
         tl.atomic_add(partial_ptr + N + cols, db, mask=col_mask, sem="relaxed")
@@ -51,11 +52,12 @@ ATOMIC = """        tl.atomic_add(partial_ptr + cols, dw, mask=col_mask, sem="re
             tl.store(partial_ptr + N + cols, tl.zeros_like(db), mask=col_mask)
             tl.store(lock_ptr, 0)
 """
-SIGNATURE = "partial_ptr, lock_ptr, x_row_stride"
+SIGNATURE = "    partial_ptr,\n    lock_ptr,\n    x_row_stride,\n"  # the kernel's arguments, one a line
+WITH_SUMS = "    partial_ptr,\n    lock_ptr,\n    dw_ptr,\n    db_ptr,\n    x_row_stride,\n"
 atomic_kernel = sm90.kernel_variant(
     layer_norm_backward_kernel,
     "layer_norm_atomic",
-    [(FLUSH, ATOMIC, 1), (SIGNATURE, "partial_ptr, lock_ptr, dw_ptr, db_ptr, x_row_stride", 1)],
+    [(FLUSH, ATOMIC, 1), (SIGNATURE, WITH_SUMS, 1)],
 )
 
 kept_kernel = sm90.kernel_variant(
