@@ -8,6 +8,8 @@ from pathlib import Path
 import re
 import subprocess
 import sys
+from types import SimpleNamespace
+import zipfile
 
 from IPython.core.interactiveshell import InteractiveShell
 import pytest
@@ -186,3 +188,50 @@ def test_the_cell_names_the_gpu_and_what_does_not_run_on_it(monkeypatch, capsys,
     for what in ["bfloat16", "float8", "Hopper"]:
         assert (what in out) == (what in left_out), out
     assert ("Every chapter runs in full" in out) == (not left_out)
+
+
+def built_pages(root: Path, plot_gallery: str):
+    """A built site's _downloads as sphinx-gallery leaves it: a notebook, a chapter's zip of
+    script and notebook, a zip of scripts alone; and the Sphinx app that built it."""
+    downloads = root / "html" / "_downloads"
+    for folder in "abc":
+        (downloads / folder).mkdir(parents=True)
+    (downloads / "a" / "01-x.ipynb").write_text("{}")
+    with zipfile.ZipFile(downloads / "b" / "01-x.zip", "w") as bundle:
+        bundle.writestr("01-x.py", "")
+        bundle.writestr("01-x.ipynb", "{}")
+    with zipfile.ZipFile(downloads / "c" / "tutorials_python.zip", "w") as bundle:
+        bundle.writestr("01-x.py", "")
+    app = SimpleNamespace(
+        builder=SimpleNamespace(format="html"), config=SimpleNamespace(plot_gallery=plot_gallery), outdir=root / "html"
+    )
+    return downloads, app
+
+
+def test_make_html_ships_the_wheel_beside_every_notebook(tmp_path, monkeypatch):
+    monkeypatch.setattr(conf, "ROOT", tmp_path)
+    downloads, app = built_pages(tmp_path, plot_gallery="True")
+    with pytest.raises(FileNotFoundError, match="make wheel"):
+        conf.ship_the_wheel(app, None)
+    (tmp_path / "dist").mkdir()
+    (tmp_path / "dist" / conf.WHEEL).write_bytes(b"the wheel")
+    conf.ship_the_wheel(app, None)
+    assert (downloads / conf.WHEEL).read_bytes() == (downloads / "a" / conf.WHEEL).read_bytes() == b"the wheel"
+    assert zipfile.ZipFile(downloads / "b" / "01-x.zip").read(conf.WHEEL) == b"the wheel"
+    assert conf.WHEEL not in zipfile.ZipFile(downloads / "c" / "tutorials_python.zip").namelist()
+
+
+def test_make_test_gallery_build_neither_executes_nor_ships(tmp_path, monkeypatch):
+    monkeypatch.setattr(conf, "ROOT", tmp_path)  # no wheel there: shipping would fail
+    downloads, app = built_pages(tmp_path, plot_gallery="0")
+    conf.ship_the_wheel(app, None)
+    assert not list(downloads.rglob(conf.WHEEL))
+    monkeypatch.setattr(conf, "package_changed", lambda: pytest.fail("took the package stamp"))
+    config = SimpleNamespace(plot_gallery="0", sphinx_gallery_conf={})
+    conf.rerun_when_the_package_changed(app, config)
+    assert config.sphinx_gallery_conf["run_stale_examples"] is False
+
+
+def test_the_wheel_make_wheel_builds_is_the_one_the_cell_installs():
+    version = re.search(r'^__version__ = "(.+)"', (ROOT / "src/stepkernels/__init__.py").read_text(), re.M)[1]
+    assert conf.WHEEL == f"stepkernels-{version}-py3-none-any.whl"  # pyproject's version is the package's
