@@ -47,7 +47,7 @@ def erf_derivative(z, ACTIVATION: tl.constexpr):
 finish_erf = sm90.kernel_variant(
     hopper.finish_columns,
     "finish_erf",
-    [("apply_activation(acc, ACTIVATION, c_desc.dtype)", "erf_out(acc, ACTIVATION)", 1)],
+    [("apply_activation(acc, EPILOGUE.ACTIVATION, c_desc.dtype)", "erf_out(acc, EPILOGUE.ACTIVATION)", 1)],
     {"erf_out": erf_out},
 )
 matmul_erf = sm90.kernel_variant(

@@ -43,20 +43,11 @@ import torch.nn.functional as F
 
 HALVES = """        if finish:  # two halves of the columns in turn: fewer registers live at once
             left, right = acc.reshape(BLOCK_M, 2, BLOCK_N // 2).permute(0, 2, 1).split()
-            finish_columns(
-                left, c_desc, pre_desc, off_m, off_n, bias_ptr, N, stride_bias,
-                ACTIVATION, HAS_BIAS, STORE_PREACTIVATION, ACCUMULATE,
-            )  # fmt: skip
-            finish_columns(
-                right, c_desc, pre_desc, off_m, off_n + BLOCK_N // 2, bias_ptr, N,
-                stride_bias, ACTIVATION, HAS_BIAS, STORE_PREACTIVATION, ACCUMULATE,
-            )  # fmt: skip
+            finish_columns(left, outputs, off_m, off_n, bias, EPILOGUE)
+            finish_columns(right, outputs, off_m, off_n + BLOCK_N // 2, bias, EPILOGUE)
 """
 WHOLE = """        if finish:
-            finish_columns(
-                acc, c_desc, pre_desc, off_m, off_n, bias_ptr, N, stride_bias,
-                ACTIVATION, HAS_BIAS, STORE_PREACTIVATION, ACCUMULATE,
-            )  # fmt: skip
+            finish_columns(acc, outputs, off_m, off_n, bias, EPILOGUE)
 """
 # Whole tiles where the last wave is split (those binaries only), halves elsewhere.
 MIXED = (
