@@ -11,9 +11,11 @@ import sys
 from types import SimpleNamespace
 import zipfile
 
-from IPython.core.interactiveshell import InteractiveShell
 import pytest
 import torch
+
+# The cell runs in an IPython shell (IPython comes with ipykernel, a test requirement).
+InteractiveShell = pytest.importorskip("IPython.core.interactiveshell").InteractiveShell
 
 ROOT = Path(__file__).resolve().parent.parent
 spec = importlib.util.spec_from_file_location("gallery_conf", ROOT / "conf.py")

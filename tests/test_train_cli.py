@@ -220,6 +220,7 @@ def read_log(out_dir):
     return [json.loads(line) for line in (out_dir / "log.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.skipif(ON_GPU, reason="its lines are a CPU run's: no MFU, the process's memory")
 def test_a_run_writes_progress_lines_its_jsonl_log_and_a_checkpoint(run, tmp_path):
     status, out, err = run("--max-steps", "6", "--sample-tokens", "5", "--prompt", "to")
     assert status == 0, err
