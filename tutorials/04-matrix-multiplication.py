@@ -520,7 +520,8 @@ def matmul(
 # tolerance is two units in the last place (2^-10 fp16, 2^-7 bf16; fp32 1e-4 exact, 2^-8
 # tf32), times sqrt(K) absolute. Shapes: 1 × 1 × 1, M, N or K = 1, odd sizes, several blocks
 # and K-steps; A and B as given, transposed, A row-strided; each call with a bias, the next
-# activation and the pre-activation; bf16 on a GPU only. ``tests/test_matmul.py`` has more.
+# activation and the pre-activation. ``tests/test_matmul.py`` has more: bf16, fp8, sizes the
+# autotuner takes.
 
 shapes = [  # (M, N, K)
     (1, 1, 1),
@@ -530,10 +531,11 @@ shapes = [  # (M, N, K)
     (50, 24, 13),  # odd sizes
     (77, 136, 48),  # two tiles along N, the second ragged
 ]
-shapes += bench.choose(
-    gpu=[(130, 264, 200), (1000, 1500, 700), (2048, 3000, 4096)], cpu=[]
-)
-dtypes = [torch.float16, torch.float32] + bench.choose(gpu=[torch.bfloat16], cpu=[])
+shapes += bench.choose(gpu=[(130, 264, 200)], cpu=[])  # several tiles and K steps
+dtypes = [
+    torch.float16,
+    torch.float32,
+]  # bf16, fp8 and autotuned sizes: tests/test_matmul.py
 check_matmul.check(matmul_portable, dtypes=dtypes, shapes=shapes)
 
 # %%

@@ -1426,6 +1426,16 @@ def full_sweep() -> bool:
     )
 
 
+# Providers a quick run leaves to the recording: compiling them for each shape and dtype takes
+# longer than the rest of a chapter's run (chapter 05's activations compile ten graphs).
+RECORDED_IN_QUICK_RUNS = ("torch.compile",)
+
+
+def quick_providers(bench: Benchmark) -> list:
+    """The providers a quick run measures: all but those it leaves to the recording."""
+    return [p for p in bench.providers if not p.startswith(RECORDED_IN_QUICK_RUNS)]
+
+
 def quick_x_values(bench: Benchmark) -> list:
     """The x values a quick run measures: the largest size (for every dtype and provider),
     or every category of a benchmark of categories (they are not sizes)."""
@@ -1446,10 +1456,14 @@ def measure_now(
         timed = (
             bench
             if full
-            else dataclasses.replace(bench, x_values=quick_x_values(bench))
+            else dataclasses.replace(
+                bench, x_values=quick_x_values(bench), providers=quick_providers(bench)
+            )
         )
         how = functools.partial(measure, timed)
-        partial = list(timed.x_values) != list(bench.x_values)
+        partial = list(timed.x_values) != list(bench.x_values) or list(
+            timed.providers
+        ) != list(bench.providers)
     recorded = load_recorded(bench.name, gpu=gpu_name()) if partial else None
     if partial and recorded is None and points_of is not None:
         how, partial = (
