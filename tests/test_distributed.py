@@ -26,7 +26,7 @@ import stepkernels
 from stepkernels.models import data as datasets
 from stepkernels.models import distributed, train
 from stepkernels.models.config import Config, check_config
-from stepkernels.models.gpt import ConfigError
+from stepkernels.models.gpt import GPT, ConfigError
 from stepkernels.runtime.core import ON_GPU
 import torch
 
@@ -129,20 +129,24 @@ def one_process(out_dir: Path, data_dir: Path, *args: str) -> str:
 
 @pytest.fixture(scope="module")
 def runs(data_dir, tmp_path_factory):
+    """The same global batch of 4 sequences, seed and dropout: DDP on 2 processes and one
+    process with --grad-accum 2 train steps 1 and 2; then step 3 on FSDP2's 2 processes from
+    the 1-process checkpoint, and on one process from DDP's."""
     if ON_GPU:
         pytest.skip("gloo on the CPU")
-    """DDP on 2 processes, FSDP2 on 2, and 1 process with --grad-accum 2: the same global
-    batch of 4 sequences, seed and dropout, 2 steps each."""
     folder = tmp_path_factory.mktemp("runs")
     for variable in WORLD_VARIABLES:
         assert variable not in os.environ, f"run the tests without torchrun's {variable}"
-    return {
-        # a time limit never reached: the processes agree on it at every step
-        "ddp": torchrun(folder / "ddp", data_dir, "--time-limit-s", "3600"),
-        "fsdp": torchrun(folder / "fsdp", data_dir, "--parallel", "fsdp"),
-        "accum": one_process(folder / "accum", data_dir, "--grad-accum", "2"),
-        "folder": folder,
-    }
+    runs = {"folder": folder}
+    # a time limit never reached: the processes agree on it at every step
+    runs["ddp"] = torchrun(folder / "ddp", data_dir, "--time-limit-s", "3600")
+    runs["accum"] = one_process(folder / "accum", data_dir, "--grad-accum", "2")
+    step_3 = ("--resume", "--max-steps", "3")
+    shutil.copytree(folder / "accum", folder / "fsdp")
+    runs["fsdp"] = torchrun(folder / "fsdp", data_dir, *step_3, "--parallel", "fsdp")
+    shutil.copytree(folder / "ddp", folder / "resumed")
+    runs["resumed"] = one_process(folder / "resumed", data_dir, *step_3, "--grad-accum", "2")
+    return runs
 
 
 def checkpoint(runs, name):
@@ -150,40 +154,44 @@ def checkpoint(runs, name):
 
 
 def events(folder: Path) -> list[dict]:
-    return [json.loads(line) for line in (folder / "log.jsonl").read_text().splitlines()]
+    """The log of the folder's last run (a resumed run appends to the log)."""
+    lines = [json.loads(line) for line in (folder / "log.jsonl").read_text().splitlines()]
+    starts = [i for i, event in enumerate(lines) if event["event"] == "start"]
+    return lines[starts[-1] :]
 
 
 # ------------------------------------------------------------------------------- tests
 @pytest.mark.parametrize("kind", ["ddp", "fsdp"])
 def test_both_ranks_train_and_rank_0_alone_writes(kind, runs):
-    ranks = runs[kind]
-    assert ranks[0]["step"] == ranks[1]["step"] == 2
+    ranks, steps = runs[kind], {"ddp": [1, 2], "fsdp": [3]}[kind]
+    assert ranks[0]["step"] == ranks[1]["step"] == steps[-1]
     path = str(runs["folder"] / kind / "checkpoint.tmp")  # written, then renamed
     assert ranks[0]["saved"] == [path] and ranks[1]["saved"] == []
     log = events(runs["folder"] / kind)
-    assert [e["event"] for e in log] == ["start", "log", "log", "eval", "end"]  # one process's
+    assert [e["event"] for e in log] == ["start", *["log"] * len(steps), "eval", "end"]  # one process's
     assert log[0]["processes"] == 2 and log[0]["parallel"] == kind
+    assert [e["step"] for e in log if e["event"] == "log"] == steps
     assert all(math.isfinite(e["loss"]) for e in log if e["event"] == "log")
     losses = [[(h["train_loss"], h["val_loss"]) for h in ranks[rank]["history"]] for rank in (0, 1)]
-    assert math.isfinite(log[3]["val_loss"]) and losses[0] == losses[1]  # averaged over ranks
+    assert math.isfinite(log[-2]["val_loss"]) and losses[0] == losses[1]  # averaged over ranks
     name = {"ddp": "DDP", "fsdp": "FSDP2"}[kind]
     assert (
         f"4 sequences a step = 2 processes x 1 micro-batches of 2 | 2 processes, on the CPU, {name} over gloo"
         in ranks["stdout"]
     )
-    assert ranks["stdout"].count("step 2/2") == 1  # rank 0 prints, rank 1 does not
+    assert ranks["stdout"].count(f"step {steps[-1]}/") == 1  # rank 0 prints, rank 1 does not
 
 
 def test_ranks_see_their_own_rows_of_the_steps_batch(runs, data_dir):
     """Each step's batch is drawn once from (seed, split, step): rank r takes rows 2r, 2r+1."""
-    ranks = runs["ddp"]
     tokens = datasets.load_shakespeare(data_dir, prepare=False).train
-    for step in range(2):
-        starts = datasets.window_starts(1337, "train", step, 4, len(tokens) - 8 - 1)
-        whole = torch.stack([tokens[s : s + 8].long() for s in starts.tolist()])
-        mine = [ranks[rank]["batches"][step] for rank in (0, 1)]
-        assert not torch.equal(mine[0], mine[1])
-        torch.testing.assert_close(torch.cat(mine), whole, rtol=0, atol=0)
+    for kind, steps in (("ddp", [0, 1]), ("fsdp", [2])):
+        for i, step in enumerate(steps):
+            starts = datasets.window_starts(1337, "train", step, 4, len(tokens) - 8 - 1)
+            whole = torch.stack([tokens[s : s + 8].long() for s in starts.tolist()])
+            mine = [runs[kind][rank]["batches"][i] for rank in (0, 1)]
+            assert not torch.equal(mine[0], mine[1])
+            torch.testing.assert_close(torch.cat(mine), whole, rtol=0, atol=0)
 
 
 def test_ddp_keeps_the_ranks_parameters_equal_and_their_dropout_seeds_apart(runs):
@@ -193,44 +201,43 @@ def test_ddp_keeps_the_ranks_parameters_equal_and_their_dropout_seeds_apart(runs
     # Rank 1 drew with the seeds of the step's micro-batch 1, two steps after the start.
     assert torch.equal(ranks[1]["seeds"], ranks[0]["seeds"] + SITES)
     assert torch.equal(checkpoint(runs, "ddp")["seeds"], ranks[0]["seeds"])
+    assert torch.equal(runs["fsdp"][1]["seeds"], runs["fsdp"][0]["seeds"] + SITES)
 
 
-@pytest.mark.parametrize("kind", ["ddp", "fsdp"])
-def test_two_processes_train_as_one_process_with_grad_accum_2(kind, runs):
-    """The same micro-batches and dropout masks: DDP averages the two processes' gradients
-    as one process sums its halves; FSDP2 reduces in shards (rounding may differ)."""
-    ours, one = checkpoint(runs, kind), checkpoint(runs, "accum")
-    exact = dict(rtol=0, atol=0) if kind == "ddp" else dict(rtol=1e-5, atol=1e-7)
-    for name, value in one["model"].items():
-        torch.testing.assert_close(ours["model"][name], value, **exact, msg=name)
-    for i, moments in one["optimizer"]["state"].items():
-        for key in ("exp_avg", "exp_avg_sq"):
-            torch.testing.assert_close(ours["optimizer"]["state"][i][key], moments[key], **exact)
-    assert [h["val_loss"] for h in ours["history"]] == pytest.approx([h["val_loss"] for h in one["history"]], rel=1e-6)
-    assert torch.equal(ours["seeds"], one["seeds"]) and ours["processes"] == 2 and one["processes"] == 1
+def test_two_processes_train_as_one_process_with_grad_accum_2(runs):
+    """The same micro-batches and dropout masks: DDP averages the two processes' gradients as
+    one process sums its halves, bit for bit here; then FSDP2 (from the 1-process
+    checkpoint) and one process (from DDP's) take step 3 alike, FSDP2 within rounding."""
+    for ours, one, exact in (
+        (checkpoint(runs, "ddp"), checkpoint(runs, "accum"), dict(rtol=0, atol=0)),
+        (checkpoint(runs, "fsdp"), checkpoint(runs, "resumed"), dict(rtol=1e-5, atol=1e-7)),
+    ):
+        for name, value in one["model"].items():
+            torch.testing.assert_close(ours["model"][name], value, **exact, msg=name)
+        for i, moments in one["optimizer"]["state"].items():
+            for key in ("exp_avg", "exp_avg_sq"):
+                torch.testing.assert_close(ours["optimizer"]["state"][i][key], moments[key], **exact)
+            assert ours["optimizer"]["state"][i]["step"] == moments["step"]
+        val = [[h["val_loss"] for h in run["history"]] for run in (ours, one)]
+        assert val[0] == pytest.approx(val[1], rel=1e-6)
+        assert torch.equal(ours["seeds"], one["seeds"])
+        assert ours["processes"] == 2 and one["processes"] == 1
     assert "4 sequences a step = 1 process x 2 micro-batches of 2 | one process" in runs["accum"]
 
 
-def test_a_checkpoint_of_two_processes_resumes_on_one(runs, data_dir):
-    """Step 3 on one process (--grad-accum 2) from the checkpoints of DDP and FSDP2. Their
-    layout is one process's (the test above), whose resume test_gpt checks step by step."""
-    resumed = {}
-    for kind in ("ddp", "fsdp"):
-        folder = runs["folder"] / f"{kind}-resumed"
-        shutil.copytree(runs["folder"] / kind, folder)
-        printed = one_process(folder, data_dir, "--resume", "--max-steps", "3", "--grad-accum", "2")
-        assert "at step 2, written by 2 processes, continued by 1 process" in printed
-        assert "saved with grad_accum 1, this run has 2" in printed and "step 3/3" in printed
-        resumed[kind] = torch.load(folder / "checkpoint.pt", weights_only=True)
-        assert resumed[kind]["step"] == 3 and resumed[kind]["processes"] == 1
-        assert math.isfinite(resumed[kind]["history"][-1]["val_loss"])
-        moved = [
-            not torch.equal(value, checkpoint(runs, kind)["model"][name])
-            for name, value in resumed[kind]["model"].items()
-        ]
-        assert all(moved)  # the step changed every parameter
-    for name, value in resumed["ddp"]["model"].items():
-        torch.testing.assert_close(resumed["fsdp"]["model"][name], value, rtol=1e-5, atol=1e-7, msg=name)
+def test_checkpoints_resume_on_another_number_of_processes(runs, data_dir):
+    """DDP's checkpoint (2 processes) resumed on one; the one process's resumed by FSDP2 on
+    two; FSDP2's gathered checkpoint loads into a model of one process."""
+    printed = runs["resumed"]
+    assert "at step 2, written by 2 processes, continued by 1 process" in printed
+    assert "saved with grad_accum 1, this run has 2" in printed and "step 3/3" in printed
+    assert "at step 2, written by 1 process, continued by 2 processes" in runs["fsdp"]["stdout"]
+    before, after = checkpoint(runs, "ddp"), checkpoint(runs, "resumed")
+    assert after["step"] == 3 and math.isfinite(after["history"][-1]["val_loss"])
+    assert all(not torch.equal(value, before["model"][name]) for name, value in after["model"].items())
+    state = checkpoint(runs, "fsdp")
+    model = GPT(Config(**state["config"]).model_config(len(state["chars"])))
+    model.load_state_dict(state["model"])  # strict: every name and shape
 
 
 # ------------------------------------------------------------------------ bad launches
