@@ -100,6 +100,9 @@ BAD_OPTIONS = {  # arguments: what the error must name
     "log_interval 0": (["--log-interval", "0"], "--log-interval: expected an int >= 1"),
     "eval_batches 0": (["--eval-batches", "0"], "--eval-batches: expected an int >= 1"),
     "batch_size 0": (["--batch-size", "0"], "--batch-size"),
+    "grad_accum 0": (["--grad-accum", "0"], "--grad-accum: expected an int >= 1, got 0"),
+    "grad_accum not dividing": (["--grad-accum", "3"], "--batch-size: 2 sequences (the whole step's) do not split"),
+    "parallel unknown": (["--parallel", "fsdp2"], "--parallel: invalid choice: 'fsdp2'"),
     "eval_interval -1": (["--eval-interval", "-1"], "--eval-interval: expected an int >= 0"),
     "dropout 1": (["--dropout", "1"], "--dropout: expected a finite number >= 0 and < 1"),
     "dropout -0.1": (["--dropout", "-0.1"], "--dropout"),
@@ -164,6 +167,9 @@ def test_help_shows_the_program_defaults_choices_examples_and_the_data(run):
         "$STEPKERNELS_DATA",
         "log.jsonl",
         "--resume or --overwrite",
+        "--grad-accum N micro-batches a step on each process",
+        "--parallel {ddp,fsdp}",
+        "torchrun --nproc-per-node 2 -m stepkernels.train",
     ):
         assert shown in flat, shown
 
@@ -383,3 +389,36 @@ def test_the_trainer_refuses_what_used_to_crash(data_dir):
     one = train.Trainer(config.Config(**{**vars(base), "max_steps": 1}), data)
     summary = one.train(log=lambda line: None)  # one interval: too short to time
     assert summary["tokens_per_s"] is None and summary["steps"] == 1
+
+
+def test_grad_accum_trains_as_the_whole_batch_and_counts_its_tokens(run, tmp_path):
+    """--grad-accum 2 on batches of 2 sequences: two micro-batches of 1, each loss scaled by
+    1/2, whose gradients sum to the whole batch's mean: the same run within fp32 rounding,
+    the same tokens a step (2 x 8) in the log."""
+    runs = {}
+    for accum in (1, 2):
+        status, out, err = run("--grad-accum", str(accum), out_dir=tmp_path / f"accum{accum}")
+        assert status == 0, err
+        runs[accum] = read_log(tmp_path / f"accum{accum}")
+        assert [e["tokens"] for e in runs[accum] if e["event"] == "log"] == [32, 64]
+    assert "batch: 2 sequences a step = 1 process x 2 micro-batches of 1 | one process" in out
+    losses = {accum: [e.get("loss", e.get("val_loss")) for e in log[1:-1]] for accum, log in runs.items()}
+    assert losses[2] == pytest.approx(losses[1], rel=1e-5)
+    one, two = (torch.load(tmp_path / f"accum{k}" / "checkpoint.pt", weights_only=True) for k in (1, 2))
+    for name, value in one["model"].items():
+        torch.testing.assert_close(two["model"][name], value, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_grad_accum_gradients_are_the_whole_batchs(data_dir):
+    """AdamW hardly sees a gradient's scale, so the run above would pass with each
+    micro-batch's loss unscaled: the gradients themselves must be the batch's mean's."""
+    data = datasets.load_shakespeare(data_dir, prepare=False)
+    grads = {}
+    for accum in (1, 2):
+        options = ["--out-dir", "", "--no-checkpoint", "--grad-clip", "0", "--grad-accum", str(accum)]
+        cfg = train.parse_config([*TINY, *options])  # no clipping: it would rescale them
+        trainer = train.Trainer(cfg, data)
+        trainer.run_step()
+        grads[accum] = {name: p.grad for name, p in trainer.model.named_parameters()}
+    for name, grad in grads[1].items():
+        torch.testing.assert_close(grads[2][name], grad, rtol=1e-4, atol=1e-7, msg=name)

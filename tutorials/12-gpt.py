@@ -696,6 +696,48 @@ if validation and seconds:
 # either run and keeps falling: the complete plays are four times nanoGPT's tiny Shakespeare,
 # so 5,000 steps do not overfit them.
 #
+# Several GPUs
+# ------------
+# ``torchrun --nproc-per-node 2 -m stepkernels.train`` starts one process a GPU, each running
+# the command. With DDP (``--parallel ddp``) each process holds the whole model and trains on
+# its share of every step's batch; during the backward, DDP's hooks take each parameter's
+# gradient as autograd accumulates it and average it over the GPUs with NCCL's all-reduce, in
+# buckets that overlap the rest of the backward. Our layers are autograd Functions, so their
+# gradients reach those hooks as PyTorch's do: no kernel changes. FSDP2 (``--parallel fsdp``)
+# keeps a 1/N shard of each block's parameters, gradients and AdamW moments on each GPU; it
+# gathers a block's weights just before the block runs, forward and backward, and
+# reduce-scatters the block's gradients after its backward.
+#
+# Two things are ours to decide. Every step's batch is drawn once from the seed and the step,
+# and process r takes its r-th slice of the rows: two GPUs run the micro-batches that one GPU
+# runs with ``--grad-accum 2`` (two halves a step, each loss scaled by 1/2, the gradients
+# summed). And each micro-batch draws its dropout masks from the seeds of its place in the
+# step, so the masks match too; DDP must then leave each process's seeds alone instead of
+# copying rank 0's at every forward. On a CPU, ``tests/test_distributed.py`` runs both on gloo
+# and ends with the same parameters, bit for bit under DDP. The whole-step CUDA graph stays
+# on one GPU: it would record DDP's all-reduce inside the graph, which PyTorch supports only
+# with care we have not tested, so across GPUs the step runs eager.
+#
+# The recording: GPT-2 small's shape (``--config gpt2-small``), 32 sequences of 1,024 a step,
+# on one GPU in two micro-batches and on two GPUs of 16 sequences each.
+
+parallel = bench.load_recorded("gpt-data-parallel")
+if parallel is None:
+    print("not recorded yet: lab/data_parallel.py --record writes it, on 2 GPUs")
+else:
+    points, env = parallel
+    losses = bench.load_recorded("gpt-data-parallel-loss")
+    by_tokens = sorted(losses[0] if losses else [], key=lambda p: p.x)
+    last_loss = {p.provider: p.value for p in by_tokens}  # each run's last evaluation
+    speed = {p.provider: p.value for p in points}
+    eager = speed["1 GPU, grad-accum 2"]
+    for run, loss in last_loss.items():
+        rate = speed.get(run)
+        shown = f" | {rate:,.0f} tokens/s, {rate / eager:.2f}x" if rate else ""
+        print(f"{run:>30}: validation loss {loss:.4f}{shown}")
+    print(f"recorded on {bench.describe(env)}; x: against one GPU, eager")
+
+# %%
 # What we learned
 # ---------------
 # * A model's shape is one object: every module reads what it needs from ``GPTConfig``, and a

@@ -14,6 +14,7 @@ import difflib
 import math
 from pathlib import Path
 
+from stepkernels.models.distributed import PARALLEL
 from stepkernels.models.gpt import ConfigError, GPTConfig
 from stepkernels.runtime import core
 import torch
@@ -46,7 +47,12 @@ class Config:
     dropout: float = option(0.2, "probability of dropping", at_least=0.0, below=1.0)
     bias: bool = option(True, "biases in the linear layers and the norms")
     # Optimization: AdamW, linear warm-up, cosine decay to min_lr at max_steps.
-    batch_size: int = option(64, "sequences a step", at_least=1)
+    batch_size: int = option(
+        64, "sequences a step, over all processes and micro-batches", at_least=1
+    )
+    grad_accum: int = option(
+        1, "micro-batches a step on each process, gradients averaged", at_least=1
+    )
     max_steps: int = option(
         5000, "steps of the whole run (a resumed run included)", at_least=1
     )
@@ -68,6 +74,11 @@ class Config:
         "graph" if core.ON_GPU else "eager",
         "eager; graph: the step as one CUDA graph (a GPU); compile: torch.compile",
         choices=STEPS,
+    )
+    parallel: str = option(
+        "ddp",
+        "under torchrun: ddp, a whole model a process; fsdp: FSDP2, a shard a process",
+        choices=PARALLEL,
     )
     dtype: str = option(
         "bfloat16" if core.ON_GPU else "float32",
@@ -153,9 +164,10 @@ def of_kind(value, kind) -> bool:
     return type(value) is kind
 
 
-def check_config(cfg: Config) -> None:
+def check_config(cfg: Config, world: int = 1) -> None:
     """Raise ConfigError, naming the field, for the first value out of range: each field's
-    range, then the rules between fields and the device's. Reads no file."""
+    range, then the rules between fields and the device's, and that the batch splits over
+    ``world`` processes. Reads no file."""
     for spec in fields(Config):
         value = getattr(cfg, spec.name)
         if not (of_kind(value, type(spec.default)) and within(value, spec.metadata)):
@@ -168,6 +180,18 @@ def check_config(cfg: Config) -> None:
             "min_lr",
             f"{cfg.min_lr:g} is above learning_rate {cfg.learning_rate:g}: the learning "
             "rate decays to min_lr",
+        )
+    shares = world * cfg.grad_accum
+    if cfg.batch_size % shares:
+        below = cfg.batch_size // shares * shares
+        above = below + shares
+        nearest = f"{below} or {above}" if below else f"{above}"
+        raise ConfigError(
+            "batch_size",
+            f"{cfg.batch_size} sequences (the whole step's) do not split into {world} "
+            f"process{'es' if world > 1 else ''} x {cfg.grad_accum} micro-batches "
+            f"(--grad-accum) of equal size: give a multiple of {shares} ({nearest}), or "
+            "another --grad-accum",
         )
     if cfg.step == "graph" and not core.ON_GPU:
         raise ConfigError(

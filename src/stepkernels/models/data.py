@@ -244,6 +244,21 @@ def load_shakespeare(
     return CharacterData(train, val, chars=meta["chars"], path=folder)
 
 
+def window_starts(
+    seed: int, split: str, index: int, count: int, high: int
+) -> torch.Tensor:
+    """The starts of batch ``index`` of ``split``: ``count`` ints drawn uniformly from
+    [0, high) by a CPU generator seeded with a hash of (seed, split, index), and nothing
+    else. A run's batches are thus the same on any device and after a resume; on several
+    processes each draws the whole batch and takes its own slice of the rows
+    (``stepkernels.models.train.Trainer.batch_offsets``), so N processes see the rows
+    that one process with N micro-batches sees."""
+    key = repr((seed, split, index)).encode()
+    generator_seed = int.from_bytes(hashlib.sha256(key).digest()[:8], "little")
+    generator = torch.Generator().manual_seed(generator_seed)
+    return torch.randint(high, (count,), generator=generator)
+
+
 def get_batch(
     tokens: torch.Tensor,
     batch_size: int,

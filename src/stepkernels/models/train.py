@@ -4,6 +4,7 @@
     python -m stepkernels.train                       # nanoGPT's shakespeare_char model
     python -m stepkernels.train --no-use-triton       # the same model on PyTorch's layers
     python -m stepkernels.train --config gpt2-small --max-steps 500 --out-dir runs/gpt2
+    torchrun --nproc-per-node 2 -m stepkernels.train --config gpt2-small --batch-size 32
 
 The whole configuration is ``Config`` (``stepkernels.models.config``); every field is also a
 command-line option, and a preset (``presets/*.py``: ``tiny``, ``shakespeare``, ``gpt2-small``) or a file of ``name =
@@ -16,14 +17,21 @@ records the whole training step, optimizer included, as one CUDA graph (chapter 
 lines go to standard output (loss, tokens/s, MFU, time left), and to ``out_dir/log.jsonl``, one
 JSON object a line; at every evaluation ``out_dir/checkpoint.pt`` is written, which
 ``--resume`` continues and ``python -m stepkernels.sample`` samples from.
+
+Under torchrun every process runs this command, on its own GPU (``LOCAL_RANK``), with DDP
+(``--parallel ddp``, the default) or FSDP2 (``--parallel fsdp``); ``--batch-size`` is the
+whole step's batch, split over the processes and their ``--grad-accum`` micro-batches
+(``stepkernels.models.distributed`` says how batches, dropout and checkpoints are shared).
+Rank 0 alone prints, logs and writes checkpoints, which resume on any number of processes.
+The whole-step CUDA graph is not recorded across processes: there the step runs eager.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from dataclasses import asdict, dataclass, field, fields
 import datetime
-import hashlib
 import json
 import math
 import os
@@ -34,6 +42,7 @@ import time
 import zipfile
 
 from stepkernels.models import data as datasets
+from stepkernels.models import distributed
 from stepkernels.models.config import (
     Config,
     check_config,
@@ -205,9 +214,12 @@ def learning_rate(step: int, cfg: Config) -> float:
     return cfg.min_lr + cosine * (cfg.learning_rate - cfg.min_lr)
 
 
-def make_optimizer(model: torch.nn.Module, cfg: Config) -> torch.optim.AdamW:
-    """AdamW with weight decay on matrices only. On a GPU: fused, capturable and with the
-    learning rate in a tensor, so a CUDA graph of the step replays it."""
+def make_optimizer(
+    model: torch.nn.Module, cfg: Config, parallel: distributed.Parallel | None = None
+) -> torch.optim.AdamW:
+    """AdamW with weight decay on matrices only. On one GPU: fused, capturable and with the
+    learning rate in a tensor, so a CUDA graph of the step replays it; on several (no graph)
+    the learning rate is a number, fused under DDP, PyTorch's default for FSDP's shards."""
     matrices = [p for p in model.parameters() if p.dim() >= 2]
     vectors = [p for p in model.parameters() if p.dim() < 2]
     groups = [
@@ -217,6 +229,9 @@ def make_optimizer(model: torch.nn.Module, cfg: Config) -> torch.optim.AdamW:
     betas = (0.9, cfg.beta2)
     if not core.ON_GPU:
         return torch.optim.AdamW(groups, lr=cfg.learning_rate, betas=betas)
+    if parallel is not None and parallel.several:
+        fused = parallel.kind == "ddp"
+        return torch.optim.AdamW(groups, lr=cfg.learning_rate, betas=betas, fused=fused)
     lr = torch.tensor(cfg.learning_rate, device=core.DEVICE)
     return torch.optim.AdamW(groups, lr=lr, betas=betas, fused=True, capturable=True)
 
@@ -253,6 +268,10 @@ def cpu_estimate(cfg: Config, vocab_size: int, steps: int) -> str | None:
         "CPU sustains (Triton's interpreter runs far slower). --config tiny trains in "
         "minutes."
     )
+
+
+def processes(count: int) -> str:
+    return f"{count} process" + ("es" if count != 1 else "")
 
 
 def finite(value):
@@ -299,21 +318,51 @@ class Trainer:
     """One training run: the model, its optimizer, the data and the step as configured.
 
     ``state``: a checkpoint (``read_checkpoint``) to continue from; with ``cfg.resume`` and
-    none given, ``train`` reads out_dir's. Files go to ``cfg.out_dir``, none if it is empty."""
+    none given, ``train`` reads out_dir's. Files go to ``cfg.out_dir``, none if it is empty.
+    ``parallel``: this process's place among several (``distributed.start``), else one
+    process; every process makes its Trainer and calls ``train``, rank 0 alone prints and
+    writes files."""
 
-    def __init__(self, cfg: Config, data=None, state: dict | None = None):
-        check_config(cfg)
-        self.cfg, self.device = cfg, core.DEVICE
+    def __init__(
+        self,
+        cfg: Config,
+        data=None,
+        state: dict | None = None,
+        parallel: distributed.Parallel | None = None,
+    ):
+        self.parallel = parallel = parallel or distributed.Parallel()
+        check_config(cfg, parallel.world)
+        self.notes = []
+        if parallel.several and cfg.step == "graph":
+            # DDP's and FSDP's collectives would be recorded into the graph: PyTorch's CUDA
+            # notes ask for NCCL's capture support, DDP built on a side stream and 11 eager
+            # steps before capture, which we have not tested. Eager is the safe step.
+            cfg = dataclasses.replace(cfg, step="eager")
+            self.notes.append(
+                "note: the whole-step CUDA graph is not recorded across processes (DDP's "
+                "and FSDP's collectives inside a graph are untested here): the step runs "
+                "eager; --step compile compiles it"
+            )
+        if cfg.parallel == "fsdp" and not parallel.several:
+            self.notes.append(
+                "note: one process (WORLD_SIZE unset or 1): --parallel fsdp shards nothing; "
+                f"launch with `{distributed.LAUNCH}` to train on N"
+            )
+        self.cfg, self.device = cfg, parallel.device
         if data is None:
             data = datasets.load_shakespeare(cfg.data_dir or None)
         self.data = data
         splits = {name: len(getattr(self.data, name)) for name in ("train", "val")}
         check_data(cfg, self.data.chars, splits)
-        torch.manual_seed(cfg.seed)
+        torch.manual_seed(cfg.seed)  # the same parameters in every process
         self.model = GPT(cfg.model_config(self.data.vocab_size)).to(self.device)
-        self.optimizer = make_optimizer(self.model, cfg)
+        # What a step calls: DDP around the model, or the model sharded in place by FSDP2.
+        self.wrapped = distributed.wrap(self.model, parallel)
+        if parallel.several:  # PyTorch's dropout (--no-use-triton): masks of its own
+            torch.manual_seed(cfg.seed + parallel.rank)
+        self.optimizer = make_optimizer(self.model, cfg, parallel)
         self.forward = (
-            torch.compile(self.model) if cfg.step == "compile" else self.model
+            torch.compile(self.wrapped) if cfg.step == "compile" else self.wrapped
         )
         autocast = core.ON_GPU and cfg.dtype != "float32"
         self.autocast_dtype = getattr(torch, cfg.dtype) if autocast else None
@@ -321,11 +370,14 @@ class Trainer:
             name: getattr(self.data, name).to(self.device) for name in ("train", "val")
         }
         # Every batch is fixed by (seed, step): both providers see the same data, and a
-        # resumed run continues where it stopped.
+        # resumed run continues where it stopped. This process takes ``rows`` of each, in
+        # grad_accum micro-batches of ``micro`` rows.
+        self.rows = cfg.batch_size // parallel.world
+        self.micro = self.rows // cfg.grad_accum
         self.window = torch.arange(cfg.block_size + 1, device=self.device)
-        self.offsets = torch.zeros(
-            cfg.batch_size, dtype=torch.int64, device=self.device
-        )
+        self.offsets = torch.zeros(self.rows, dtype=torch.int64, device=self.device)
+        # Our dropout's seeds: this process's micro-batches start past those before it.
+        self.model.seeds.add_(self.seed_offset())
         self.step, self.history, self.graph, self.history_start = 0, [], None, 0
         self.losses = []  # (step, mean training loss since the last log line)
         self.loss_sum = torch.zeros((), device=self.device)
@@ -353,40 +405,77 @@ class Trainer:
         tokens = cfg.batch_size * cfg.block_size
         step_flops = flops_per_token(config) * tokens
         layers = "our kernels" if cfg.use_triton else "PyTorch's layers"
-        return [
+        lines = [
             f"device: {device} | dtype: {dtype}",
             f"model: {parameters / 1e6:.2f}M parameters ({config.n_layer} layers, "
             f"{config.n_head} heads, {config.n_embd} wide, context {config.block_size}, "
             f"{config.vocab_size} characters) on {layers}, step {cfg.step}; "
             f"{tokens:,} tokens and {step_flops / 1e12:.3g} TFLOP a step",
         ]
+        if self.parallel.several or cfg.grad_accum > 1:
+            lines.append(
+                f"batch: {cfg.batch_size} sequences a step = {self.parallel.world} "
+                f"process{'es' if self.parallel.several else ''} x {cfg.grad_accum} "
+                f"micro-batches of {self.micro} | {self.parallel.describe()}"
+            )
+        return lines + self.notes
 
     def autocast(self):
         enabled = self.autocast_dtype is not None
         return torch.autocast(self.device.type, self.autocast_dtype, enabled=enabled)
 
     def batch_offsets(self, split: str, index: int) -> torch.Tensor:
-        """The random windows of batch ``index`` of a split, a function of the seed alone."""
-        key = repr((self.cfg.seed, split, index)).encode()
-        seed = int.from_bytes(hashlib.sha256(key).digest()[:8], "little")
-        generator = torch.Generator().manual_seed(seed)
+        """This process's windows of batch ``index`` of a split: the whole batch is drawn
+        from (seed, split, index) alone, the same in every process, and process r takes
+        its r-th slice. So the processes' rows differ, and a run of N processes sees the
+        micro-batches of one process with N times the --grad-accum."""
         high = len(self.splits[split.removeprefix("eval-")]) - self.cfg.block_size - 1
-        return torch.randint(high, (self.cfg.batch_size,), generator=generator)
+        starts = datasets.window_starts(
+            self.cfg.seed, split, index, self.cfg.batch_size, high
+        )
+        rank = self.parallel.rank
+        return starts[rank * self.rows : (rank + 1) * self.rows]
+
+    def seed_offset(self) -> int:
+        """How far this process's dropout seeds start ahead of rank 0's."""
+        sites = len(self.model.seeds)
+        return distributed.seed_offset(self.parallel, self.cfg.grad_accum, sites)
+
+    def micro_batches(self, x: torch.Tensor, y: torch.Tensor):
+        for start in range(0, self.rows, self.micro):
+            yield x[start : start + self.micro], y[start : start + self.micro]
 
     def batch(self, split: str, offsets: torch.Tensor):
         rows = self.splits[split][offsets[:, None] + self.window].long()
         return rows[:, :-1], rows[:, 1:]
 
     def training_step(self) -> torch.Tensor:
-        """Forward, backward, clipping and update on the batch at ``self.offsets``."""
+        """Forward, backward, clipping and update on the batch at ``self.offsets``: its
+        grad_accum micro-batches, each loss scaled by 1/grad_accum so that the gradients
+        sum to the whole batch's mean; across processes DDP or FSDP average them during the
+        last micro-batch's backward. Returns this process's mean loss."""
         x, y = self.batch("train", self.offsets)
-        with self.autocast():
-            _, loss = self.forward(x, y)
-        loss.backward()
+        accum, total = self.cfg.grad_accum, None
+        for i, (x_i, y_i) in enumerate(self.micro_batches(x, y)):
+            last = i == accum - 1
+            with distributed.gradient_sync(self.wrapped, self.parallel, last):
+                with self.autocast():
+                    _, loss = self.forward(x_i, y_i)
+                (loss / accum if accum > 1 else loss).backward()
+            total = loss.detach() if total is None else total + loss.detach()
         if self.cfg.grad_clip > 0:  # a tensor result: no synchronization
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
         self.optimizer.step()
-        return loss.detach()
+        if self.parallel.several and self.drops():
+            # Past the other processes' micro-batches: next step, rank r again draws for
+            # micro-batch r * grad_accum onward (distributed.seed_offset).
+            sites = len(self.model.seeds)
+            self.model.seeds.add_((self.parallel.world - 1) * accum * sites)
+        return total / accum if accum > 1 else total
+
+    def drops(self) -> bool:
+        """Whether a training forward advances the dropout seeds (our kernels drop)."""
+        return self.model.config.dropout > 0 and self.model.use_triton
 
     def run_step(self) -> None:
         set_learning_rate(self.optimizer, learning_rate(self.step, self.cfg))
@@ -419,39 +508,50 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self) -> dict:
+        """The mean loss of eval_batches batches of each split, the same batches whatever
+        the processes and micro-batches: each process its rows, averaged over them."""
         self.model.eval()
         losses = {}
         for split in ("train", "val"):
             total = torch.zeros((), device=self.device)
             for i in range(self.cfg.eval_batches):
-                x, y = self.batch(
-                    split, self.batch_offsets(f"eval-{split}", i).to(self.device)
-                )
-                with self.autocast():
-                    total += self.forward(x, y)[1].float()
-            losses[split] = total.item() / self.cfg.eval_batches
+                offsets = self.batch_offsets(f"eval-{split}", i).to(self.device)
+                for x, y in self.micro_batches(*self.batch(split, offsets)):
+                    with self.autocast():
+                        total += self.forward(x, y)[1].float()
+            distributed.all_mean(total, self.parallel)
+            losses[split] = total.item() / (self.cfg.eval_batches * self.cfg.grad_accum)
         self.model.train()
         return losses
 
     def save(self, path: Path) -> None:
+        """Write the checkpoint (rank 0; with FSDP every process takes part in gathering):
+        the whole model and optimizer as one process holds them, whatever ran them."""
+        full = distributed.full_state(self.model, self.optimizer, self.parallel)
+        if full is None:
+            return
         state = {
-            "model": self.model.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
-            "seeds": self.model.seeds,
+            "model": full[0],
+            "optimizer": full[1],
+            "seeds": self.model.seeds,  # rank 0's: those of the next step's first micro-batch
             "step": self.step,
             "history": self.history,
             "config": asdict(self.cfg),
             "chars": self.data.chars,  # the vocabulary: sampling needs no data
+            "processes": self.parallel.world,
         }
         path.parent.mkdir(parents=True, exist_ok=True)
         torch.save(state, path.with_suffix(".tmp"))
         os.replace(path.with_suffix(".tmp"), path)  # never half a checkpoint
 
     def restore(self, state: dict) -> None:
-        self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.model.seeds.copy_(state["seeds"])
+        weights, moments = state["model"], state["optimizer"]
+        distributed.load_full_state(
+            self.model, self.optimizer, weights, moments, self.parallel
+        )
+        self.model.seeds.copy_(state["seeds"] + self.seed_offset())
         self.step, self.history = state["step"], state["history"]
+        self.saved_processes = state.get("processes", 1)  # before multi-process runs: 1
         self.resumed = True
 
     def sample(self, prompt: str, tokens: int) -> str:
@@ -471,8 +571,8 @@ class Trainer:
         return text
 
     def write(self, event: dict) -> None:
-        """One line of out_dir/log.jsonl (nothing without an out_dir)."""
-        if self.log_path is not None:
+        """One line of out_dir/log.jsonl (nothing without an out_dir; rank 0 alone)."""
+        if self.log_path is not None and self.parallel.main:
             self.log_path.parent.mkdir(parents=True, exist_ok=True)
             line = json.dumps({k: finite(v) for k, v in event.items()})
             with self.log_path.open("a") as log:
@@ -497,7 +597,13 @@ class Trainer:
                 log(note)
             self.restore(state)
         if self.resumed:
-            log(f"resumed from {self.checkpoint_path} at step {self.step}")
+            line = f"resumed from {self.checkpoint_path} at step {self.step}"
+            if self.saved_processes != self.parallel.world:
+                line += (
+                    f", written by {processes(self.saved_processes)}, continued by "
+                    f"{processes(self.parallel.world)}"
+                )
+            log(line)
         lines = self.describe()
         for line in lines:
             log(line)
@@ -509,6 +615,8 @@ class Trainer:
                 "config": asdict(cfg),
                 "lines": lines,
                 "flops_per_token": flops_per_token(self.model.config),
+                "processes": self.parallel.world,
+                "parallel": self.parallel.kind,
             }
         )
 
@@ -551,16 +659,17 @@ class Trainer:
         return f" | val {losses['val']:.4f} (train {losses['train']:.4f})"
 
     def train(self, log=print) -> dict:
-        """Train to ``max_steps`` (or the time limit); returns a summary of the run."""
-        cfg = self.cfg
+        """Train to ``max_steps`` (or the time limit); returns a summary of the run. Every
+        process calls it; rank 0 alone logs."""
+        cfg, parallel = self.cfg, self.parallel
+        log = log if parallel.main else (lambda line: None)
         self.begin(log)
         bf16 = self.autocast_dtype == torch.bfloat16
-        meter = Meter(
+        peak = peak_bf16_tflops(torch.cuda.get_device_name()) if bf16 else None
+        meter = Meter(  # tokens of all processes, against the peak of all their GPUs
             tokens_per_step=cfg.batch_size * cfg.block_size,
             flops_per_token=flops_per_token(self.model.config),
-            peak_tflops=peak_bf16_tflops(torch.cuda.get_device_name())
-            if bf16
-            else None,
+            peak_tflops=None if peak is None else peak * parallel.world,
         )
         self.history_start = logged = self.step
         start = last = time.perf_counter()
@@ -568,12 +677,15 @@ class Trainer:
             self.run_step()
             done = self.step == cfg.max_steps
             elapsed = time.perf_counter() - start
-            out_of_time = cfg.time_limit_s and elapsed >= cfg.time_limit_s
+            out_of_time = bool(cfg.time_limit_s) and elapsed >= cfg.time_limit_s
+            if cfg.time_limit_s:  # every process stops at the same step
+                out_of_time = distributed.agree(out_of_time, parallel)
             evaluate = cfg.eval_interval and self.step % cfg.eval_interval == 0
             evaluate = evaluate or done or out_of_time
             if self.step % cfg.log_interval and not evaluate:
                 continue
             steps, logged = self.step - logged, self.step
+            distributed.all_mean(self.loss_sum, parallel)  # over the processes
             loss = self.loss_sum.item() / steps  # waits for the GPU
             self.loss_sum.zero_()
             self.losses.append((self.step, loss))
@@ -617,6 +729,8 @@ class Trainer:
             peak_gib = None
             rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
             memory = f"peak memory of this process {rss:.2f} GiB (CPU)"
+        if self.parallel.several:
+            memory += f", rank 0 of {self.parallel.world}"
         rate = meter.rate()
         self.write(
             {
@@ -628,7 +742,12 @@ class Trainer:
             }
         )
         cfg = self.cfg
-        text = self.sample(cfg.prompt, cfg.sample_tokens) if cfg.sample_tokens else ""
+        # Under FSDP every process takes part in each forward (the gathers); under DDP rank
+        # 0 holds the whole model and samples alone.
+        sampling = self.parallel.main or self.parallel.kind == "fsdp"
+        text = ""
+        if cfg.sample_tokens and sampling:
+            text = self.sample(cfg.prompt, cfg.sample_tokens)
         return {
             "history": self.history,
             "tokens_per_s": rate,
@@ -672,6 +791,10 @@ examples:
       a run of a few minutes on a CPU (our kernels under Triton's interpreter)
   {PROGRAM} --no-use-triton --step eager --out-dir runs/torch
       nanoGPT's Shakespeare model on PyTorch's layers, eager, to compare (a GPU)
+  torchrun --nproc-per-node 2 -m stepkernels.train --config gpt2-small --batch-size 32
+      GPT-2 small's shape on 2 GPUs (DDP), 16 sequences each; --parallel fsdp shards it
+  {PROGRAM} --config gpt2-small --batch-size 32 --grad-accum 2
+      the same steps on one GPU, 2 micro-batches of 16 a step
 
 presets (--config NAME): {", ".join(preset_names())}; or --config FILE, a file of `name = value`
   lines as they are (stepkernels/models/presets/). Options given beside it override it.
@@ -685,14 +808,29 @@ files: out_dir/log.jsonl gets one JSON object a line: the start, each progress l
   evaluation, the end; out_dir/checkpoint.pt is written at every evaluation (--resume reads
   it; `python -m stepkernels.sample` samples from it). An out_dir that holds a run needs
   --resume or --overwrite.
+
+several processes (torchrun): --batch-size is the step's, split into WORLD_SIZE processes x
+  --grad-accum micro-batches (it must divide). Rank 0 alone prints, logs and writes the
+  checkpoint, which holds the whole model and resumes on any number of processes. Without
+  torchrun (WORLD_SIZE unset) the run is one process, whatever --parallel says.
 """
 
 
 METAVARS = {int: "N", float: "X", "data_dir": "DIR", "out_dir": "DIR", "prompt": "TEXT"}
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse's parser, whose errors only rank 0 prints when several processes run (they
+    all stop with exit status 2): one message, not one a process."""
+
+    def error(self, message):
+        if not distributed.launch_is_main():
+            self.exit(2)
+        super().error(message)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog=PROGRAM,
         description=__doc__.split("\n\n")[0],
         epilog=epilog(),
@@ -749,7 +887,14 @@ def parse_config(argv=None, parser: argparse.ArgumentParser | None = None) -> Co
     values.pop("config", None)
     cfg = Config(**values)
     try:
-        check_config(cfg)
+        launch = distributed.launch_from_environment()
+        distributed.check_launch(launch)
+    except ConfigError as error:  # may differ between processes: each says its own
+        parser.print_usage(sys.stderr)
+        message = f"argument {option_name(error.field)}: {error}"
+        parser.exit(2, f"{PROGRAM}: error: {message}\n")
+    try:
+        check_config(cfg, launch.world)
     except (ConfigError, ConfigTypeError) as error:
         source = ""
         if error.field in from_file and from_file[error.field] == values[error.field]:
@@ -759,8 +904,11 @@ def parse_config(argv=None, parser: argparse.ArgumentParser | None = None) -> Co
 
 
 def main(argv=None) -> None:
+    """The command: check everything, then train (every process, if torchrun started
+    several; rank 0 prints)."""
     parser = build_parser()
     cfg = parse_config(argv, parser)
+    launch = distributed.launch_from_environment()  # checked by parse_config
     if not cfg.out_dir:
         parser.error("argument --out-dir: empty; the command writes log.jsonl there")
     try:
@@ -778,26 +926,38 @@ def main(argv=None) -> None:
         parser.error(str(error))
     except (OSError, ValueError) as error:  # the data: no network, a damaged folder
         parser.exit(1, f"{PROGRAM}: error: {error}\n")
-    print("  ".join(f"{k}={v}" for k, v in asdict(cfg).items()))
+    # Every process has checked the folder before any joins the group, so none can see
+    # the log rank 0 starts below as a run already there.
+    parallel = distributed.start(cfg.parallel, launch)
+    try:
+        train_checked(cfg, state, notes, meta, parallel)
+    finally:
+        distributed.stop(parallel)
+
+
+def train_checked(cfg, state, notes, meta, parallel) -> None:
+    """main's run once everything is checked: rank 0 prints and clears the folder."""
+    say = print if parallel.main else (lambda *args, **kwargs: None)
+    say("  ".join(f"{k}={v}" for k, v in asdict(cfg).items()))
     for note in notes:
-        print(note)
+        say(note)
     start = 0 if state is None else state["step"]
     warning = cpu_estimate(cfg, len(meta["chars"]), cfg.max_steps - start)
     if warning:
-        print(warning, file=sys.stderr)
-    if cfg.overwrite:
+        say(warning, file=sys.stderr)
+    if cfg.overwrite and parallel.main:
         for name in (CHECKPOINT, LOG):
             (Path(cfg.out_dir) / name).unlink(missing_ok=True)
     data = datasets.load_shakespeare(cfg.data_dir or None, prepare=False)
-    summary = Trainer(cfg, data, state).train()
+    summary = Trainer(cfg, data, state, parallel).train()
     rate = summary["tokens_per_s"]
     speed = f"{rate:,.0f} tokens/s once warm" if rate else "too short to time"
-    print(
+    say(
         f"{summary['steps']} steps in {duration(summary['seconds'])}, {speed}; "
         f"{summary['memory']}"
     )
     if summary["sample"]:
-        print(f"---\n{summary['sample']}")
+        say(f"---\n{summary['sample']}")
 
 
 if __name__ == "__main__":

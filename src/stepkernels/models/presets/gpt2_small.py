@@ -9,6 +9,7 @@ block_size = 1024
 dropout = 0.0  # GPT-2's pretraining used none; evaluation shows when it overfits
 
 # 16 x 1,024 = 16,384 tokens a step, as the Shakespeare preset, so tokens/s compare directly.
+# The step's batch, over all GPUs: on 2 (torchrun), --batch-size 32 keeps 16 sequences a GPU.
 batch_size = 16
 max_steps = 2000
 # GPT-2 small's learning rate and AdamW's usual beta2 for larger models (nanoGPT's
