@@ -41,6 +41,9 @@ html_theme = "pydata_sphinx_theme"
 html_title = project
 html_theme_options = {"navigation_with_keys": False, "show_toc_level": 2}
 html_show_sourcelink = False
+# Room for a line of 88 columns, the chapters' formatting, in the article (docs/_static).
+html_static_path = ["docs/_static"]
+html_css_files = ["wider-code.css"]
 # |wheel|_ in a page at the top of the site names the wheel and links to it (make html ships it).
 rst_epilog = f".. |wheel| replace:: {WHEEL}\n.. _wheel: _downloads/{WHEEL}\n"
 
