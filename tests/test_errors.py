@@ -24,6 +24,7 @@ from stepkernels import (
     FusedLinear,
     GPTConfig,
     LayerNorm,
+    RMSNorm,
     add,
     attention,
     cross_entropy,
@@ -34,6 +35,10 @@ from stepkernels import (
     linear_cross_entropy,
     log_softmax,
     matmul,
+    rms_norm,
+    rotary_embedding,
+    rotary_embedding_qk,
+    silu_mul,
     softmax,
 )
 from stepkernels.runtime.activations import activation_reference
@@ -53,6 +58,7 @@ q = random_tensor((1, 2, 4, 16), seed=5)
 logits = random_tensor((4, 6), seed=6)
 target = torch.tensor([0, 5, 2, -100], device=DEVICE)
 seed_tensor = torch.tensor(7, device=DEVICE)
+cos, sin = random_tensor((4, 16), seed=8), random_tensor((4, 16), seed=9)  # for q's (N, D)
 
 
 def gpt():
@@ -310,6 +316,34 @@ CASES = [
     ("add", "wrong shape", lambda: add(x, x[:2]), ValueError, "y"),
     ("add", "wrong shape", lambda: add(x, x.T.contiguous().T), ValueError, "y"),
     ("add", "not a tensor", lambda: add(x, 1.0), TypeError, "y"),
+    # rms_norm, RMSNorm, rotary_embedding, rotary_embedding_qk and silu_mul (chapter 14)
+    ("rms_norm", "wrong dtype", lambda: rms_norm(x.double(), (8,)), TypeError, "x"),
+    ("rms_norm", "mismatched dtypes", lambda: rms_norm(x, (8,), feature_bias.half()), TypeError, "weight"),
+    ("rms_norm", "wrong device", lambda: rms_norm(x, (8,), feature_bias.to(OTHER_DEVICE)), ValueError, "weight"),
+    ("rms_norm", "wrong shape", lambda: rms_norm(x, (7,)), ValueError, "normalized_shape"),
+    ("rms_norm", "wrong shape", lambda: rms_norm(x, (8,), feature_bias[:7]), ValueError, "weight"),
+    ("rms_norm", "wrong shape", lambda: rms_norm(x.new_ones(2, 2**17), (2**17,)), ValueError, "normalized_shape"),
+    ("rms_norm", "not a tensor", lambda: rms_norm(x.tolist(), (8,)), TypeError, "x"),
+    ("rms_norm", "bad scalar (type)", lambda: rms_norm(x, (8.0,)), TypeError, "normalized_shape"),
+    ("rms_norm", "bad scalar (type)", lambda: rms_norm(x, (8,), eps="1e-5"), TypeError, "eps"),
+    ("rms_norm", "bad scalar (value)", lambda: rms_norm(x, (8,), eps=-1.0), ValueError, "eps"),
+    ("RMSNorm", "wrong dtype", lambda: RMSNorm(8, device=DEVICE)(x.int()), TypeError, "x"),
+    ("rotary_embedding", "wrong dtype", lambda: rotary_embedding(q.int(), cos, sin), TypeError, "x"),
+    ("rotary_embedding", "mismatched dtypes", lambda: rotary_embedding(q, cos.half(), sin), TypeError, "cos"),
+    ("rotary_embedding", "wrong device", lambda: rotary_embedding(q, cos, sin.to(OTHER_DEVICE)), ValueError, "sin"),
+    ("rotary_embedding", "wrong shape", lambda: rotary_embedding(q, cos[None], sin[None]), ValueError, "cos"),
+    ("rotary_embedding", "wrong shape", lambda: rotary_embedding(q[..., :15], cos, sin), ValueError, "x"),
+    ("rotary_embedding", "wrong shape", lambda: rotary_embedding(q[0], cos, sin), ValueError, "x"),
+    ("rotary_embedding", "not a tensor", lambda: rotary_embedding(q.tolist(), cos, sin), TypeError, "x"),
+    ("rotary_embedding", "not a tensor", lambda: rotary_embedding(q, cos, None), TypeError, "sin"),
+    ("rotary_embedding_qk", "mismatched dtypes", lambda: rotary_embedding_qk(q, q.half(), cos, sin), TypeError, "k"),
+    ("rotary_embedding_qk", "wrong shape", lambda: rotary_embedding_qk(q, q[:, :, :2], cos, sin), ValueError, "k"),
+    ("rotary_embedding_qk", "not a tensor", lambda: rotary_embedding_qk(q, None, cos, sin), TypeError, "k"),
+    ("silu_mul", "wrong dtype", lambda: silu_mul(x.int(), x.int()), TypeError, "gate"),
+    ("silu_mul", "mismatched dtypes", lambda: silu_mul(x, x.half()), TypeError, "up"),
+    ("silu_mul", "wrong device", lambda: silu_mul(x, x.to(OTHER_DEVICE)), ValueError, "up"),
+    ("silu_mul", "wrong shape", lambda: silu_mul(x, x[:2]), ValueError, "up"),
+    ("silu_mul", "not a tensor", lambda: silu_mul(x, 1.0), TypeError, "up"),
     # GPT (chapter 12)
     ("GPT", "wrong dtype", lambda: gpt()(idx.float()), TypeError, "idx"),
     ("GPT", "wrong dtype", lambda: gpt()(idx, idx.float()), TypeError, "targets"),

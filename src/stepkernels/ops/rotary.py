@@ -1,0 +1,277 @@
+"""ops.rotary: the code of chapter 14, RMSNorm, rotary embeddings and SwiGLU: the layers of a
+modern decoder block."""
+
+# Generated from tutorials/14-modern-block.py by tools/export.py: edit the chapter, then `make
+# export`.
+
+from stepkernels.runtime.arguments import parameter_dtype
+from stepkernels.runtime.core import (
+    FLOAT_DTYPES,
+    check_tensor,
+    refuse_autograd,
+    refuse_double_backward,
+)
+from stepkernels.runtime.launch import lean
+import torch
+from torch import Tensor
+from torch.library import triton_op
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def rotate_rows(
+    x_ptr,
+    y_ptr,
+    cos_ptr,
+    sin_ptr,
+    strides,
+    n_heads,
+    seq_len,
+    n_rows,
+    first_row,
+    HALF,
+    BLOCK_ROWS: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+    BACKWARD: tl.constexpr,
+):
+    """Rotate rows [first_row, first_row + BLOCK_ROWS) of x, (B, H, N, D) at ``strides``
+    = (batch, head, position, cos and sin's row), into y, contiguous."""
+    batch_stride, head_stride, position_stride, cos_stride = strides
+    rows = first_row + tl.arange(0, BLOCK_ROWS).to(tl.int64)
+    position, batch_head = rows % seq_len, rows // seq_len
+    x_rows = (batch_head // n_heads) * batch_stride + (
+        batch_head % n_heads
+    ) * head_stride
+    x_rows += position * position_stride
+    cols = tl.arange(0, BLOCK_HALF)
+    mask = (rows < n_rows)[:, None] & (cols < HALF)[None, :]
+    first, second = (
+        x_rows[:, None] + cols[None, :],
+        x_rows[:, None] + HALF + cols[None, :],
+    )
+    x1 = tl.load(x_ptr + first, mask=mask).to(tl.float32)
+    x2 = tl.load(x_ptr + second, mask=mask).to(tl.float32)
+    angle = position[:, None] * cos_stride + cols[None, :]
+    cos1 = tl.load(cos_ptr + angle, mask=mask).to(tl.float32)
+    cos2 = tl.load(cos_ptr + angle + HALF, mask=mask).to(tl.float32)
+    sin1 = tl.load(sin_ptr + angle, mask=mask).to(tl.float32)
+    sin2 = tl.load(sin_ptr + angle + HALF, mask=mask).to(tl.float32)
+    if BACKWARD:  # the transposed rotation
+        y1, y2 = x1 * cos1 + x2 * sin2, x2 * cos2 - x1 * sin1
+    else:
+        y1, y2 = x1 * cos1 - x2 * sin1, x2 * cos2 + x1 * sin2
+    y_rows = rows[:, None] * (2 * HALF) + cols[None, :]
+    tl.store(y_ptr + y_rows, y1.to(y_ptr.dtype.element_ty), mask=mask)
+    tl.store(y_ptr + y_rows + HALF, y2.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@lean
+@triton.jit
+def rotary_kernel(
+    q_ptr,
+    k_ptr,
+    q_out_ptr,
+    k_out_ptr,
+    cos_ptr,
+    sin_ptr,
+    q_batch_stride,
+    q_head_stride,
+    q_position_stride,
+    k_batch_stride,
+    k_head_stride,
+    k_position_stride,
+    cos_stride,
+    q_heads,
+    k_heads,
+    seq_len,
+    q_rows,
+    k_rows,
+    q_programs,
+    HALF,
+    BLOCK_ROWS: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+    BACKWARD: tl.constexpr,
+):
+    program = tl.program_id(0)
+    if program < q_programs:
+        strides = (q_batch_stride, q_head_stride, q_position_stride, cos_stride)
+        rotate_rows(
+            q_ptr,
+            q_out_ptr,
+            cos_ptr,
+            sin_ptr,
+            strides,
+            q_heads,
+            seq_len,
+            q_rows,
+            program * BLOCK_ROWS,
+            HALF,
+            BLOCK_ROWS,
+            BLOCK_HALF,
+            BACKWARD,
+        )
+    else:  # k's rows; without k, no program comes here
+        strides = (k_batch_stride, k_head_stride, k_position_stride, cos_stride)
+        rotate_rows(
+            k_ptr,
+            k_out_ptr,
+            cos_ptr,
+            sin_ptr,
+            strides,
+            k_heads,
+            seq_len,
+            k_rows,
+            (program - q_programs) * BLOCK_ROWS,
+            HALF,
+            BLOCK_ROWS,
+            BLOCK_HALF,
+            BACKWARD,
+        )
+
+
+ROTARY_TILE = 4096  # values a program rotates
+
+
+def last_stride_one(t: Tensor) -> Tensor:
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def rotate(q: Tensor, k: Tensor | None, cos: Tensor, sin: Tensor, backward: bool):
+    """q and k (or q alone, k None) rotated, each into a new contiguous tensor, in one
+    launch; ``backward``: the transposed rotation."""
+    q, cos, sin = last_stride_one(q), last_stride_one(cos), last_stride_one(sin)
+    if cos.stride() != sin.stride():  # one stride for both tables
+        cos, sin = cos.contiguous(), sin.contiguous()
+    k = None if k is None else last_stride_one(k)
+    q_out = torch.empty(q.shape, device=q.device, dtype=q.dtype)
+    k_out = None if k is None else torch.empty(k.shape, device=k.device, dtype=k.dtype)
+    (batch, q_heads, seq_len, dim), half = q.shape, q.shape[-1] // 2
+    k_heads = 0 if k is None else k.shape[1]
+    q_rows, k_rows = batch * q_heads * seq_len, batch * k_heads * seq_len
+    if (q_rows + k_rows) * dim == 0:
+        return q_out, k_out
+    block_half = triton.next_power_of_2(half)
+    block_rows = max(1, min(ROTARY_TILE // (2 * block_half), 64))
+    q_programs = triton.cdiv(q_rows, block_rows)
+    grid = (q_programs + triton.cdiv(k_rows, block_rows),)
+    k_given = q if k is None else k
+    rotary_kernel[grid](
+        q,
+        k_given,
+        q_out,
+        q_out if k is None else k_out,
+        cos,
+        sin,
+        *q.stride()[:3],
+        *k_given.stride()[:3],
+        cos.stride(0),
+        q_heads,
+        k_heads,
+        seq_len,
+        q_rows,
+        k_rows,
+        q_programs,
+        half,
+        BLOCK_ROWS=block_rows,
+        BLOCK_HALF=block_half,
+        BACKWARD=backward,
+        num_warps=4,
+    )
+    return q_out, k_out
+
+
+@triton_op("stepkernels::rotary", mutates_args={})
+def rotary_op(
+    q: Tensor, k: Tensor | None, cos: Tensor, sin: Tensor, backward: bool
+) -> tuple[Tensor, Tensor]:
+    q_out, k_out = rotate(q, k, cos, sin, backward)
+    return q_out, q.new_empty(0) if k_out is None else k_out
+
+
+def save_tables(ctx, inputs, output):
+    _, k, cos, sin, _ = inputs
+    ctx.save_for_backward(cos, sin)
+    ctx.has_k = k is not None
+
+
+def rotary_grads(ctx, dq, dk, rotation=rotary_op):
+    refuse_double_backward("rotary_embedding", "x * cos + rotate_half(x) * sin")
+    cos, sin = ctx.saved_tensors
+    dq, dk = rotation(dq, dk if ctx.has_k else None, cos, sin, True)
+    return dq, dk if ctx.has_k else None, None, None, None
+
+
+rotary_op.register_autograd(rotary_grads, setup_context=save_tables)
+
+
+class RotaryFunction(torch.autograd.Function):
+    """The same forward and backward without the operator, for eager calls."""
+
+    @staticmethod
+    def forward(ctx, q, k, cos, sin, backward):
+        save_tables(ctx, (q, k, cos, sin, backward), None)
+        return rotate(q, k, cos, sin, backward)
+
+    @staticmethod
+    def backward(ctx, dq, dk):
+        return rotary_grads(ctx, dq, dk, rotation=rotate)
+
+
+def rotary_arguments(tensors: dict, cos, sin) -> None:
+    """(B, H, N, D) tensors of one float dtype, D even, with the same B, N and D; cos and
+    sin (N, D) in their dtype or fp32, needing no gradient."""
+    first = next(iter(tensors.values()))
+    for name, x in tensors.items():
+        check_tensor(x, name, FLOAT_DTYPES)
+        if x.dim() != 4 or x.shape[-1] % 2:
+            raise ValueError(
+                f"{name} must be (batch, heads, positions, head_dim) with an even "
+                f"head_dim, got shape {tuple(x.shape)}: for (batch, positions, heads, "
+                f"head_dim) pass {name}.transpose(1, 2)"
+            )
+        if x.dtype != first.dtype:
+            raise TypeError(f"{name} is {x.dtype} but q is {first.dtype}: convert one")
+        if (x.shape[0], *x.shape[2:]) != (first.shape[0], *first.shape[2:]):
+            raise ValueError(
+                f"{name} {tuple(x.shape)} and q {tuple(first.shape)} differ in batch, "
+                "positions or head_dim: only their heads may differ"
+            )
+    wanted = (first.shape[2], first.shape[3])
+    for name, table in (("cos", cos), ("sin", sin)):
+        check_tensor(table, name, FLOAT_DTYPES)
+        parameter_dtype(name, table, first, fp32_too=True)
+        if table.shape != wanted:
+            raise ValueError(
+                f"{name} must be (positions, head_dim) = {wanted}, got "
+                f"{tuple(table.shape)}: for Hugging Face's (1, N, D) pass {name}[0]"
+            )
+    alternative = "x * cos + rotate_half(x) * sin in PyTorch"
+    refuse_autograd("rotary_embedding for cos and sin", alternative, cos, sin)
+
+
+def rotary(q, k, cos, sin):
+    grads = torch.is_grad_enabled() and (
+        q.requires_grad or (k is not None and k.requires_grad)
+    )
+    if torch.compiler.is_compiling():
+        q_out, k_out = rotary_op(q, k, cos, sin, False)
+    elif grads:
+        q_out, k_out = RotaryFunction.apply(q, k, cos, sin, False)
+    else:
+        q_out, k_out = rotate(q, k, cos, sin, False)
+    return q_out, k_out
+
+
+def rotary_embedding(x, cos, sin):
+    """``x * cos + rotate_half(x) * sin`` (Hugging Face's Llama) for x of shape (B, H, N, D)
+    and cos, sin of shape (N, D); a new contiguous tensor."""
+    rotary_arguments({"x": x}, cos, sin)
+    return rotary(x, None, cos, sin)[0]
+
+
+def rotary_embedding_qk(q, k, cos, sin):
+    """``rotary_embedding`` of q and of k in one launch: (q rotated, k rotated). k may
+    have fewer heads than q (grouped-query attention); both may be strided views."""
+    rotary_arguments({"q": q, "k": k}, cos, sin)
+    return rotary(q, k, cos, sin)
