@@ -25,6 +25,7 @@ for an elementwise kernel's arithmetic. Without a GPU every cell runs under the 
 
 from stepkernels.lessons import bench, tutorial
 from stepkernels.lessons.check_modern_block import as_tuple, check
+from stepkernels.lessons.figures_modern_block import draw_rotary_programs
 import torch
 import torch.nn.functional as F
 import triton
@@ -32,6 +33,7 @@ import triton.language as tl
 
 tutorial.announce()
 DEVICE = tutorial.DEVICE
+# sphinx_gallery_thumbnail_number = 1
 
 # %%
 # What the three layers compute, and what they must move
@@ -170,8 +172,9 @@ def rms_norm_forward(x2d: Tensor, weight: Tensor | None, eps: float):
 # sums ``dy * x_hat`` in registers. Its sums then go to chapter 03's ``flush_partials`` (the
 # runtime layer's device code): one partial row a program, added by a second kernel in a
 # fixed order, so dW has the same bits every run. ``flush_partials`` hands on (dW, dB) pairs;
-# RMSNorm has no dB, so it writes zeros there, N fp32 values a program: at N = 4,096 and 264
-# programs, 4 MB beside the 100 MB of a 2^24-element bf16 backward.
+# RMSNorm has no dB, so it writes zeros there, N fp32 values a program: at N = 4,096 and 256
+# programs (about 2 an SM on an H100), 4 MB beside the 100 MB of a 2^24-element bf16
+# backward.
 
 
 # @save ops/rms_norm
@@ -452,8 +455,11 @@ check(
 # Queries and keys usually come out of one projection, (B, N, 3, H, D) viewed as q, k, v of
 # shape (B, H, N, D): we read them through their strides, (N * 3HD, D, 3HD, 1), without a copy.
 # Rotating q and k in one launch saves a launch, and its CPU time (chapter 08), and reads the
-# tables once for both.
+# tables once for both. Drawn for 6 heads of q and 2 of k:
 
+draw_rotary_programs()
+
+# %%
 # @save ops/rotary
 from stepkernels.runtime.arguments import parameter_dtype
 from stepkernels.runtime.core import (
@@ -954,12 +960,13 @@ check(
 # features, the epilogue could store silu(g) * u alone. What that saves is the product's own
 # traffic, which we compare with the projection's time, for M tokens, C features and F of the
 # MLP, at an H100's dense bf16 rate (989 TFLOP/s) and copy bandwidth (3.35 TB/s, nominal):
-# the forward reads and writes 5 M F elements more when unfused. The backward needs g and u
-# (or the projection again): fused, the forward must still store them, and saves 2 M F.
+# unfused, the forward writes g and u, reads them and writes the product, 5 M F elements
+# where the fused epilogue writes M F. The backward needs g and u (or the projection again):
+# a fused forward that stores them for it writes 3 M F, and saves 2 M F.
 
 M_TOKENS, C, F_MLP = 8192, 4096, 14336  # Llama 3 8B's widths
 projection_s = 2 * M_TOKENS * C * 2 * F_MLP / 989e12
-for label, elements in (("forward alone", 5), ("keeping g and u for the backward", 2)):
+for label, elements in (("forward alone", 4), ("keeping g and u for the backward", 2)):
     saved_s = elements * M_TOKENS * F_MLP * 2 / 3.35e12  # bf16
     print(
         f"fused, {label}: {saved_s * 1e6:.0f} µs saved of {projection_s * 1e6:.0f} µs "
