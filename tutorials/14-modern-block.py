@@ -299,7 +299,7 @@ def rms_norm_backward(dy2d, x2d, weight, rstd, want_dw: bool):
 
 # %%
 # The function, the module, and the operators for ``torch.compile``
-# ----------------------------------------------------------------
+# -----------------------------------------------------------------
 # ``rms_norm`` takes ``torch.nn.functional.rms_norm``'s arguments, with the same default eps:
 # the machine epsilon of the dtype PyTorch computes in, fp32 for every dtype here (not fp16's,
 # 1,000 times larger). Its checks are layer norm's (``runtime.arguments``). As in chapter 08,
