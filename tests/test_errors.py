@@ -792,3 +792,55 @@ def test_gpt_loss_refuses_or_answers(data):
         return model(idx, targets_)
 
     refused_or_right(lambda: model(idx, targets_), reference, torch.float32)
+
+
+@PROPERTY
+@given(data=st.data())
+def test_rms_norm_refuses_or_answers(data):
+    call = Call(data, "x", "normalized_shape", "weight", "eps")
+    shape = data.draw(shapes(min_dims=1).filter(lambda shape: 0 not in shape[1:]))
+    x = call.tensor("x", shape, wrong_shapes=[()])
+    normalized = shape[len(shape) - data.draw(st.integers(1, len(shape))) :]
+    normalized_shape = call("normalized_shape", st.just(normalized), st.one_of(shapes(2, 3), BAD_SCALARS))
+    weight_dtype = data.draw(st.sampled_from([call.dtype, torch.float32]))
+    weight = call(
+        "weight",
+        st.one_of(st.none(), tensors(normalized, st.just(weight_dtype))),
+        st.one_of(NOT_TENSORS, tensors(normalized, st.sampled_from(OTHER_DTYPES)), tensors((7,), st.just(call.dtype))),
+    )
+    eps = call("eps", st.one_of(st.none(), st.floats(1e-6, 1e-2)), BAD_SCALARS)
+
+    def reference():  # eps None: PyTorch's default for the dtypes here, fp32's epsilon
+        default = torch.finfo(torch.float32).eps if eps is None else eps
+        return F.rms_norm(x.double(), normalized_shape, None if weight is None else weight.double(), default)
+
+    refused_or_right(lambda: rms_norm(x, normalized_shape, weight, eps), reference, call.dtype)
+
+
+@PROPERTY
+@given(data=st.data())
+def test_rotary_embedding_refuses_or_answers(data):
+    call = Call(data, "x", "cos", "sin")
+    batch, heads, positions = (data.draw(st.integers(low, 3)) for low in (1, 1, 0))
+    dim = data.draw(st.sampled_from([2, 6, 8]))
+    x = call.tensor("x", (batch, heads, positions, dim), wrong_shapes=[(heads, positions, dim), (1, 1, positions, 3)])
+    cos, sin = (
+        call.tensor(name, (positions, dim), wrong_shapes=[(1, positions, dim), (positions + 1, dim)])
+        for name in ("cos", "sin")
+    )
+
+    def reference():
+        x1, x2 = x.double().chunk(2, dim=-1)
+        return x.double() * cos.double() + torch.cat([-x2, x1], dim=-1) * sin.double()
+
+    refused_or_right(lambda: rotary_embedding(x, cos, sin), reference, call.dtype)
+
+
+@PROPERTY
+@given(data=st.data())
+def test_silu_mul_refuses_or_answers(data):
+    call = Call(data, "gate", "up")
+    shape = data.draw(shapes())
+    gate = call.tensor("gate", shape, wrong_shapes=[(*shape, 2)])
+    up = call.tensor("up", shape, wrong_shapes=[(*shape, 2), (3, *shape)])
+    refused_or_right(lambda: silu_mul(gate, up), lambda: F.silu(gate.double()) * up.double(), call.dtype)

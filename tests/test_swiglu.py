@@ -31,6 +31,8 @@ CASES = {
     "long rows": lambda r, d: (leaf(r(2, 5000)), leaf(r(2, 5000))),
     "gate transposed": lambda r, d: (leaf(r(24, 8)).t(), leaf(r(8, 24))),
     "no rows": lambda r, d: (leaf(r(0, 8)), leaf(r(0, 8))),
+    "no columns": lambda r, d: (leaf(r(3, 0)), leaf(r(3, 0))),
+    "empty 1-D": lambda r, d: (leaf(r(0)), leaf(r(0))),
     "large values": lambda r, d: (leaf(r(4, 64) * 30), leaf(r(4, 64))),
     "up frozen": lambda r, d: (leaf(r(5, 33)), r(5, 33)),
 }

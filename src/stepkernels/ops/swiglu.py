@@ -88,9 +88,9 @@ def rows_of(t: Tensor) -> Tensor:
 
 
 def silu_mul_forward(gate: Tensor, up: Tensor) -> Tensor:
-    g2d, u2d = rows_of(gate), rows_of(up)
     out = torch.empty(gate.shape, device=gate.device, dtype=gate.dtype)
-    if out.numel():
+    if out.numel():  # an empty tensor may have no rows to view it as
+        g2d, u2d = rows_of(gate), rows_of(up)
         meta, grid = swiglu_launch(*g2d.shape)
         strides = (g2d.stride(0), u2d.stride(0))
         silu_mul_kernel[grid](g2d, u2d, out, *strides, *g2d.shape, **meta)
@@ -98,11 +98,11 @@ def silu_mul_forward(gate: Tensor, up: Tensor) -> Tensor:
 
 
 def silu_mul_backward(dy: Tensor, gate: Tensor, up: Tensor) -> tuple[Tensor, Tensor]:
-    dy2d, g2d, u2d = rows_of(dy), rows_of(gate), rows_of(up)
     dgate, dup = (
         torch.empty(t.shape, device=t.device, dtype=t.dtype) for t in (gate, up)
     )
     if dy.numel():
+        dy2d, g2d, u2d = rows_of(dy), rows_of(gate), rows_of(up)
         meta, grid = swiglu_launch(*g2d.shape)
         strides = (dy2d.stride(0), g2d.stride(0), u2d.stride(0))
         tensors = (dy2d, g2d, u2d, dgate, dup)
