@@ -24,6 +24,7 @@ from stepkernels import (
     FusedLinear,
     GPTConfig,
     LayerNorm,
+    RMSNorm,
     add,
     attention,
     cross_entropy,
@@ -34,6 +35,10 @@ from stepkernels import (
     linear_cross_entropy,
     log_softmax,
     matmul,
+    rms_norm,
+    rotary_embedding,
+    rotary_embedding_qk,
+    silu_mul,
     softmax,
 )
 from stepkernels.runtime.activations import activation_reference
@@ -53,6 +58,7 @@ q = random_tensor((1, 2, 4, 16), seed=5)
 logits = random_tensor((4, 6), seed=6)
 target = torch.tensor([0, 5, 2, -100], device=DEVICE)
 seed_tensor = torch.tensor(7, device=DEVICE)
+cos, sin = random_tensor((4, 16), seed=8), random_tensor((4, 16), seed=9)  # for q's (N, D)
 
 
 def gpt():
@@ -310,6 +316,34 @@ CASES = [
     ("add", "wrong shape", lambda: add(x, x[:2]), ValueError, "y"),
     ("add", "wrong shape", lambda: add(x, x.T.contiguous().T), ValueError, "y"),
     ("add", "not a tensor", lambda: add(x, 1.0), TypeError, "y"),
+    # rms_norm, RMSNorm, rotary_embedding, rotary_embedding_qk and silu_mul (chapter 14)
+    ("rms_norm", "wrong dtype", lambda: rms_norm(x.double(), (8,)), TypeError, "x"),
+    ("rms_norm", "mismatched dtypes", lambda: rms_norm(x, (8,), feature_bias.half()), TypeError, "weight"),
+    ("rms_norm", "wrong device", lambda: rms_norm(x, (8,), feature_bias.to(OTHER_DEVICE)), ValueError, "weight"),
+    ("rms_norm", "wrong shape", lambda: rms_norm(x, (7,)), ValueError, "normalized_shape"),
+    ("rms_norm", "wrong shape", lambda: rms_norm(x, (8,), feature_bias[:7]), ValueError, "weight"),
+    ("rms_norm", "wrong shape", lambda: rms_norm(x.new_ones(2, 2**17), (2**17,)), ValueError, "normalized_shape"),
+    ("rms_norm", "not a tensor", lambda: rms_norm(x.tolist(), (8,)), TypeError, "x"),
+    ("rms_norm", "bad scalar (type)", lambda: rms_norm(x, (8.0,)), TypeError, "normalized_shape"),
+    ("rms_norm", "bad scalar (type)", lambda: rms_norm(x, (8,), eps="1e-5"), TypeError, "eps"),
+    ("rms_norm", "bad scalar (value)", lambda: rms_norm(x, (8,), eps=-1.0), ValueError, "eps"),
+    ("RMSNorm", "wrong dtype", lambda: RMSNorm(8, device=DEVICE)(x.int()), TypeError, "x"),
+    ("rotary_embedding", "wrong dtype", lambda: rotary_embedding(q.int(), cos, sin), TypeError, "x"),
+    ("rotary_embedding", "mismatched dtypes", lambda: rotary_embedding(q, cos.half(), sin), TypeError, "cos"),
+    ("rotary_embedding", "wrong device", lambda: rotary_embedding(q, cos, sin.to(OTHER_DEVICE)), ValueError, "sin"),
+    ("rotary_embedding", "wrong shape", lambda: rotary_embedding(q, cos[None], sin[None]), ValueError, "cos"),
+    ("rotary_embedding", "wrong shape", lambda: rotary_embedding(q[..., :15], cos, sin), ValueError, "x"),
+    ("rotary_embedding", "wrong shape", lambda: rotary_embedding(q[0], cos, sin), ValueError, "x"),
+    ("rotary_embedding", "not a tensor", lambda: rotary_embedding(q.tolist(), cos, sin), TypeError, "x"),
+    ("rotary_embedding", "not a tensor", lambda: rotary_embedding(q, cos, None), TypeError, "sin"),
+    ("rotary_embedding_qk", "mismatched dtypes", lambda: rotary_embedding_qk(q, q.half(), cos, sin), TypeError, "k"),
+    ("rotary_embedding_qk", "wrong shape", lambda: rotary_embedding_qk(q, q[:, :, :2], cos, sin), ValueError, "k"),
+    ("rotary_embedding_qk", "not a tensor", lambda: rotary_embedding_qk(q, None, cos, sin), TypeError, "k"),
+    ("silu_mul", "wrong dtype", lambda: silu_mul(x.int(), x.int()), TypeError, "gate"),
+    ("silu_mul", "mismatched dtypes", lambda: silu_mul(x, x.half()), TypeError, "up"),
+    ("silu_mul", "wrong device", lambda: silu_mul(x, x.to(OTHER_DEVICE)), ValueError, "up"),
+    ("silu_mul", "wrong shape", lambda: silu_mul(x, x[:2]), ValueError, "up"),
+    ("silu_mul", "not a tensor", lambda: silu_mul(x, 1.0), TypeError, "up"),
     # GPT (chapter 12)
     ("GPT", "wrong dtype", lambda: gpt()(idx.float()), TypeError, "idx"),
     ("GPT", "wrong dtype", lambda: gpt()(idx, idx.float()), TypeError, "targets"),
@@ -758,3 +792,55 @@ def test_gpt_loss_refuses_or_answers(data):
         return model(idx, targets_)
 
     refused_or_right(lambda: model(idx, targets_), reference, torch.float32)
+
+
+@PROPERTY
+@given(data=st.data())
+def test_rms_norm_refuses_or_answers(data):
+    call = Call(data, "x", "normalized_shape", "weight", "eps")
+    shape = data.draw(shapes(min_dims=1).filter(lambda shape: 0 not in shape[1:]))
+    x = call.tensor("x", shape, wrong_shapes=[()])
+    normalized = shape[len(shape) - data.draw(st.integers(1, len(shape))) :]
+    normalized_shape = call("normalized_shape", st.just(normalized), st.one_of(shapes(2, 3), BAD_SCALARS))
+    weight_dtype = data.draw(st.sampled_from([call.dtype, torch.float32]))
+    weight = call(
+        "weight",
+        st.one_of(st.none(), tensors(normalized, st.just(weight_dtype))),
+        st.one_of(NOT_TENSORS, tensors(normalized, st.sampled_from(OTHER_DTYPES)), tensors((7,), st.just(call.dtype))),
+    )
+    eps = call("eps", st.one_of(st.none(), st.floats(1e-6, 1e-2)), BAD_SCALARS)
+
+    def reference():  # eps None: PyTorch's default for the dtypes here, fp32's epsilon
+        default = torch.finfo(torch.float32).eps if eps is None else eps
+        return F.rms_norm(x.double(), normalized_shape, None if weight is None else weight.double(), default)
+
+    refused_or_right(lambda: rms_norm(x, normalized_shape, weight, eps), reference, call.dtype)
+
+
+@PROPERTY
+@given(data=st.data())
+def test_rotary_embedding_refuses_or_answers(data):
+    call = Call(data, "x", "cos", "sin")
+    batch, heads, positions = (data.draw(st.integers(low, 3)) for low in (1, 1, 0))
+    dim = data.draw(st.sampled_from([2, 6, 8]))
+    x = call.tensor("x", (batch, heads, positions, dim), wrong_shapes=[(heads, positions, dim), (1, 1, positions, 3)])
+    cos, sin = (
+        call.tensor(name, (positions, dim), wrong_shapes=[(1, positions, dim), (positions + 1, dim)])
+        for name in ("cos", "sin")
+    )
+
+    def reference():
+        x1, x2 = x.double().chunk(2, dim=-1)
+        return x.double() * cos.double() + torch.cat([-x2, x1], dim=-1) * sin.double()
+
+    refused_or_right(lambda: rotary_embedding(x, cos, sin), reference, call.dtype)
+
+
+@PROPERTY
+@given(data=st.data())
+def test_silu_mul_refuses_or_answers(data):
+    call = Call(data, "gate", "up")
+    shape = data.draw(shapes())
+    gate = call.tensor("gate", shape, wrong_shapes=[(*shape, 2)])
+    up = call.tensor("up", shape, wrong_shapes=[(*shape, 2), (3, *shape)])
+    refused_or_right(lambda: silu_mul(gate, up), lambda: F.silu(gate.double()) * up.double(), call.dtype)

@@ -3,6 +3,7 @@ r"""stepkernels: the fused GPU kernels that the chapters of *Triton Kernels, Ste
 .. code-block:: python
 
     from stepkernels import softmax, layer_norm, linear, dropout, cross_entropy, attention, GPT
+    from stepkernels import rms_norm, rotary_embedding, silu_mul
 
 Every public function takes and returns torch tensors, checks its input (a clear error, never a
 silent wrong answer), and is differentiable where the operation has a backward.
@@ -46,7 +47,10 @@ from stepkernels.ops.linear import FusedLinear, linear  # noqa: E402
 from stepkernels.ops.linear_cross_entropy import linear_cross_entropy  # noqa: E402
 from stepkernels.ops.matmul import matmul  # noqa: E402
 from stepkernels.ops.modules import DropoutBiasAct  # noqa: E402
+from stepkernels.ops.rms_norm import RMSNorm, rms_norm  # noqa: E402
+from stepkernels.ops.rotary import rotary_embedding, rotary_embedding_qk  # noqa: E402
 from stepkernels.ops.softmax import log_softmax, softmax  # noqa: E402
+from stepkernels.ops.swiglu import silu_mul  # noqa: E402
 from stepkernels.ops.vector_add import add  # noqa: E402
 
 __version__ = "0.1.0"
@@ -57,6 +61,7 @@ __all__ = [
     "GPT",
     "GPTConfig",
     "LayerNorm",
+    "RMSNorm",
     "add",
     "attention",
     "cross_entropy",
@@ -67,5 +72,9 @@ __all__ = [
     "linear_cross_entropy",
     "log_softmax",
     "matmul",
+    "rms_norm",
+    "rotary_embedding",
+    "rotary_embedding_qk",
+    "silu_mul",
     "softmax",
 ]

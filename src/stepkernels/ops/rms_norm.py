@@ -1,0 +1,298 @@
+"""ops.rms_norm: the code of chapter 14, RMSNorm, rotary embeddings and SwiGLU: the layers of a
+modern decoder block."""
+
+# Generated from tutorials/14-modern-block.py by tools/export.py: edit the chapter, then `make
+# export`.
+
+import functools
+import math
+
+from stepkernels.runtime.arguments import layer_norm_arguments
+from stepkernels.runtime.core import (
+    FLOAT_DTYPES,
+    INTERPRET,
+    refuse_double_backward,
+    sm_count,
+)
+from stepkernels.runtime.launch import lean  # cheap repeated launches: chapter 08
+from stepkernels.runtime.partials import flush_partials  # chapter 03's partial sums
+from stepkernels.runtime.rows import as_rows
+import torch
+from torch import Tensor
+from torch.library import triton_op
+import triton
+import triton.language as tl
+
+
+@lean
+@triton.jit
+def rms_norm_forward_kernel(
+    x_ptr,
+    y_ptr,
+    weight_ptr,
+    rstd_ptr,
+    x_row_stride,
+    y_row_stride,
+    M,
+    N,
+    eps,
+    BLOCK_N: tl.constexpr,
+    ROWS_PER_PROGRAM: tl.constexpr,
+    HAS_WEIGHT: tl.constexpr,
+):
+    rows = tl.program_id(0) * ROWS_PER_PROGRAM + tl.arange(0, ROWS_PER_PROGRAM)
+    cols = tl.arange(0, BLOCK_N)
+    row_mask, col_mask = rows < M, cols < N
+    mask = row_mask[:, None] & col_mask[None, :]
+    rows64 = rows.to(tl.int64)  # row * stride can pass 2**31
+    x = tl.load(x_ptr + rows64[:, None] * x_row_stride + cols[None, :], mask=mask)
+    x = x.to(tl.float32)  # masked lanes are 0: they add nothing to the sum
+    rstd = tl.rsqrt(tl.sum(x * x, axis=1) / N + eps)
+    y = x * rstd[:, None]
+    if HAS_WEIGHT:
+        y *= tl.load(weight_ptr + cols, mask=col_mask).to(tl.float32)
+    y_ptrs = y_ptr + rows64[:, None] * y_row_stride + cols[None, :]
+    tl.store(y_ptrs, y.to(y_ptr.dtype.element_ty), mask=mask)
+    tl.store(rstd_ptr + rows, rstd, mask=row_mask)
+
+
+MAX_N = 65536  # the longest row a program holds in registers
+FORWARD_TILE = 4096  # values a forward program normalizes at least, rows packed
+
+
+@functools.cache  # once per shape: off the call's path
+def forward_config(n_cols: int, n_rows: int) -> dict:
+    block = triton.next_power_of_2(n_cols)
+    rows = max(1, min(FORWARD_TILE // block, triton.next_power_of_2(n_rows)))
+    warps = max(1, min(32, rows * block // 1024))  # 32 fp32 values a thread
+    return dict(BLOCK_N=block, ROWS_PER_PROGRAM=rows, num_warps=warps)
+
+
+def rms_norm_forward(x2d: Tensor, weight: Tensor | None, eps: float):
+    """y and rstd (fp32, one a row) of a 2-D ``x2d`` with contiguous rows."""
+    (n_rows, n_cols), device = x2d.shape, x2d.device
+    y = torch.empty((n_rows, n_cols), device=device, dtype=x2d.dtype)
+    rstd = torch.empty(n_rows, device=device, dtype=torch.float32)
+    if n_rows == 0:
+        return y, rstd
+    config = forward_config(n_cols, n_rows)
+    grid = (triton.cdiv(n_rows, config["ROWS_PER_PROGRAM"]),)
+    rms_norm_forward_kernel[grid](
+        x2d,
+        y,
+        x2d if weight is None else weight,
+        rstd,
+        x2d.stride(0),
+        y.stride(0),
+        n_rows,
+        n_cols,
+        eps,
+        HAS_WEIGHT=weight is not None,
+        **config,
+    )
+    return y, rstd
+
+
+@lean
+@triton.jit
+def rms_norm_backward_kernel(
+    x_ptr,
+    dy_ptr,
+    dx_ptr,
+    weight_ptr,
+    rstd_ptr,
+    partial_ptr,
+    x_row_stride,
+    dy_row_stride,
+    dx_row_stride,
+    M,
+    N,
+    BLOCK_N: tl.constexpr,
+    ROWS_PER_PROGRAM: tl.constexpr,
+    HAS_WEIGHT: tl.constexpr,
+    WANT_DW: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
+):
+    program_id = tl.program_id(0)
+    cols = tl.arange(0, BLOCK_N)
+    col_mask = cols < N
+    if HAS_WEIGHT:
+        w = tl.load(weight_ptr + cols, mask=col_mask).to(tl.float32)
+    dw = tl.zeros([BLOCK_N], tl.float32)
+    for i in tl.range(ROWS_PER_PROGRAM, num_stages=NUM_STAGES):
+        row = program_id * ROWS_PER_PROGRAM + i
+        mask, row64 = cols < tl.where(row < M, N, 0), row.to(tl.int64)
+        x = tl.load(x_ptr + row64 * x_row_stride + cols, mask=mask, other=0.0)
+        dy = tl.load(dy_ptr + row64 * dy_row_stride + cols, mask=mask, other=0.0)
+        x, dy = x.to(tl.float32), dy.to(tl.float32)
+        rstd = tl.load(rstd_ptr + tl.minimum(row, M - 1))  # rows past M: dy = 0
+        x_hat = x * rstd
+        g = w * dy if HAS_WEIGHT else dy
+        c = tl.sum(x_hat * g, axis=0) / N
+        dx = (g - x_hat * c) * rstd
+        dx_ptrs = dx_ptr + row64 * dx_row_stride + cols
+        tl.store(dx_ptrs, dx.to(dx_ptr.dtype.element_ty), mask=mask)
+        dw += dy * x_hat
+    if WANT_DW:  # a partial row of (dW, 0) a program, as layer norm's (dW, dB)
+        slots = (program_id, program_id, 0)
+        nothing = tl.zeros([BLOCK_N], tl.float32)
+        buffers = (partial_ptr, partial_ptr)
+        flush_partials(buffers, (dw, nothing), (cols, col_mask), N, slots, "two-stage")
+
+
+@lean
+@triton.jit
+def sum_weight_partials_kernel(
+    partial_ptr, dw_ptr, num_partials, N, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr
+):
+    """dW = the sum of the partial rows' first N values, in a fixed order."""
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_mask = cols < N
+    dw = tl.zeros([BLOCK_P, BLOCK_N], tl.float32)
+    for first in tl.range(0, num_partials, BLOCK_P):
+        slots = first + tl.arange(0, BLOCK_P)
+        mask = (slots < num_partials)[:, None] & col_mask[None, :]
+        ptrs = partial_ptr + slots.to(tl.int64)[:, None] * 2 * N + cols[None, :]
+        dw += tl.load(ptrs, mask=mask, other=0.0)
+    dw_sum = tl.sum(dw, axis=0).to(dw_ptr.dtype.element_ty)  # one rounding
+    tl.store(dw_ptr + cols, dw_sum, mask=col_mask)
+
+
+BACKWARD_PROGRAMS_PER_SM = 2  # enough rows a program that partials stay few
+BACKWARD_STAGE_BYTES = 64 * 1024  # a row of x and one of dy in flight, at most
+
+
+@functools.cache
+def backward_config(n_cols: int, n_rows: int, itemsize: int) -> dict:
+    block = triton.next_power_of_2(n_cols)
+    programs = 4 if INTERPRET else BACKWARD_PROGRAMS_PER_SM * sm_count()  # CPU: few
+    rows = min(256, triton.next_power_of_2(triton.cdiv(n_rows, programs)))
+    stages = 2 if 2 * block * itemsize * 2 <= BACKWARD_STAGE_BYTES else 1
+    warps = max(4, min(16, block // 512))
+    return dict(
+        BLOCK_N=block, ROWS_PER_PROGRAM=rows, NUM_STAGES=stages, num_warps=warps
+    )
+
+
+def rms_norm_backward(dy2d, x2d, weight, rstd, want_dw: bool):
+    """dx, and dW (None unless wanted), for 2-D ``dy2d`` and ``x2d`` with contiguous
+    rows."""
+    (n_rows, n_cols), device = x2d.shape, x2d.device
+    dx = torch.empty((n_rows, n_cols), device=device, dtype=x2d.dtype)
+    dw = torch.empty(n_cols, device=device, dtype=weight.dtype) if want_dw else None
+    if n_rows == 0:  # a sum over no rows
+        return dx, None if dw is None else dw.zero_()
+    config = backward_config(n_cols, n_rows, x2d.element_size())
+    n_programs = triton.cdiv(n_rows, config["ROWS_PER_PROGRAM"])
+    partials = dx  # never touched without dW
+    if want_dw:
+        partials = torch.empty((n_programs, 2, n_cols), device=device)
+    rms_norm_backward_kernel[(n_programs,)](
+        x2d,
+        dy2d,
+        dx,
+        x2d if weight is None else weight,
+        rstd,
+        partials,
+        x2d.stride(0),
+        dy2d.stride(0),
+        dx.stride(0),
+        n_rows,
+        n_cols,
+        HAS_WEIGHT=weight is not None,
+        WANT_DW=want_dw,
+        **config,
+    )
+    if want_dw:  # narrow column blocks, the partials of one loaded together
+        block_n = min(128, max(16, triton.next_power_of_2(n_cols // sm_count() or 1)))
+        block_p = min(triton.next_power_of_2(n_programs), max(16, 4096 // block_n))
+        sum_weight_partials_kernel[(triton.cdiv(n_cols, block_n),)](
+            partials, dw, n_programs, n_cols, BLOCK_P=block_p, BLOCK_N=block_n
+        )
+    return dx, dw
+
+
+@triton_op("stepkernels::rms_norm_forward", mutates_args={})
+def rms_norm_forward_op(
+    x2d: Tensor, weight: Tensor | None, eps: float
+) -> tuple[Tensor, Tensor]:
+    return rms_norm_forward(x2d, weight, eps)  # y, rstd
+
+
+@triton_op("stepkernels::rms_norm_backward", mutates_args={})
+def rms_norm_backward_op(
+    dy2d: Tensor, x2d: Tensor, weight: Tensor | None, rstd: Tensor, want_dw: bool
+) -> tuple[Tensor, Tensor]:
+    dx, dw = rms_norm_backward(dy2d, x2d, weight, rstd, want_dw)
+    return dx, x2d.new_empty(0) if dw is None else dw  # an operator returns tensors
+
+
+def save_for_backward(ctx, inputs, output):
+    x2d, weight, _ = inputs
+    ctx.save_for_backward(x2d, weight, output[1])
+    ctx.set_materialize_grads(False)  # rstd gets no gradient
+
+
+def rms_norm_grads(ctx, dy, *_, backward=rms_norm_backward_op):
+    refuse_double_backward("rms_norm", "torch.nn.functional.rms_norm")
+    x2d, weight, rstd = ctx.saved_tensors
+    want_dw = weight is not None and ctx.needs_input_grad[1]
+    dx, dw = backward(as_rows(dy), x2d, weight, rstd, want_dw)
+    return dx, dw if want_dw else None, None
+
+
+rms_norm_forward_op.register_autograd(rms_norm_grads, setup_context=save_for_backward)
+
+
+class RMSNormFunction(torch.autograd.Function):
+    """The same forward and backward without the operators, for eager calls."""
+
+    @staticmethod
+    def forward(ctx, x2d, weight, eps):
+        output = rms_norm_forward(x2d, weight, eps)
+        save_for_backward(ctx, (x2d, weight, eps), output)
+        return output
+
+    @staticmethod
+    def backward(ctx, dy, _rstd_grad):
+        return rms_norm_grads(ctx, dy, backward=rms_norm_backward)
+
+
+def rms_norm_arguments(x, normalized_shape, weight, eps):
+    """``normalized_shape`` as a tuple and eps as a float, once the arguments pass."""
+    if eps is None and isinstance(x, torch.Tensor):  # PyTorch's default: fp32's epsilon
+        eps = torch.finfo(torch.float32).eps
+    given = (x, normalized_shape, weight, None, 0.0 if eps is None else eps)
+    shape = layer_norm_arguments(
+        *given, "two-stage", None, FLOAT_DTYPES, ("two-stage",)
+    )
+    if math.prod(shape) > MAX_N:
+        raise ValueError(
+            f"normalized_shape {shape} holds {math.prod(shape):,} values a row; rms_norm "
+            f"takes at most {MAX_N:,}: use torch.nn.functional.rms_norm for longer rows"
+        )
+    return shape, float(eps)
+
+
+def rms_norm(x, normalized_shape, weight=None, eps=None):
+    """``torch.nn.functional.rms_norm`` in Triton: ``x * rsqrt(mean(x^2) + eps) * weight``
+    over the trailing ``normalized_shape`` dimensions; eps None is PyTorch's default."""
+    shape, eps = rms_norm_arguments(x, normalized_shape, weight, eps)  # or raises
+    x2d = as_rows(x if len(shape) == 1 else x.flatten(-len(shape)))
+    weight = None if weight is None else weight.reshape(-1).contiguous()
+    if torch.compiler.is_compiling():
+        y = rms_norm_forward_op(x2d, weight, eps)[0]
+    elif torch.is_grad_enabled() and (
+        x.requires_grad or (weight is not None and weight.requires_grad)
+    ):
+        y = RMSNormFunction.apply(x2d, weight, eps)[0]
+    else:  # nothing for autograd
+        y = rms_norm_forward(x2d, weight, eps)[0]
+    return y.view(x.shape)
+
+
+class RMSNorm(torch.nn.RMSNorm):
+    """``torch.nn.RMSNorm`` on these kernels: same arguments, parameters and state dict."""
+
+    def forward(self, x):
+        return rms_norm(x, self.normalized_shape, self.weight, self.eps)
