@@ -630,6 +630,21 @@ def test_a_quick_run_measures_the_largest_size_over_the_recording(monkeypatch, t
     plt.close("all")
 
 
+@pytest.mark.parametrize("setting", [None, "STEPKERNELS_FULL", "STEPKERNELS_RECORD"])
+def test_choose_takes_the_full_cases_only_when_the_full_sweep_is_asked(setting, monkeypatch):
+    """A chapter's checks: a few cases in a quick GPU run, all of them under STEPKERNELS_FULL=1
+    or make bench, the CPU's under the interpreter whatever is set."""
+    for name in ("STEPKERNELS_RECORD", "STEPKERNELS_FULL"):
+        monkeypatch.delenv(name, raising=False)
+    if setting:
+        monkeypatch.setenv(setting, "1")
+    monkeypatch.setattr(bench, "ON_GPU", True)
+    assert bench.choose(gpu="few", cpu="small", full="all") == ("all" if setting else "few")
+    assert bench.choose(gpu="few", cpu="small") == "few"  # no full: the GPU's value
+    monkeypatch.setattr(bench, "ON_GPU", False)
+    assert bench.choose(gpu="few", cpu="small", full="all") == "small"
+
+
 @pytest.mark.parametrize("setting", ["STEPKERNELS_FULL", "STEPKERNELS_RECORD"])
 def test_the_full_sweep_runs_when_asked_and_a_recording_is_always_one(setting, monkeypatch, tmp_path):
     gpu = FakeGPU(monkeypatch, tmp_path)

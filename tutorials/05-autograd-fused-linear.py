@@ -370,7 +370,10 @@ class FusedLinear(nn.Linear):
 # Correctness
 # -----------
 # The forward and the three gradients against PyTorch's in fp32 on the same rounded inputs, with Z
-# kept and recomputed (equal to the bit); bf16 on a GPU only. Then refusals; more in the tests.
+# kept and recomputed (equal to the bit); bf16 on a GPU only. Each activation and dtype compiles
+# kernels, seconds each on a GPU: a quick GPU run checks GELU alone in fp16 (``STEPKERNELS_FULL=1``
+# every activation, as the interpreter; ``tests/test_linear.py`` every activation and dtype).
+# Then refusals; more in the tests.
 
 
 def torch_linear(x, weight, bias=None, activation=None):
@@ -399,8 +402,9 @@ def check_linear(cases):
     print(f"forward and gradients match torch in {len(cases)} cases")
 
 
+CHECK_ACTIVATIONS = tutorial.choose(gpu=["gelu"], cpu=ACTIVATIONS, full=ACTIVATIONS)
 check_linear(
-    [((3, 37, 45), 29, torch.float16, act, True) for act in ACTIVATIONS]
+    [((3, 37, 45), 29, torch.float16, act, True) for act in CHECK_ACTIVATIONS]
     + [((37, 45), 29, torch.float32, "gelu", True), ((45,), 29, torch.float32, None, 0)]
     + bench.choose(gpu=[((37, 45), 29, torch.bfloat16, "gelu", True)], cpu=[])
 )

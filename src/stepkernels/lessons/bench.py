@@ -51,9 +51,15 @@ def default_results_dir() -> Path:
     return Path(os.environ.get("STEPKERNELS_RESULTS", PACKAGE_RESULTS))
 
 
-def choose(gpu, cpu):
-    """The full-size value on a GPU, the small one under the interpreter."""
-    return gpu if ON_GPU else cpu
+def choose(gpu, cpu, full=None):
+    """The full-size value on a GPU, the small one under the interpreter.
+
+    ``full``, where given, is what a GPU takes under STEPKERNELS_FULL=1 or ``make bench``
+    (``full_sweep()``): a check's every case, say, where ``gpu`` names the few a learner's
+    quick run checks (the rest are in tests/)."""
+    if not ON_GPU:
+        return cpu
+    return full if full is not None and full_sweep() else gpu
 
 
 # ----------------------------------------------------------------------- benchmarks
