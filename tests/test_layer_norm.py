@@ -61,6 +61,8 @@ def check(shape, dtype, n_dims=1, reduction="two-stage", block_size=None, view=N
         dict(shape=(3, 7, 33)),
         dict(shape=(2, 3, 5, 6), n_dims=3),
         dict(shape=(9, 300), block_size=128),  # rows split over 3 programs (chapter 13)
+        dict(shape=(1, 300), block_size=64),  # one row split over 5 programs
+        dict(shape=(5, 2, 65), n_dims=2, block_size=32),  # two dimensions split, ragged
         dict(shape=(30, 48), view=lambda t: t[::3, 5:40]),  # rows 144 apart, offset start
         dict(shape=(24, 40), view=lambda t: t.t()),  # transposed: copied
         dict(shape=(17, 40), affine=(True, False)),
@@ -262,7 +264,7 @@ def test_fp32_parameters_take_16_bit_input_as_torchs_do(dtype, reduction, block_
 @pytest.mark.parametrize("shape, n_dims", [((300, 40000), 1), ((5, 70000), 1), ((1, 262144), 1), ((130, 2, 8193), 2)])
 def test_long_rows_split_over_programs_on_the_gpu(shape, n_dims, reduction):
     """Rows past one program's limits (chapter 13): the row's programs meet on a GPU."""
-    for dtype in (torch.float32, torch.float16):
+    for dtype in FLOAT_DTYPES:
         check(shape, dtype, n_dims=n_dims, reduction=reduction)
 
 
