@@ -15,8 +15,9 @@ What you will learn:
 * what decides a small model's speed once its kernels are fast: launches, and the work between.
 
 Prerequisites: chapters 03 (layer norm), 05 (fused linear), 06 (dropout), 08 (CUDA graphs),
-09 (cross-entropy) and 11 (attention). On a GPU this page trains 200 steps live and shows the
-full 5,000-step runs as recorded; ``STEPKERNELS_FULL=1`` (or ``make bench``) runs them too.
+09 (cross-entropy) and 11 (attention). On a GPU this page trains 50 steps live and shows the
+full 5,000-step runs as recorded; ``STEPKERNELS_FULL=1`` (or ``make bench``) trains 200 steps
+live and runs those too.
 """
 
 # %%
