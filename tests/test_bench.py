@@ -676,6 +676,29 @@ def test_a_quick_run_leaves_torch_compile_to_the_recording(monkeypatch, tmp_path
     assert measured[-1] == ["triton", "torch", "torch.compile"]  # the full sweep measures it
 
 
+def test_a_quick_run_measures_only_the_quick_dtypes(monkeypatch, tmp_path):
+    gpu = FakeGPU(monkeypatch, tmp_path)
+    asked = []
+    monkeypatch.setattr(bench, "measure", lambda b: asked.append(b.dtypes) or gpu.measure(b))
+    two = copy_benchmark(dtypes=(torch.float32, torch.float16), quick_dtypes=(torch.float32,))
+    results = bench.run(two, draw=False)
+    assert asked == [(torch.float32,)] and not results.live and results.measured
+    monkeypatch.setenv("STEPKERNELS_FULL", "1")
+    assert bench.run(two, draw=False).live and asked[-1] == (torch.float32, torch.float16)
+
+
+def test_a_quick_run_without_quick_dtypes_shows_the_recording_or_measures_all(monkeypatch, tmp_path, capsys):
+    """quick_dtypes=(): a quick run measures nothing where a recording exists (a chapter's
+    benchmarks whose kernels nothing else compiles), and every size where none does."""
+    gpu = FakeGPU(monkeypatch, tmp_path)
+    results = bench.run(copy_benchmark(quick_dtypes=()), draw=False)
+    assert gpu.asked == [] and not results.live and results.measured is None
+    assert results.points == bench.load_recorded("copy")[0]
+    assert "copy: not measured in a quick run (STEPKERNELS_FULL=1 measures it)" in capsys.readouterr().out
+    results = bench.run(copy_benchmark(name="unrecorded", quick_dtypes=()), draw=False)
+    assert gpu.asked == [[2**10, 2**12]] and results.live
+
+
 def test_which_x_values_a_quick_run_measures():
     assert bench.quick_x_values(copy_benchmark(x_values=[2**16, 2**10, 2**12])) == [2**16]
     assert bench.quick_x_values(copy_benchmark(x_values=[0, 1, 2], x_labels={0: "a", 1: "b", 2: "c"})) == [0, 1, 2]

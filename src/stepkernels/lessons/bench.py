@@ -104,6 +104,10 @@ class Benchmark:
     in_turns: bool = True
     # The provider the headline speaks for: None, "triton" or the first "triton ..." one.
     ours: str | None = None
+    # The dtypes a quick run measures (None: every one): each dtype compiles its own kernels,
+    # seconds each; () leaves the benchmark to its recording in a quick run (measured only
+    # where nothing is recorded).
+    quick_dtypes: tuple | None = None
     # Providers drawn as references, not peers (a limit measured as a provider, say); the
     # copy of the same bytes always is one.
     references: tuple = ()
@@ -1442,6 +1446,11 @@ def quick_providers(bench: Benchmark) -> list:
     return [p for p in bench.providers if not p.startswith(RECORDED_IN_QUICK_RUNS)]
 
 
+def quick_dtypes(bench: Benchmark) -> tuple:
+    """The dtypes a quick run measures: ``bench.quick_dtypes``, or every one."""
+    return bench.dtypes if bench.quick_dtypes is None else tuple(bench.quick_dtypes)
+
+
 def quick_x_values(bench: Benchmark) -> list:
     """The x values a quick run measures: the largest size (for every dtype and provider),
     or every category of a benchmark of categories (they are not sizes)."""
@@ -1463,19 +1472,22 @@ def measure_now(
             bench
             if full
             else dataclasses.replace(
-                bench, x_values=quick_x_values(bench), providers=quick_providers(bench)
+                bench,
+                x_values=quick_x_values(bench),
+                providers=quick_providers(bench),
+                dtypes=quick_dtypes(bench),
             )
         )
-        how = functools.partial(measure, timed)
-        partial = list(timed.x_values) != list(bench.x_values) or list(
-            timed.providers
-        ) != list(bench.providers)
+        how = functools.partial(measure, timed) if timed.dtypes else None
+        partial = (
+            list(timed.x_values) != list(bench.x_values)
+            or list(timed.providers) != list(bench.providers)
+            or list(timed.dtypes) != list(bench.dtypes)
+        )
     recorded = load_recorded(bench.name, gpu=gpu_name()) if partial else None
-    if partial and recorded is None and points_of is not None:
-        how, partial = (
-            points_of,
-            False,
-        )  # nothing recorded to show instead: measure it all
+    if partial and recorded is None and (points_of is not None or how is None):
+        # nothing recorded to show instead of what a quick run leaves out: measure it all
+        how, partial = points_of or functools.partial(measure, bench), False
     if how is None:
         print(
             f"{bench.name}: not measured in a quick run (STEPKERNELS_FULL=1 measures it)"
