@@ -626,6 +626,7 @@ def benchmark(name, backward):
         make=lambda provider, n, dtype: make_call(provider, n, dtype, backward),
         work=lambda n, dtype: (3 if backward else 2) * BENCH_ROWS * n * dtype.itemsize,
         dtypes=(torch.float16, torch.float32),
+        quick_dtypes=(torch.float16,),  # fp32 compiles kernels of its own: recorded
         smoke_x=256,
         headline_x=4096,
         colors={"triton (lock)": "tab:blue", "triton (two-stage)": "tab:cyan"},

@@ -595,6 +595,7 @@ square = bench.Benchmark(
     work=matmul_flops,
     unit="TFLOP/s",
     dtypes=(torch.float16, torch.bfloat16),
+    quick_dtypes=(torch.float16,),  # bf16 autotunes kernels of its own: recorded
     smoke_x=64,
     headline_x=4096,
 )

@@ -460,10 +460,12 @@ for name, layer_fn in {
 # ------------------------
 # Two copies of a three-layer MLP start from the same weights (``FusedLinear`` initialises itself
 # as ``nn.Linear`` does) and fit a smooth function on the same batches, in fp32 with tf32 products
-# on a GPU: the precision, which ``matmul`` follows, is "high" for the run, restored after.
+# on a GPU: the precision, which ``matmul`` follows, is "high" for the run, restored after. A
+# quick GPU run trains a network of width 128 on batches of 256, whose products are too small
+# for the autotuner (chapter 04): ``STEPKERNELS_FULL=1`` trains width 512 on batches of 1,024.
 
-INPUTS, HIDDEN = bench.choose(gpu=64, cpu=8), bench.choose(gpu=512, cpu=32)
-BATCH, STEPS = bench.choose(gpu=1024, cpu=32), bench.choose(gpu=300, cpu=40)
+INPUTS, STEPS = bench.choose(gpu=64, cpu=8), bench.choose(gpu=300, cpu=40)
+HIDDEN, BATCH = tutorial.choose(gpu=(128, 256), cpu=(32, 32), full=(512, 1024))
 
 
 def make_mlp(layer, gelu):
@@ -536,7 +538,9 @@ print(f"torch.compile(fullgraph=True, backend={backend!r}): same gradients as ea
 # One layer, forward and forward plus backward, against ``nn.Linear`` and the activation in eager
 # PyTorch and ``torch.compile`` of it: 4,096 tokens and output features, K from 1,024 to 8,192,
 # GELU; then K = 4,096 in fp16 for each activation. fp32 runs as tf32. We count 2 M N K FLOPs per
-# product, three with the backward: the recomputing variant's fourth product lowers its rate.
+# product, three with the backward: the recomputing variant's fourth product lowers its rate. A
+# quick GPU run measures fp16 at K = 8,192 over the recording, and shows the activations as
+# recorded (each compiles kernels of its own); ``STEPKERNELS_FULL=1`` measures everything.
 
 TOKENS = OUT_FEATURES = ACTIVATION_K = bench.choose(gpu=4096, cpu=32)
 K_AXIS = "in_features K (M = N = 4096, GELU)"
@@ -581,6 +585,7 @@ def linear_benchmark(name, backward, per_activation):
         make=lambda p, x, dtype: make_linear(p, k(x), dtype, activation(x), backward),
         work=lambda x, dtype: (3 if backward else 1) * 2 * TOKENS * OUT_FEATURES * k(x),
         dtypes=(torch.float16,) if per_activation else (torch.float16, torch.float32),
+        quick_dtypes=() if per_activation else (torch.float16,),
         smoke_x=3 if per_activation else 32,
         headline_x=None if per_activation else 4096,
         x_log2=not per_activation,  # categories: bars, one per activation

@@ -594,6 +594,7 @@ for name, fused, backward, passes in (
             make=lambda *args, f=fused, b=backward: make(*args, fused=f, backward=b),
             work=lambda n, dtype, passes=passes: passes * n * dtype.itemsize,
             dtypes=(torch.float32, torch.float16),
+            quick_dtypes=(torch.float16,),  # fp32 compiles kernels of its own: recorded
             smoke_x=2**13 if fused else 2**12,
             headline_x=2**24,
         )
