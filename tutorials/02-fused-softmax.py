@@ -523,9 +523,9 @@ def log_softmax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
 # tolerance is one unit in the last place, 2^-10 for fp16, 2^-7 for bf16 (2^-6 under the
 # interpreter, which truncates), 1e-5 for fp32; for gradients, scaled by the largest. Each
 # new row length and dtype compiles kernels (seconds each on a GPU): a quick GPU run checks
-# four of the seven shapes below, the ones a kernel most often gets wrong (a ragged row, a
-# strided slice, rows of -inf, a split row); ``STEPKERNELS_FULL=1`` checks all seven, as the
-# interpreter does, and ``tests/test_softmax.py`` the rest on every run.
+# four of the seven shapes below (a ragged row, a strided slice, rows of -inf, a split row);
+# ``STEPKERNELS_FULL=1`` checks all seven, as the interpreter does, and
+# ``tests/test_softmax.py`` the other kinds (one value, leading dimensions, a transpose).
 
 BF16 = 2**-6 if tutorial.INTERPRET else 2**-7
 TOLERANCES = {torch.float32: 1e-5, torch.float16: 2**-10, torch.bfloat16: BF16}

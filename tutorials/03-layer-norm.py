@@ -561,7 +561,7 @@ class LayerNorm(torch.nn.LayerNorm):
 # reach it, which varies on a GPU; the interpreter's fixed order can show no race. Each
 # shape and dtype compiles kernels, seconds each on a GPU: a quick GPU run checks three of the
 # six cases (a ragged row, strided rows, a row split over programs), ``STEPKERNELS_FULL=1``
-# and the interpreter all six; ``tests/test_layer_norm.py`` has every one.
+# and the interpreter all six; ``tests/test_layer_norm.py`` checks each kind on every run.
 
 keep = lambda t: t
 CASES = [  # shape, normalized dimensions, view, block_size

@@ -522,8 +522,8 @@ def matmul(
 # and K-steps; A and B as given, transposed, A row-strided; each call with a bias, the next
 # activation and the pre-activation. Each shape compiles kernels, seconds each on a GPU: a
 # quick GPU run checks four shapes (a single row, odd sizes, a ragged tile, several tiles),
-# ``STEPKERNELS_FULL=1`` all seven. ``tests/test_matmul.py`` has them all and more: bf16,
-# fp8, sizes the autotuner takes.
+# ``STEPKERNELS_FULL=1`` all seven. ``tests/test_matmul.py`` has shapes of each kind and
+# more: bf16, fp8, sizes the autotuner takes.
 
 shapes = [  # (M, N, K)
     (1, 1, 1),

@@ -527,8 +527,8 @@ def dropout_bias_act(x, bias, p: float, activation, seed, training: bool = True)
 # leave the last row block and the backward's last strip short. Each shape, activation and
 # dtype compiles kernels, seconds each on a GPU: a quick GPU run checks two of the four shapes
 # (leading dimensions with a ragged row, and many rows), ``STEPKERNELS_FULL=1`` all four, as
-# the interpreter does (``tests/test_dropout.py`` has them all). Then how alike a mask's rows
-# are: independent rows of 300 correlate by about 0.05 on average, by chance.
+# the interpreter does (``tests/test_dropout.py`` checks the other two). Then how alike a
+# mask's rows are: independent rows of 300 correlate by about 0.05 on average, by chance.
 
 rows = bench.choose(gpu=8192, cpu=19)
 FUSED_SHAPES = [(1, 1), (5, 7), (2, 3, 37), (rows, 300)]

@@ -430,9 +430,9 @@ def check_tokens(idx, targets, block_size=math.inf, vocab_size=None):
 # The first check of a model built from new kernels: at initialization, in fp32 (no tf32 on a
 # GPU), both versions must give the same logits, loss and gradient of every parameter. Each
 # kernel was tested alone; this checks the wiring: the views, the weight tying, the casts.
-# We check the shape of ``python -m stepkernels.train --config tiny``: the full model's fp32
-# kernels take half a minute to compile on a GPU, so it is checked under
-# ``STEPKERNELS_FULL=1`` (and by ``tests/test_gpt.py`` on a GPU).
+# We check the shape of ``python -m stepkernels.train --config tiny``; the full model, whose
+# fp32 kernels compile for this check alone (half a minute on a GPU), under
+# ``STEPKERNELS_FULL=1`` and in ``tests/test_gpt.py`` on a GPU.
 
 SMALL = preset("tiny")
 check_cfg = dataclasses.replace(
