@@ -680,9 +680,15 @@ def test_a_quick_run_measures_only_the_quick_dtypes(monkeypatch, tmp_path):
     gpu = FakeGPU(monkeypatch, tmp_path)
     asked = []
     monkeypatch.setattr(bench, "measure", lambda b: asked.append(b.dtypes) or gpu.measure(b))
-    two = copy_benchmark(dtypes=(torch.float32, torch.float16), quick_dtypes=(torch.float32,))
-    results = bench.run(two, draw=False)
-    assert asked == [(torch.float32,)] and not results.live and results.measured
+    two = copy_benchmark(name="two", dtypes=(torch.float32, torch.float16), quick_dtypes=(torch.float32,))
+    halves = [bench.Point(p.provider, "float16", p.x, p.value / 2) for p in POINTS]
+    bench.record(two, POINTS + halves, FAKE_ENV, results_dir=tmp_path)
+    results = bench.run(two)  # drawn: both dtypes recorded, fp32 measured over them
+    assert asked == [(torch.float32,)] and not results.live
+    assert {p.dtype for p in results.measured} == {"float32"}
+    assert {p.dtype for p in results.points} == {"float32", "float16"}
+    assert len(plt.gcf().axes) >= 2  # a panel for each recorded dtype
+    plt.close("all")
     monkeypatch.setenv("STEPKERNELS_FULL", "1")
     assert bench.run(two, draw=False).live and asked[-1] == (torch.float32, torch.float16)
 
