@@ -520,9 +520,10 @@ assert max(differences) <= bench.choose(gpu=3e-2, cpu=1e-4)
 # torch.compile
 # -------------
 # ``torch.compile(fullgraph=True)`` captures the network as one graph, our operators as opaque
-# nodes: with Inductor on a GPU, here with ``aot_eager`` (same capture, but run eagerly).
+# nodes: with Inductor on a GPU under ``STEPKERNELS_FULL=1``, else with ``aot_eager`` (the same
+# capture, run eagerly, without Inductor's code generation: seconds on a cold cache).
 
-backend = bench.choose(gpu="inductor", cpu="aot_eager")
+backend = tutorial.choose(gpu="aot_eager", cpu="aot_eager", full="inductor")
 x, target = batches[0]
 grads = []
 for model in (fused_mlp, torch.compile(fused_mlp, fullgraph=True, backend=backend)):
