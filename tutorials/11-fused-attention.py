@@ -710,7 +710,8 @@ for case in itertools.product((128, 64), (False, True), (False, True)):
     benchmark = attention_benchmark(*case)
     results = bench.run(benchmark, draw=False)  # summarized below, not one by one
     if results:
-        bench.plot(benchmark, results.points, results.env, results.live)
+        live = (results.measured, results.measured_env)  # a quick run's, as markers
+        bench.plot(benchmark, results.points, results.env, results.live, *live)
     attention_results[benchmark.name] = results
 
 # %%
