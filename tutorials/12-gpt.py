@@ -514,13 +514,15 @@ torch.testing.assert_close(losses[True], losses[False], rtol=0, atol=1e-4)
 
 # %%
 # On a GPU, 50 steps of the full model follow (200 under ``STEPKERNELS_FULL=1``), on our
-# kernels replayed from a CUDA graph, with the progress lines the command prints (here one
-# every 10 steps).
+# kernels replayed from a CUDA graph, with the progress lines the command prints (five).
 
 GPU_STEPS = tutorial.choose(gpu=50, cpu=0, full=200)  # none under the interpreter
 if GPU_STEPS:
     short = dataclasses.replace(
-        FULL, **{**QUIET, "sample_tokens": 200}, max_steps=GPU_STEPS, log_interval=10
+        FULL,
+        **{**QUIET, "sample_tokens": 200},
+        max_steps=GPU_STEPS,
+        log_interval=GPU_STEPS // 5,
     )
     print(train.Trainer(short, data).train()["sample"])
 
