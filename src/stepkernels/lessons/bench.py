@@ -3,7 +3,8 @@ r"""Timing, recording and plotting for the chapters' benchmarks, in one place.
 On a GPU, ``run(benchmark)`` measures, plots the rates against the hardware limit and prints a
 short headline (``Results.table()`` has every provider). By default a run is quick: each
 benchmark measures its largest size (every category of a benchmark of categories), every
-provider, drawn over the curves recorded on a GPU. With ``STEPKERNELS_FULL=1``, or
+provider but those of ``RECORDED_IN_QUICK_RUNS``, in its ``quick_dtypes``, drawn over the
+curves recorded on a GPU. With ``STEPKERNELS_FULL=1``, or
 ``STEPKERNELS_RECORD=1`` (``make bench``, which also writes the results folder), it measures
 every size (GPU time of CUDA-graph replays, L2 flushed). Without a GPU it calls every provider
 once at a small size, so the code runs, and shows the results recorded on a GPU instead:
