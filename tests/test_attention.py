@@ -161,6 +161,14 @@ def test_bad_input_is_refused(call, message):
         call()
 
 
+@pytest.mark.skipif(not ON_GPU, reason="many blocks: on the GPU (the interpreter is slow)")
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("causal", [False, True])
+def test_many_blocks_in_every_dtype(dtype, causal):
+    # Chapter 11's largest check, which its quick GPU run leaves to this test.
+    check(*inputs(2, 3, 1000, 1000, 80, dtype), causal=causal)
+
+
 @pytest.mark.skipif(not ON_GPU, reason="full sizes and races: on the GPU")
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("head_dim", [64, 128])

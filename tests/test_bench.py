@@ -630,6 +630,21 @@ def test_a_quick_run_measures_the_largest_size_over_the_recording(monkeypatch, t
     plt.close("all")
 
 
+@pytest.mark.parametrize("setting", [None, "STEPKERNELS_FULL", "STEPKERNELS_RECORD"])
+def test_choose_takes_the_full_cases_only_when_the_full_sweep_is_asked(setting, monkeypatch):
+    """A chapter's checks: a few cases in a quick GPU run, all of them under STEPKERNELS_FULL=1
+    or make bench, the CPU's under the interpreter whatever is set."""
+    for name in ("STEPKERNELS_RECORD", "STEPKERNELS_FULL"):
+        monkeypatch.delenv(name, raising=False)
+    if setting:
+        monkeypatch.setenv(setting, "1")
+    monkeypatch.setattr(bench, "ON_GPU", True)
+    assert bench.choose(gpu="few", cpu="small", full="all") == ("all" if setting else "few")
+    assert bench.choose(gpu="few", cpu="small") == "few"  # no full: the GPU's value
+    monkeypatch.setattr(bench, "ON_GPU", False)
+    assert bench.choose(gpu="few", cpu="small", full="all") == "small"
+
+
 @pytest.mark.parametrize("setting", ["STEPKERNELS_FULL", "STEPKERNELS_RECORD"])
 def test_the_full_sweep_runs_when_asked_and_a_recording_is_always_one(setting, monkeypatch, tmp_path):
     gpu = FakeGPU(monkeypatch, tmp_path)
@@ -659,6 +674,35 @@ def test_a_quick_run_leaves_torch_compile_to_the_recording(monkeypatch, tmp_path
     monkeypatch.setenv("STEPKERNELS_FULL", "1")
     bench.run(copy_benchmark(providers=["triton", "torch", "torch.compile"]), draw=False)
     assert measured[-1] == ["triton", "torch", "torch.compile"]  # the full sweep measures it
+
+
+def test_a_quick_run_measures_only_the_quick_dtypes(monkeypatch, tmp_path):
+    gpu = FakeGPU(monkeypatch, tmp_path)
+    asked = []
+    monkeypatch.setattr(bench, "measure", lambda b: asked.append(b.dtypes) or gpu.measure(b))
+    two = copy_benchmark(name="two", dtypes=(torch.float32, torch.float16), quick_dtypes=(torch.float32,))
+    halves = [bench.Point(p.provider, "float16", p.x, p.value / 2) for p in POINTS]
+    bench.record(two, POINTS + halves, FAKE_ENV, results_dir=tmp_path)
+    results = bench.run(two)  # drawn: both dtypes recorded, fp32 measured over them
+    assert asked == [(torch.float32,)] and not results.live
+    assert {p.dtype for p in results.measured} == {"float32"}
+    assert {p.dtype for p in results.points} == {"float32", "float16"}
+    assert len(plt.gcf().axes) >= 2  # a panel for each recorded dtype
+    plt.close("all")
+    monkeypatch.setenv("STEPKERNELS_FULL", "1")
+    assert bench.run(two, draw=False).live and asked[-1] == (torch.float32, torch.float16)
+
+
+def test_a_quick_run_without_quick_dtypes_shows_the_recording_or_measures_all(monkeypatch, tmp_path, capsys):
+    """quick_dtypes=(): a quick run measures nothing where a recording exists (a chapter's
+    benchmarks whose kernels nothing else compiles), and every size where none does."""
+    gpu = FakeGPU(monkeypatch, tmp_path)
+    results = bench.run(copy_benchmark(quick_dtypes=()), draw=False)
+    assert gpu.asked == [] and not results.live and results.measured is None
+    assert results.points == bench.load_recorded("copy")[0]
+    assert "copy: not measured in a quick run (STEPKERNELS_FULL=1 measures it)" in capsys.readouterr().out
+    results = bench.run(copy_benchmark(name="unrecorded", quick_dtypes=()), draw=False)
+    assert gpu.asked == [[2**10, 2**12]] and results.live
 
 
 def test_which_x_values_a_quick_run_measures():

@@ -240,6 +240,15 @@ def test_linear_cross_entropy_matches_torch(chunk_tokens, dtype, reduction):
     linear_check(19, 32, 301, dtype, chunk_tokens, reduction=reduction, label_smoothing=0.1)
 
 
+@pytest.mark.skipif(not ON_GPU, reason="GPT-2's vocabulary, autotuned products: on the GPU")
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_linear_cross_entropy_gpt2_vocabulary(dtype, reduction):
+    # Chapter 10's check at full size (its quick run takes 5,003 classes): chunks of 7 rows
+    # whose products against 50,257 classes are large enough for the autotuner.
+    linear_check(30, 64, 50_257, dtype, 7, reduction=reduction, label_smoothing=0.1)
+
+
 def test_linear_cross_entropy_long_odd_rows_in_place():
     # The loss writes its gradient over the chunk's logits: rows of several parts, off the
     # 16-byte grid on a GPU.

@@ -193,7 +193,8 @@ def check_fused(shape, dtype, activation, p, seed):
 
 @pytest.mark.parametrize("activation", ACTIVATIONS)
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("shape", [(1, 1), (1, 5), (7, 13), (3, 4, 37)])
+# (5, 7): a case of chapter 06's that its quick GPU run leaves out (its CPU run checks it)
+@pytest.mark.parametrize("shape", [(1, 1), (1, 5), (7, 13), (3, 4, 37)] + ([(5, 7)] if ON_GPU else []))
 def test_fused_matches_torch_forward_and_backward(shape, dtype, activation):
     check_fused(shape, dtype, activation, p=0.3, seed=8)
 

@@ -1,6 +1,7 @@
 """stepkernels.gpt and stepkernels.train: the GPT on our kernels against the same parameters on
 PyTorch's layers, dropout seeds on the device, training, checkpoints and sampling."""
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -266,13 +267,19 @@ def test_graph_replays_draw_new_dropout_masks():
 
 
 @pytest.mark.skipif(not ON_GPU, reason="fp32 without tf32: on the GPU")
-def test_layers_agree_in_fp32_on_the_gpu():
+@pytest.mark.parametrize("size", ["small", "chapter 12's full model"])
+def test_layers_agree_in_fp32_on_the_gpu(size):
+    # The full model (Config's defaults) is what chapter 12 checks under STEPKERNELS_FULL=1;
+    # its quick run checks the tiny preset.
+    full = size != "small"
+    shape = Config().model_config(len(CHARS)) if full else None
+    shape = shape or GPTConfig(len(CHARS), block_size=64, n_layer=2, n_head=2, n_embd=128)
     previous = torch.get_float32_matmul_precision()
     torch.set_float32_matmul_precision("highest")
     try:
         torch.manual_seed(0)
-        model = GPT(GPTConfig(len(CHARS), block_size=64, n_layer=2, n_head=2, n_embd=128)).to(DEVICE)
-        idx, targets = tokens(batch=4, time=64)
+        model = GPT(dataclasses.replace(shape, dropout=0.0)).to(DEVICE)
+        idx, targets = tokens(batch=4, time=shape.block_size)
         ours = forward_backward(model, idx, targets)
         model.use_triton = False
         theirs = forward_backward(model, idx, targets)

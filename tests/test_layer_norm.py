@@ -257,12 +257,27 @@ def test_fp32_parameters_take_16_bit_input_as_torchs_do(dtype, reduction, block_
     assert LayerNorm(40, device=DEVICE)(x.detach()).dtype == dtype  # the module: the same
 
 
+@pytest.mark.skipif(not ON_GPU, reason="chapter 13 checks these under the interpreter")
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize(
+    "case",
+    [
+        dict(shape=(1, 300), block_size=64),  # one row split over 5 programs
+        dict(shape=(5, 2, 65), n_dims=2, block_size=32),  # two dimensions split, ragged
+    ],
+)
+def test_chapter_13s_small_split_rows_on_the_gpu(case, dtype, reduction):
+    """Cases chapter 13's quick GPU run leaves out (it checks them all on the CPU)."""
+    check(dtype=dtype, reduction=reduction, **case)
+
+
 @pytest.mark.skipif(not ON_GPU, reason="under the interpreter, block_size caps test the split")
 @pytest.mark.parametrize("reduction", REDUCTIONS)
 @pytest.mark.parametrize("shape, n_dims", [((300, 40000), 1), ((5, 70000), 1), ((1, 262144), 1), ((130, 2, 8193), 2)])
 def test_long_rows_split_over_programs_on_the_gpu(shape, n_dims, reduction):
     """Rows past one program's limits (chapter 13): the row's programs meet on a GPU."""
-    for dtype in (torch.float32, torch.float16):
+    for dtype in FLOAT_DTYPES:
         check(shape, dtype, n_dims=n_dims, reduction=reduction)
 
 

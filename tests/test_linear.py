@@ -221,11 +221,13 @@ def test_opcheck(activation):
     torch.library.opcheck(backward, (grad_y, x.detach(), weight.detach(), None, None, None, [False, True, False]))
 
 
-def test_torch_compile_fullgraph_gradients():
+# Inductor on a GPU: chapter 05's quick run compiles with aot_eager, STEPKERNELS_FULL=1 with it.
+@pytest.mark.parametrize("backend", ["aot_eager"] + (["inductor"] if ON_GPU else []))
+def test_torch_compile_fullgraph_gradients(backend):
     torch.manual_seed(0)
     model = torch.nn.Sequential(FusedLinear(8, 16, activation="gelu"), FusedLinear(16, 3)).to(DEVICE)
     x = random_tensor((5, 2, 8), seed=3)
-    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    compiled = torch.compile(model, fullgraph=True, backend=backend)
     grads = []
     for fn in (model, compiled):
         grads.append(torch.autograd.grad(fn(x).square().sum(), list(model.parameters())))

@@ -13,9 +13,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 import pytest
 from stepkernels import matmul
+from stepkernels.lessons import check_matmul
 from stepkernels.lessons.check_matmul import matmul_reference, tolerance
 from stepkernels.ops.matmul import matmul_portable
-from stepkernels.ops.matmul_hopper import TMA_CONFIGS, launch_tma, matmul_tma, row_major, sm_count
+from stepkernels.ops.matmul_hopper import TMA_CONFIGS, launch_tma, matmul_tma, row_major, sm_count, tma_operands
 from stepkernels.ops.matmul_tuning import keep_tma_configs, programs, tail_shares
 from stepkernels.runtime.activations import ACTIVATIONS
 from stepkernels.runtime.core import DEVICE, INTERPRET, ON_GPU, capability, zeroed
@@ -234,6 +235,21 @@ def test_row_major_copies_any_layout(view, dtype):
     copy = row_major(t)
     assert copy.is_contiguous() and copy.shape == t.shape
     assert torch.equal(copy, t)
+
+
+# Chapter 07's check at every size it names (a learner's quick run checks two of them): the
+# descriptor kernel, autotuned for the two largest, each layout it can describe, bias and
+# activations, the pre-activation.
+CHAPTER_07_SHAPES = [(16, 16, 16), (64, 96, 128), (77, 136, 48), (200, 264, 72), (1000, 1536, 704), (2048, 3072, 4096)]
+
+
+@pytest.mark.skipif(not ON_HOPPER, reason="the descriptor kernel at full size: Hopper")
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32, torch.bfloat16, torch.float8_e4m3fn], ids=str)
+def test_descriptor_kernel_at_chapter_07s_sizes(dtype):
+    def skip(a, b):
+        return tma_operands(a, b) is None
+
+    check_matmul.check(matmul_tma, dtypes=[dtype], shapes=CHAPTER_07_SHAPES, skip=skip)
 
 
 @pytest.mark.skipif(not HAS_FP8, reason="no fp8 on this GPU")

@@ -521,7 +521,11 @@ def log_softmax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
 # -----------
 # Values and gradients against PyTorch's in fp64. We round once, at the store: the relative
 # tolerance is one unit in the last place, 2^-10 for fp16, 2^-7 for bf16 (2^-6 under the
-# interpreter, which truncates), 1e-5 for fp32; for gradients, scaled by the largest.
+# interpreter, which truncates), 1e-5 for fp32; for gradients, scaled by the largest. Each
+# new row length and dtype compiles kernels (seconds each on a GPU): a quick GPU run checks
+# four of the seven shapes below (a ragged row, a strided slice, rows of -inf, a split row);
+# ``STEPKERNELS_FULL=1`` checks all seven, as the interpreter does, and
+# ``tests/test_softmax.py`` the other kinds (one value, leading dimensions, a transpose).
 
 BF16 = 2**-6 if tutorial.INTERPRET else 2**-7
 TOLERANCES = {torch.float32: 1e-5, torch.float16: 2**-10, torch.bfloat16: BF16}
@@ -545,17 +549,18 @@ def check_softmax(cases: list) -> None:
 torch.manual_seed(0)
 masked = torch.randn(4, 50)
 masked[0, ::3], masked[1] = -float("inf"), -float("inf")  # probability 0; NaN as torch
-check_softmax(
-    [
-        torch.randn(1, 1),
-        torch.randn(1, 781),  # one row, not a power of two
-        torch.randn(2, 3, 5, 100),  # leading dimensions
-        torch.randn(9, 300)[:, 17:217],  # a strided slice, read in place
-        torch.randn(64, 12).t(),  # transposed: copied
-        masked,
-        torch.randn(2, tutorial.choose(gpu=262_144, cpu=MAX_FUSED_BLOCK + 3)),
-    ]
-)
+CASES = {
+    "one value": torch.randn(1, 1),
+    "one row": torch.randn(1, 781),  # not a power of two
+    "leading dimensions": torch.randn(2, 3, 5, 100),
+    "strided slice": torch.randn(9, 300)[:, 17:217],  # read in place
+    "transposed": torch.randn(64, 12).t(),  # copied
+    "masked": masked,
+    "split row": torch.randn(2, tutorial.choose(gpu=262_144, cpu=MAX_FUSED_BLOCK + 3)),
+}
+QUICK_CASES = ["one row", "strided slice", "masked", "split row"]
+CHECKED = tutorial.choose(gpu=QUICK_CASES, cpu=list(CASES), full=list(CASES))
+check_softmax([CASES[name] for name in CHECKED])
 
 # Inputs the kernels cannot take are refused with a message that says what to do:
 x = torch.randn(8, 10, device=DEVICE)

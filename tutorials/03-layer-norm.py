@@ -558,19 +558,23 @@ class LayerNorm(torch.nn.LayerNorm):
 # ``check_layer_norm`` compares y, dx, dW and dB with PyTorch's in fp64 for each dtype and
 # reduction, within one rounding of the dtype; another call runs each backward 20 times: its time
 # (GPU), how much dW changes between runs, its error. The lock adds partials in the order programs
-# reach it, which varies on a GPU; the interpreter's fixed order can show no race.
+# reach it, which varies on a GPU; the interpreter's fixed order can show no race. Each
+# shape and dtype compiles kernels, seconds each on a GPU: a quick GPU run checks three of the
+# six cases (a ragged row, strided rows, a row split over programs), ``STEPKERNELS_FULL=1``
+# and the interpreter all six; ``tests/test_layer_norm.py`` checks each kind on every run.
 
 keep = lambda t: t
+CASES = [  # shape, normalized dimensions, view, block_size
+    ((1, 300), 1, keep, None),  # one row
+    ((19, 781), 1, keep, None),  # not a power of two
+    ((4, 6, 10), 2, keep, None),  # two normalized dimensions
+    ((16, 200), 1, lambda t: t[:, :100], None),  # rows 200 apart: used as they are
+    ((64, 24), 1, lambda t: t.t(), None),  # columns not adjacent: copied
+    ((21, 300), 1, keep, 128),  # split over programs, 128 values each (chapter 13)
+]
+QUICK_CASES = [CASES[1], CASES[3], CASES[5]]
 check_layer_norm.check(
-    layer_norm,
-    [  # shape, normalized dimensions, view, block_size
-        ((1, 300), 1, keep, None),  # one row
-        ((19, 781), 1, keep, None),  # not a power of two
-        ((4, 6, 10), 2, keep, None),  # two normalized dimensions
-        ((16, 200), 1, lambda t: t[:, :100], None),  # rows 200 apart: used as they are
-        ((64, 24), 1, lambda t: t.t(), None),  # columns not adjacent: copied
-        ((21, 300), 1, keep, 128),  # split over programs, 128 values each (chapter 13)
-    ],
+    layer_norm, tutorial.choose(gpu=QUICK_CASES, cpu=CASES, full=CASES)
 )
 n_rows, n_cols = bench.choose(gpu=4096, cpu=64), bench.choose(gpu=4096, cpu=256)
 compare = check_layer_norm.compare_reductions
@@ -622,6 +626,7 @@ def benchmark(name, backward):
         make=lambda provider, n, dtype: make_call(provider, n, dtype, backward),
         work=lambda n, dtype: (3 if backward else 2) * BENCH_ROWS * n * dtype.itemsize,
         dtypes=(torch.float16, torch.float32),
+        quick_dtypes=(torch.float16,),  # fp32 compiles kernels of its own: recorded
         smoke_x=256,
         headline_x=4096,
         colors={"triton (lock)": "tab:blue", "triton (two-stage)": "tab:cyan"},

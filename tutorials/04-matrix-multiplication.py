@@ -520,8 +520,10 @@ def matmul(
 # tolerance is two units in the last place (2^-10 fp16, 2^-7 bf16; fp32 1e-4 exact, 2^-8
 # tf32), times sqrt(K) absolute. Shapes: 1 × 1 × 1, M, N or K = 1, odd sizes, several blocks
 # and K-steps; A and B as given, transposed, A row-strided; each call with a bias, the next
-# activation and the pre-activation. ``tests/test_matmul.py`` has more: bf16, fp8, sizes the
-# autotuner takes.
+# activation and the pre-activation. Each shape compiles kernels, seconds each on a GPU: a
+# quick GPU run checks four shapes (a single row, odd sizes, a ragged tile, several tiles),
+# ``STEPKERNELS_FULL=1`` all seven. ``tests/test_matmul.py`` has shapes of each kind and
+# more: bf16, fp8, sizes the autotuner takes.
 
 shapes = [  # (M, N, K)
     (1, 1, 1),
@@ -532,11 +534,13 @@ shapes = [  # (M, N, K)
     (77, 136, 48),  # two tiles along N, the second ragged
 ]
 shapes += bench.choose(gpu=[(130, 264, 200)], cpu=[])  # several tiles and K steps
+QUICK_SHAPES = [(1, 136, 48), (50, 24, 13), (77, 136, 48), (130, 264, 200)]
 dtypes = [
     torch.float16,
     torch.float32,
 ]  # bf16, fp8 and autotuned sizes: tests/test_matmul.py
-check_matmul.check(matmul_portable, dtypes=dtypes, shapes=shapes)
+CHECK_SHAPES = tutorial.choose(gpu=QUICK_SHAPES, cpu=shapes, full=shapes)
+check_matmul.check(matmul_portable, dtypes=dtypes, shapes=CHECK_SHAPES)
 
 # %%
 # And the inputs the wrapper cannot take are refused with a message, not answered wrongly:
@@ -591,6 +595,7 @@ square = bench.Benchmark(
     work=matmul_flops,
     unit="TFLOP/s",
     dtypes=(torch.float16, torch.bfloat16),
+    quick_dtypes=(torch.float16,),  # bf16 autotunes kernels of its own: recorded
     smoke_x=64,
     headline_x=4096,
 )

@@ -370,7 +370,10 @@ class FusedLinear(nn.Linear):
 # Correctness
 # -----------
 # The forward and the three gradients against PyTorch's in fp32 on the same rounded inputs, with Z
-# kept and recomputed (equal to the bit); bf16 on a GPU only. Then refusals; more in the tests.
+# kept and recomputed (equal to the bit); bf16 on a GPU only. Each activation and dtype compiles
+# kernels, seconds each on a GPU: a quick GPU run checks GELU alone in fp16 (``STEPKERNELS_FULL=1``
+# every activation, as the interpreter; ``tests/test_linear.py`` every activation and dtype).
+# Then refusals; more in the tests.
 
 
 def torch_linear(x, weight, bias=None, activation=None):
@@ -399,8 +402,9 @@ def check_linear(cases):
     print(f"forward and gradients match torch in {len(cases)} cases")
 
 
+CHECK_ACTIVATIONS = tutorial.choose(gpu=["gelu"], cpu=ACTIVATIONS, full=ACTIVATIONS)
 check_linear(
-    [((3, 37, 45), 29, torch.float16, act, True) for act in ACTIVATIONS]
+    [((3, 37, 45), 29, torch.float16, act, True) for act in CHECK_ACTIVATIONS]
     + [((37, 45), 29, torch.float32, "gelu", True), ((45,), 29, torch.float32, None, 0)]
     + bench.choose(gpu=[((37, 45), 29, torch.bfloat16, "gelu", True)], cpu=[])
 )
@@ -456,10 +460,12 @@ for name, layer_fn in {
 # ------------------------
 # Two copies of a three-layer MLP start from the same weights (``FusedLinear`` initialises itself
 # as ``nn.Linear`` does) and fit a smooth function on the same batches, in fp32 with tf32 products
-# on a GPU: the precision, which ``matmul`` follows, is "high" for the run, restored after.
+# on a GPU: the precision, which ``matmul`` follows, is "high" for the run, restored after. A
+# quick GPU run trains a network of width 128 on batches of 256, whose products are too small
+# for the autotuner (chapter 04): ``STEPKERNELS_FULL=1`` trains width 512 on batches of 1,024.
 
-INPUTS, HIDDEN = bench.choose(gpu=64, cpu=8), bench.choose(gpu=512, cpu=32)
-BATCH, STEPS = bench.choose(gpu=1024, cpu=32), bench.choose(gpu=300, cpu=40)
+INPUTS, STEPS = bench.choose(gpu=64, cpu=8), bench.choose(gpu=300, cpu=40)
+HIDDEN, BATCH = tutorial.choose(gpu=(128, 256), cpu=(32, 32), full=(512, 1024))
 
 
 def make_mlp(layer, gelu):
@@ -514,9 +520,10 @@ assert max(differences) <= bench.choose(gpu=3e-2, cpu=1e-4)
 # torch.compile
 # -------------
 # ``torch.compile(fullgraph=True)`` captures the network as one graph, our operators as opaque
-# nodes: with Inductor on a GPU, here with ``aot_eager`` (same capture, but run eagerly).
+# nodes: with Inductor on a GPU under ``STEPKERNELS_FULL=1``, else with ``aot_eager`` (the same
+# capture, run eagerly, without Inductor's code generation: seconds on a cold cache).
 
-backend = bench.choose(gpu="inductor", cpu="aot_eager")
+backend = tutorial.choose(gpu="aot_eager", cpu="aot_eager", full="inductor")
 x, target = batches[0]
 grads = []
 for model in (fused_mlp, torch.compile(fused_mlp, fullgraph=True, backend=backend)):
@@ -532,7 +539,9 @@ print(f"torch.compile(fullgraph=True, backend={backend!r}): same gradients as ea
 # One layer, forward and forward plus backward, against ``nn.Linear`` and the activation in eager
 # PyTorch and ``torch.compile`` of it: 4,096 tokens and output features, K from 1,024 to 8,192,
 # GELU; then K = 4,096 in fp16 for each activation. fp32 runs as tf32. We count 2 M N K FLOPs per
-# product, three with the backward: the recomputing variant's fourth product lowers its rate.
+# product, three with the backward: the recomputing variant's fourth product lowers its rate. A
+# quick GPU run measures fp16 at K = 8,192 over the recording, and shows the activations as
+# recorded (each compiles kernels of its own); ``STEPKERNELS_FULL=1`` measures everything.
 
 TOKENS = OUT_FEATURES = ACTIVATION_K = bench.choose(gpu=4096, cpu=32)
 K_AXIS = "in_features K (M = N = 4096, GELU)"
@@ -577,6 +586,7 @@ def linear_benchmark(name, backward, per_activation):
         make=lambda p, x, dtype: make_linear(p, k(x), dtype, activation(x), backward),
         work=lambda x, dtype: (3 if backward else 1) * 2 * TOKENS * OUT_FEATURES * k(x),
         dtypes=(torch.float16,) if per_activation else (torch.float16, torch.float32),
+        quick_dtypes=() if per_activation else (torch.float16,),
         smoke_x=3 if per_activation else 32,
         headline_x=None if per_activation else 4096,
         x_log2=not per_activation,  # categories: bars, one per activation

@@ -524,11 +524,18 @@ def dropout_bias_act(x, bias, p: float, activation, seed, training: bool = True)
 # %%
 # ``check_fused`` (``stepkernels.check_dropout``): against PyTorch given the kernel's mask, each
 # activation and dtype, to a few roundings (more for db, a sum over rows); on the CPU, 19 rows
-# leave the last row block and the backward's last strip short. Then how alike a mask's rows
-# are: independent rows of 300 correlate by about 0.05 on average, by chance.
+# leave the last row block and the backward's last strip short. Each shape, activation and
+# dtype compiles kernels, seconds each on a GPU: a quick GPU run checks two of the four shapes
+# (leading dimensions with a ragged row, and many rows), ``STEPKERNELS_FULL=1`` all four, as
+# the interpreter does (``tests/test_dropout.py`` checks the other two). Then how alike a
+# mask's rows are: independent rows of 300 correlate by about 0.05 on average, by chance.
 
 rows = bench.choose(gpu=8192, cpu=19)
-check_fused(dropout_bias_act, [(1, 1), (5, 7), (2, 3, 37), (rows, 300)], 0.25, 11)
+FUSED_SHAPES = [(1, 1), (5, 7), (2, 3, 37), (rows, 300)]
+CHECK_SHAPES = tutorial.choose(
+    gpu=[(2, 3, 37), (rows, 300)], cpu=FUSED_SHAPES, full=FUSED_SHAPES
+)
+check_fused(dropout_bias_act, CHECK_SHAPES, 0.25, 11)
 mask_rows = bench.choose(gpu=512, cpu=64)
 mask = fused_mask(dropout_bias_act, (mask_rows, 300), 0.5, seed=3)
 correlation = figures_dropout.row_correlation(mask)
@@ -587,6 +594,7 @@ for name, fused, backward, passes in (
             make=lambda *args, f=fused, b=backward: make(*args, fused=f, backward=b),
             work=lambda n, dtype, passes=passes: passes * n * dtype.itemsize,
             dtypes=(torch.float32, torch.float16),
+            quick_dtypes=(torch.float16,),  # fp32 compiles kernels of its own: recorded
             smoke_x=2**13 if fused else 2**12,
             headline_x=2**24,
         )

@@ -566,15 +566,26 @@ def launch_tma(
 # ``tl.dot`` on Hopper accumulates in the tensor cores' fast mode, with fewer bits than fp32, so
 # fp8's absolute tolerance is doubled and its output is checked against the activation of the
 # (checked) pre-activation.
+#
+# Each shape, layout and dtype compiles the kernel, and the two largest shapes are autotuned:
+# minutes on a GPU. A quick GPU run checks two small shapes (a ragged tile, and several tiles
+# with a K-step); ``STEPKERNELS_FULL=1`` checks all six, the autotuned ones included, and
+# ``tests/test_matmul.py`` runs the same check over all six on Hopper.
 
+SMALL_SHAPES = [(16, 16, 16), (64, 96, 128), (77, 136, 48), (200, 264, 72)]
+TUNED_SHAPES = [(1000, 1536, 704), (2048, 3072, 4096)]  # autotuned on a GPU
+CHECK_SHAPES = tutorial.choose(
+    gpu=[(77, 136, 48), (200, 264, 72)],
+    cpu=SMALL_SHAPES,
+    full=SMALL_SHAPES + TUNED_SHAPES,
+)
 if ON_HOPPER or tutorial.INTERPRET:
     check_matmul.check(
         matmul_tma,
         skip=lambda a, b: tma_operands(a, b) is None,
         dtypes=[torch.float16, torch.float32, torch.float8_e4m3fn]
         + bench.choose(gpu=[torch.bfloat16], cpu=[]),
-        shapes=[(16, 16, 16), (64, 96, 128), (77, 136, 48), (200, 264, 72)]
-        + bench.choose(gpu=[(1000, 1536, 704), (2048, 3072, 4096)], cpu=[]),
+        shapes=CHECK_SHAPES,
     )
 else:
     print("Not a Hopper GPU: matmul runs the portable kernel here, and so do we.")

@@ -204,7 +204,11 @@ def linear_cross_entropy(
 
 # %%
 # We check it against PyTorch in fp64, in chunks of 7 rows so that the loop turns, with
-# ignored rows, smoothing and a bias.
+# ignored rows, smoothing and a bias. GPT-2's vocabulary of 50,257 over 64 features makes
+# each chunk's matmuls large enough to be autotuned, tens of seconds on a GPU: a quick GPU run
+# checks 40,009 classes over 16 features (rows still split over programs, off the 16-byte
+# grid; products below the autotuner's threshold), ``STEPKERNELS_FULL=1`` the full size, as
+# ``tests/test_cross_entropy.py`` does on a GPU.
 
 
 def check_linear_loss(n_rows, hidden, n_cols, dtype, reduction="mean", smoothing=0.0):
@@ -232,11 +236,10 @@ def check_linear_loss(n_rows, hidden, n_cols, dtype, reduction="mean", smoothing
         torch.testing.assert_close(got.double(), wanted, rtol=tol, atol=tol * scale)
 
 
+CHECK_SIZES = tutorial.choose(gpu=(16, 40_009), cpu=(64, 300), full=(64, 50_257))
 for dtype in (torch.float32, torch.bfloat16):
     for reduction in ("mean", "sum", "none"):
-        check_linear_loss(
-            30, 64, bench.choose(gpu=50_257, cpu=300), dtype, reduction, 0.1
-        )
+        check_linear_loss(30, *CHECK_SIZES, dtype, reduction, 0.1)  # hidden, classes
 print("linear_cross_entropy matches PyTorch in fp32 and bf16, every reduction")
 
 # %%
@@ -251,7 +254,9 @@ print("linear_cross_entropy matches PyTorch in fp32 and bf16, every reduction")
 # are GPU time (CUDA-graph replays), dotted ones the call from Python; Liger asks the CPU
 # whether ``grad_loss`` is 1, which a graph cannot capture, so its value is the call. A second
 # benchmark records the peak memory beyond the inputs (dH and dW included: 0.98 GiB of them
-# is dW), a third our time by chunk size at 16,384 tokens.
+# is dW), a third our time by chunk size at 16,384 tokens (a quick GPU run measures the first
+# two at 16,384 tokens over the recording and shows the third as recorded: each chunk size
+# autotunes products of its own).
 
 try:  # Liger-Kernel, where installed
     from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
@@ -306,6 +311,7 @@ def head_benchmark(name, unit="TFLOP/s", chunks=False):
         work=work,
         unit=unit,
         dtypes=(torch.bfloat16,),
+        quick_dtypes=() if chunks else None,  # chunks: a quick run shows the recording
         smoke_x=8 if chunks else TOKENS[0],
         headline_x=1024 if chunks else GPU_TOKENS[-1],  # a recorded size
         uncapturable=("liger_kernel",),

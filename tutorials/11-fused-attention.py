@@ -607,11 +607,19 @@ def attention(q, k, v, causal=False, sm_scale=None):
 # fp64, within a rounding of the dtype: lengths that are not multiples of a block (queries and
 # keys apart), a head dim of 80 (padded to 128 in the kernels), causal and not, and the layout
 # a fused projection gives, (B, N, H, D) viewed as (B, H, N, D); tests/ has the rest. Then the
-# errors that say what to do.
+# errors that say what to do. Each dtype, causal or not, compiles three kernels, seconds each
+# on a GPU: a quick GPU run checks two of the three sizes, both ragged, in bf16 causal and
+# not, fp16 causal and fp32 not (the benchmarks below reuse the bf16 kernels);
+# ``STEPKERNELS_FULL=1`` checks all, as the interpreter does, and ``tests/test_attention.py``
+# every dtype, causal and not, at 1,000 × 1,000 on a GPU.
 
-sizes = tutorial.choose(gpu=[(130, 130), (1000, 1000), (77, 300)], cpu=[(33, 50)])
+SIZES = [(130, 130), (1000, 1000), (77, 300)]  # (queries, keys) on a GPU
+sizes = tutorial.choose(gpu=[SIZES[0], SIZES[2]], cpu=[(33, 50)], full=SIZES)
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-for dtype, (n_q, n_kv), causal in itertools.product(DTYPES, sizes, (False, True)):
+EVERY_CASE = list(itertools.product(DTYPES, (False, True)))  # (dtype, causal)
+QUICK_CASES = EVERY_CASE[:3] + [(torch.float32, False)]
+CHECK_CASES = tutorial.choose(gpu=QUICK_CASES, cpu=EVERY_CASE, full=EVERY_CASE)
+for (dtype, causal), (n_q, n_kv) in itertools.product(CHECK_CASES, sizes):
     q, k, v = check_attention.inputs(2, 3, n_q, n_kv, 80, dtype, DEVICE)
     check_attention.check(attention, q, k, v, causal=causal)
 q, k, v = check_attention.inputs(2, 3, 40, 40, 128, torch.bfloat16, DEVICE, "BNHD")
@@ -641,7 +649,10 @@ tutorial.show_refusals(
 # alone (``torch.autograd.grad`` of a kept graph). Peers: SDPA as PyTorch picks (``torch``,
 # cuDNN's kernel on the H100), SDPA held to FlashAttention-2 (``torch (flash)``) and to cuDNN,
 # and ``torch.compile`` of the naive attention. TFLOP/s of the FLOPs above (causal: half),
-# GPU time of CUDA-graph replays; the dashed line is cuBLAS's fp16 product at 4096³.
+# GPU time of CUDA-graph replays; the dashed line is cuBLAS's fp16 product at 4096³. A quick
+# GPU run measures bf16 at head dim 128, with the kernels the check compiled, and shows the
+# other cases as recorded: each would compile kernels of its own (``STEPKERNELS_FULL=1``
+# measures them all).
 
 TOKENS = tutorial.choose(gpu=16384, cpu=64)
 SEQUENCES = [512, 1024, 2048, 4096, 8192, 16384]
@@ -650,6 +661,8 @@ BACKENDS = {
     "torch (cudnn)": SDPBackend.CUDNN_ATTENTION,
 }
 PROVIDERS = ["triton", "torch", *BACKENDS, "torch.compile"]
+# What a quick run measures, by head dim: the rest it shows as recorded.
+QUICK_DTYPES = {128: (torch.bfloat16,), 64: ()}
 
 
 def attention_call(provider):
@@ -688,6 +701,7 @@ def attention_benchmark(head_dim, causal, backward):  # one of the 8 cases below
         work=lambda n, dtype: per_token * TOKENS * n,
         smoke_x=32,
         headline_x=4096,
+        quick_dtypes=QUICK_DTYPES[head_dim],
     )
 
 
@@ -696,7 +710,8 @@ for case in itertools.product((128, 64), (False, True), (False, True)):
     benchmark = attention_benchmark(*case)
     results = bench.run(benchmark, draw=False)  # summarized below, not one by one
     if results:
-        bench.plot(benchmark, results.points, results.env, results.live)
+        live = (results.measured, results.measured_env)  # a quick run's, as markers
+        bench.plot(benchmark, results.points, results.env, results.live, *live)
     attention_results[benchmark.name] = results
 
 # %%

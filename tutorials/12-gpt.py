@@ -15,8 +15,9 @@ What you will learn:
 * what decides a small model's speed once its kernels are fast: launches, and the work between.
 
 Prerequisites: chapters 03 (layer norm), 05 (fused linear), 06 (dropout), 08 (CUDA graphs),
-09 (cross-entropy) and 11 (attention). On a GPU this page trains 200 steps live and shows the
-full 5,000-step runs as recorded; ``STEPKERNELS_FULL=1`` (or ``make bench``) runs them too.
+09 (cross-entropy) and 11 (attention). On a GPU this page trains 50 steps live and shows the
+full 5,000-step runs as recorded; ``STEPKERNELS_FULL=1`` (or ``make bench``) trains 200 steps
+live and runs those too.
 """
 
 # %%
@@ -429,10 +430,14 @@ def check_tokens(idx, targets, block_size=math.inf, vocab_size=None):
 # The first check of a model built from new kernels: at initialization, in fp32 (no tf32 on a
 # GPU), both versions must give the same logits, loss and gradient of every parameter. Each
 # kernel was tested alone; this checks the wiring: the views, the weight tying, the casts.
-# Under the interpreter we check the shape of ``python -m stepkernels.train --config tiny``.
+# We check the shape of ``python -m stepkernels.train --config tiny``; the full model, whose
+# fp32 kernels compile for this check alone (half a minute on a GPU), under
+# ``STEPKERNELS_FULL=1`` and in ``tests/test_gpt.py`` on a GPU.
 
 SMALL = preset("tiny")
-check_cfg = dataclasses.replace(FULL if tutorial.ON_GPU else SMALL, dropout=0.0)
+check_cfg = dataclasses.replace(
+    tutorial.choose(gpu=SMALL, cpu=SMALL, full=FULL), dropout=0.0
+)
 torch.manual_seed(0)
 model = GPT(check_cfg.model_config(data.vocab_size)).to(DEVICE)
 starts = torch.randint(len(data.train) - check_cfg.block_size - 1, (4,)).tolist()
@@ -508,11 +513,17 @@ assert losses[True][-1] < losses[True][0], "the small model should learn"
 torch.testing.assert_close(losses[True], losses[False], rtol=0, atol=1e-4)
 
 # %%
-# On a GPU, 200 steps of the full model follow, on our kernels replayed from a CUDA graph,
-# with the progress lines the command prints.
+# On a GPU, 50 steps of the full model follow (200 under ``STEPKERNELS_FULL=1``), on our
+# kernels replayed from a CUDA graph, with the progress lines the command prints (five).
 
-if tutorial.ON_GPU:
-    short = dataclasses.replace(FULL, **{**QUIET, "sample_tokens": 200}, max_steps=200)
+GPU_STEPS = tutorial.choose(gpu=50, cpu=0, full=200)  # none under the interpreter
+if GPU_STEPS:
+    short = dataclasses.replace(
+        FULL,
+        **{**QUIET, "sample_tokens": 200},
+        max_steps=GPU_STEPS,
+        log_interval=GPU_STEPS // 5,
+    )
     print(train.Trainer(short, data).train()["sample"])
 
 # %%

@@ -369,7 +369,9 @@ def split_backward(tensors, strides, options, n_rows, n_cols, num_locks, config)
 # split into chunks of 64, one row, a row that ends inside a chunk, and strided rows. Under the
 # interpreter, which runs one program at a time, every chunk but a row's last takes the way out;
 # on a GPU they meet, and the GPU also runs rows of 40,000 and 70,000 values, in every dtype
-# (on the CPU fp32 only: ``tests/test_layer_norm.py`` checks the others there).
+# (on the CPU fp32 only: ``tests/test_layer_norm.py`` checks the others there). Each case and
+# dtype compiles kernels, seconds each on a GPU: a quick GPU run checks three cases (rows of
+# 300 in chunks of 64, strided rows, rows of 40,000), ``STEPKERNELS_FULL=1`` all six.
 
 keep = lambda t: t
 cases = [
@@ -381,10 +383,11 @@ cases = [
 cases += bench.choose(
     gpu=[((64, 40000), 1, keep, None), ((9, 70000), 1, keep, None)], cpu=[]
 )
+CHECK_CASES = tutorial.choose(gpu=[cases[0], *cases[3:5]], cpu=cases, full=cases)
 dtypes = bench.choose(
     gpu=(torch.float16, torch.bfloat16, torch.float32), cpu=(torch.float32,)
 )
-check_layer_norm.check(layer_norm, cases, dtypes=dtypes)
+check_layer_norm.check(layer_norm, CHECK_CASES, dtypes=dtypes)
 
 # %%
 # Benchmark

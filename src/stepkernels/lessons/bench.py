@@ -3,7 +3,8 @@ r"""Timing, recording and plotting for the chapters' benchmarks, in one place.
 On a GPU, ``run(benchmark)`` measures, plots the rates against the hardware limit and prints a
 short headline (``Results.table()`` has every provider). By default a run is quick: each
 benchmark measures its largest size (every category of a benchmark of categories), every
-provider, drawn over the curves recorded on a GPU. With ``STEPKERNELS_FULL=1``, or
+provider but those of ``RECORDED_IN_QUICK_RUNS``, in its ``quick_dtypes``, drawn over the
+curves recorded on a GPU. With ``STEPKERNELS_FULL=1``, or
 ``STEPKERNELS_RECORD=1`` (``make bench``, which also writes the results folder), it measures
 every size (GPU time of CUDA-graph replays, L2 flushed). Without a GPU it calls every provider
 once at a small size, so the code runs, and shows the results recorded on a GPU instead:
@@ -51,9 +52,15 @@ def default_results_dir() -> Path:
     return Path(os.environ.get("STEPKERNELS_RESULTS", PACKAGE_RESULTS))
 
 
-def choose(gpu, cpu):
-    """The full-size value on a GPU, the small one under the interpreter."""
-    return gpu if ON_GPU else cpu
+def choose(gpu, cpu, full=None):
+    """The full-size value on a GPU, the small one under the interpreter.
+
+    ``full``, where given, is what a GPU takes under STEPKERNELS_FULL=1 or ``make bench``
+    (``full_sweep()``): a check's every case, say, where ``gpu`` names the few a learner's
+    quick run checks (the rest are in tests/)."""
+    if not ON_GPU:
+        return cpu
+    return full if full is not None and full_sweep() else gpu
 
 
 # ----------------------------------------------------------------------- benchmarks
@@ -98,6 +105,10 @@ class Benchmark:
     in_turns: bool = True
     # The provider the headline speaks for: None, "triton" or the first "triton ..." one.
     ours: str | None = None
+    # The dtypes a quick run measures (None: every one): each dtype compiles its own kernels,
+    # seconds each; () leaves the benchmark to its recording in a quick run (measured only
+    # where nothing is recorded).
+    quick_dtypes: tuple | None = None
     # Providers drawn as references, not peers (a limit measured as a provider, say); the
     # copy of the same bytes always is one.
     references: tuple = ()
@@ -1436,6 +1447,11 @@ def quick_providers(bench: Benchmark) -> list:
     return [p for p in bench.providers if not p.startswith(RECORDED_IN_QUICK_RUNS)]
 
 
+def quick_dtypes(bench: Benchmark) -> tuple:
+    """The dtypes a quick run measures: ``bench.quick_dtypes``, or every one."""
+    return bench.dtypes if bench.quick_dtypes is None else tuple(bench.quick_dtypes)
+
+
 def quick_x_values(bench: Benchmark) -> list:
     """The x values a quick run measures: the largest size (for every dtype and provider),
     or every category of a benchmark of categories (they are not sizes)."""
@@ -1457,19 +1473,22 @@ def measure_now(
             bench
             if full
             else dataclasses.replace(
-                bench, x_values=quick_x_values(bench), providers=quick_providers(bench)
+                bench,
+                x_values=quick_x_values(bench),
+                providers=quick_providers(bench),
+                dtypes=quick_dtypes(bench),
             )
         )
-        how = functools.partial(measure, timed)
-        partial = list(timed.x_values) != list(bench.x_values) or list(
-            timed.providers
-        ) != list(bench.providers)
+        how = functools.partial(measure, timed) if timed.dtypes else None
+        partial = (
+            list(timed.x_values) != list(bench.x_values)
+            or list(timed.providers) != list(bench.providers)
+            or list(timed.dtypes) != list(bench.dtypes)
+        )
     recorded = load_recorded(bench.name, gpu=gpu_name()) if partial else None
-    if partial and recorded is None and points_of is not None:
-        how, partial = (
-            points_of,
-            False,
-        )  # nothing recorded to show instead: measure it all
+    if partial and recorded is None and (points_of is not None or how is None):
+        # nothing recorded to show instead of what a quick run leaves out: measure it all
+        how, partial = points_of or functools.partial(measure, bench), False
     if how is None:
         print(
             f"{bench.name}: not measured in a quick run (STEPKERNELS_FULL=1 measures it)"
