@@ -185,6 +185,13 @@ def test_refusals():
         FusedAdamW(make_params([(3,)]), betas=(0.9, 1.0))
     with pytest.raises(ValueError, match="lr"):
         FusedAdamW(make_params([(3,)]), lr=-1.0)
+    with pytest.raises(TypeError, match="lr must be a number"):
+        FusedAdamW(make_params([(3,)]), lr="0.1")
+    with pytest.raises(TypeError, match="one float"):
+        FusedAdamW(make_params([(3,)]), lr=torch.tensor([1, 2]))
+    optimizer = FusedAdamW(make_params([(3,)]), lr=torch.tensor(1e-3, device="meta"))
+    with pytest.raises(ValueError, match="lr is a tensor on meta"):
+        optimizer.step()
 
 
 @pytest.mark.skipif(not ON_GPU, reason="CUDA graphs and full size need a GPU")

@@ -174,9 +174,10 @@ tutorial.show_refusals(
 # * q, k, v and the MLP's first layer with its GELU: ``linear``, one kernel (chapter 05);
 # * the projections back to the residual stream: ``linear``, then the bias and dropout in
 #   ``dropout_bias_act`` (chapters 05 and 06); the embeddings' dropout: ``dropout``;
-# * causal attention: ``attention`` (chapter 11); the loss: ``cross_entropy`` (chapter 09).
+# * causal attention: ``attention`` (chapter 11); the loss: ``cross_entropy`` (chapter 09);
+# * each residual addition with the norm after it: ``add_layer_norm``, one kernel (chapter 15).
 #
-# Embedding lookups and residual additions stay PyTorch's in both. nanoGPT also drops
+# Embedding lookups stay PyTorch's in both. nanoGPT also drops
 # attention probabilities; our attention kernel has no dropout, so neither version does.
 #
 # Under ``torch.autocast``, PyTorch runs matrix products in bf16 and norms and losses in fp32,

@@ -12,20 +12,24 @@ import triton.language as tl
 
 
 def adamw_arguments(lr, betas, eps, weight_decay):
+    """Refuse what torch.optim.AdamW refuses, and a rate in a tensor not of one float."""
     if isinstance(lr, torch.Tensor):
         if lr.numel() != 1 or not lr.is_floating_point():
-            raise ValueError(
+            raise TypeError(
                 f"lr as a tensor must hold one float, got {tuple(lr.shape)} {lr.dtype}"
             )
-    elif not (isinstance(lr, (int, float)) and lr >= 0):
-        raise ValueError(
-            f"lr must be a number >= 0 or a one-element tensor, got {lr!r}"
-        )
+        return adamw_arguments(0.0, betas, eps, weight_decay)
+    numbers = {"lr": lr, "eps": eps, "weight_decay": weight_decay}
+    if len(betas) == 2:
+        numbers.update(beta1=betas[0], beta2=betas[1])
+    for name, value in numbers.items():
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise TypeError(f"{name} must be a number, got {value!r}")
+    for name in ("lr", "eps", "weight_decay"):
+        if not numbers[name] >= 0:  # nan too
+            raise ValueError(f"{name} must be >= 0, got {numbers[name]!r}")
     if len(betas) != 2 or not all(0.0 <= beta < 1.0 for beta in betas):
         raise ValueError(f"betas must be two numbers in [0, 1), got {betas!r}")
-    for name, value in (("eps", eps), ("weight_decay", weight_decay)):
-        if not (isinstance(value, (int, float)) and value >= 0):
-            raise ValueError(f"{name} must be a number >= 0, got {value!r}")
 
 
 @lean
@@ -211,7 +215,10 @@ class FusedAdamW(torch.optim.Optimizer):
     def load_state_dict(self, state_dict):
         """Load a state dict of this optimizer or of ``torch.optim.AdamW``."""
         super().load_state_dict(state_dict)  # new tensors in self.state: copied back
-        for index in range(len(self.flats)):
+        for index, group in enumerate(self.param_groups):
+            device = self.flats[index][0].device
+            if isinstance(group["lr"], torch.Tensor):  # saved from elsewhere: the CPU's
+                group["lr"] = group["lr"].to(device)
             counts = set()
             for p, _, _, exp_avg, exp_avg_sq in self.views(index):
                 loaded = self.state.get(p, {})

@@ -88,6 +88,7 @@ def add_layer_norm_backward_kernel(
     ROWS_PER_PROGRAM: tl.constexpr,
     HAS_WEIGHT: tl.constexpr,
     HAS_DH: tl.constexpr,
+    REDUCTION: tl.constexpr,  # "two-stage": a partial row a program (chapter 03)
 ):
     program_id = tl.program_id(axis=0)
     cols = tl.arange(0, BLOCK_N)
@@ -114,34 +115,32 @@ def add_layer_norm_backward_kernel(
         dw, db = dw + dy * h_hat, db + dy  # masked lanes: dy = 0
     slots = (program_id, program_id, 0)
     flush_partials(
-        (partial_ptr, partial_ptr), (dw, db), (cols, col_mask), N, slots, "two-stage"
+        (partial_ptr, partial_ptr), (dw, db), (cols, col_mask), N, slots, REDUCTION
     )
 
 
 MAX_BLOCK = 8192  # longer rows: the sum, then chapter 03's layer norm
-FORWARD_TILE, BACKWARD_ROWS = (
-    4096,
-    16,
-)  # values a forward program holds; rows a backward one
+FORWARD_TILE = 4096  # values a forward program holds: rows of up to 4,096 columns
+BACKWARD_MAX_ROWS = 64
+
+
+@functools.cache  # once per shape: off the call's path
+def forward_config(n_cols, n_rows):
+    block = triton.next_power_of_2(n_cols)
+    rows = max(1, min(FORWARD_TILE // block, triton.next_power_of_2(n_rows)))
+    warps = max(1, min(16, rows * block // 1024))
+    return dict(BLOCK_N=block, ROWS_PER_PROGRAM=rows, num_warps=warps)
 
 
 @functools.cache
-def launch_config(n_cols, n_rows):
+def backward_config(n_cols, n_rows):
+    """A row at a time, as chapter 03's backward: enough programs to fill the GPU, each
+    with enough rows that the partial sums stay small beside the stream."""
     block = triton.next_power_of_2(n_cols)
-    rows = max(1, min(FORWARD_TILE // block, triton.next_power_of_2(n_rows)))
-    programs = 4 if INTERPRET else max(1, MAX_BLOCK // block) * sm_count()
-    per_program = min(
-        BACKWARD_ROWS, triton.next_power_of_2(triton.cdiv(n_rows, programs))
-    )
-    return dict(
-        BLOCK_N=block,
-        ROWS_PER_PROGRAM=rows,
-        num_warps=max(1, min(16, rows * block // 1024)),
-    ), dict(
-        BLOCK_N=block,
-        ROWS_PER_PROGRAM=per_program,
-        num_warps=max(4, min(16, block // 1024)),
-    )
+    programs = 4 if INTERPRET else max(1, 4096 // block) * sm_count()
+    wanted = triton.next_power_of_2(triton.cdiv(n_rows, programs))
+    rows = min(BACKWARD_MAX_ROWS, wanted)
+    return dict(BLOCK_N=block, ROWS_PER_PROGRAM=rows, num_warps=max(4, block // 1024))
 
 
 class AddLayerNormFunction(torch.autograd.Function):
@@ -152,7 +151,7 @@ class AddLayerNormFunction(torch.autograd.Function):
         h = torch.empty((n_rows, n_cols), device=device, dtype=dtype)
         y = torch.empty_like(h)
         mean, rstd = (torch.empty(n_rows, device=device) for _ in "mr")
-        forward, _ = launch_config(n_cols, n_rows)
+        forward = forward_config(n_cols, n_rows)
         grid = (triton.cdiv(n_rows, forward["ROWS_PER_PROGRAM"]),)
         affine = dict(HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None)
         add_layer_norm_forward_kernel[grid](
@@ -189,7 +188,7 @@ class AddLayerNormFunction(torch.autograd.Function):
         if dy is None:  # y unused: the sum's gradient passes through, none for w and b
             return dh.to(dx_dtype), dh.to(residual_dtype), None, None, None
         dy, dh = as_rows(dy), None if dh is None else as_rows(dh)
-        _, backward = launch_config(n_cols, n_rows)
+        backward = backward_config(n_cols, n_rows)
         programs = triton.cdiv(n_rows, backward["ROWS_PER_PROGRAM"])
         partials = torch.empty((programs, 2, n_cols), device=device)
         dx = torch.empty_like(h)
@@ -208,6 +207,7 @@ class AddLayerNormFunction(torch.autograd.Function):
             n_cols,
             HAS_WEIGHT=weight is not None,
             HAS_DH=dh is not None,
+            REDUCTION="two-stage",
             **backward,
         )
         sums = partials.sum(dim=0)  # (2, N): dW, dB in fp32, rounded once below
