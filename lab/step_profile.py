@@ -12,6 +12,12 @@ group per provider and shape, plus an "(other kernels)" row; chapter 15 shows it
     python lab/step_profile.py                              # the Shakespeare model
     python lab/step_profile.py --shape shakespeare --shape gpt2-small
     python lab/step_profile.py --shape toy --csv /tmp/profile.csv   # a CPU: checks the script
+    python lab/step_profile.py --ablate      # also ours replayed without each fusion of ch. 15
+
+``--ablate`` adds two providers: ours replayed from a CUDA graph with PyTorch's fused AdamW
+instead of ``FusedAdamW``, and with the residual addition apart from the norm (PyTorch's
+addition, then chapter 03's ``layer_norm``) instead of ``add_layer_norm``: what each fusion
+gives the whole step.
 
 Shapes: ``shakespeare`` (nanoGPT's: 6 layers, 6 heads, 384 wide, context 256, batch 64),
 ``gpt2-small`` (12 layers, 12 heads, 768 wide, context 1,024, batch 8), ``toy`` (1 layer of 16,
@@ -27,14 +33,16 @@ from __future__ import annotations
 
 import argparse
 from collections import defaultdict
+import contextlib
 import csv
+import dataclasses
 import gc
 from pathlib import Path
 import sys
 import time
 
 from stepkernels.lessons import bench
-from stepkernels.models import train
+from stepkernels.models import gpt, train
 from stepkernels.models.config import preset
 from stepkernels.models.data import load_shakespeare
 from stepkernels.runtime.core import ON_GPU
@@ -55,6 +63,11 @@ PROVIDERS = {  # name: (use_triton, step)
     "torch + CUDA graph": (False, "graph"),
     "triton": (True, "eager"),
     "triton + CUDA graph": (True, "graph"),
+}
+# Ours replayed without one of chapter 15's fusions (--ablate): provider -> what is undone.
+ABLATIONS = {
+    "triton + CUDA graph, PyTorch's AdamW": "adamw",
+    "triton + CUDA graph, add then norm": "add_norm",
 }
 TOP = 25
 # The CPU's calls that start work on the GPU (a replayed graph is one call).
@@ -124,10 +137,46 @@ def launch_calls(prof) -> int:
     return sum(1 for e in prof.events() if e.name in LAUNCH_CALLS)
 
 
+class AddThenNorm(gpt.TritonLayers):
+    """Our layers with the residual addition apart: PyTorch's addition, then our norm."""
+
+    def add_norm(self, x, residual, norm):
+        x = x if residual is None else x + residual
+        return x, self.norm(x, norm)
+
+
+@contextlib.contextmanager
+def undone(fusion: str | None):
+    """The GPT's layers without the add + norm fusion while inside, for "add_norm"."""
+    if fusion != "add_norm":
+        yield
+        return
+    original, gpt.TritonLayers = gpt.TritonLayers, AddThenNorm
+    try:
+        yield
+    finally:
+        gpt.TritonLayers = original
+
+
+def make_trainer(shape, provider, data):
+    fusion = ABLATIONS.get(provider)
+    use_triton, step = PROVIDERS[provider] if fusion is None else (True, "graph")
+    cfg = config_of(shape, use_triton, step)
+    trainer = train.Trainer(cfg, data)
+    if fusion == "adamw":  # PyTorch's fused AdamW, as for its layers, over our views
+        torch_cfg = dataclasses.replace(cfg, use_triton=False)
+        trainer.optimizer = train.make_optimizer(trainer.model, torch_cfg)
+    return trainer
+
+
 def profile_provider(shape, provider, data, warmup, timed, profiled):
     """Rows of the table for one provider at one shape."""
-    use_triton, step = PROVIDERS[provider]
-    trainer = train.Trainer(config_of(shape, use_triton, step), data)
+    with undone(ABLATIONS.get(provider)):
+        return profile_trainer(shape, provider, data, warmup, timed, profiled)
+
+
+def profile_trainer(shape, provider, data, warmup, timed, profiled):
+    trainer = make_trainer(shape, provider, data)
     for _ in range(warmup):  # compiles, autotunes; the graph is recorded at the 4th step
         trainer.run_step()
     ms = step_ms(trainer, timed)
@@ -207,11 +256,13 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--timed", type=int, default=50 if ON_GPU else 1)
     parser.add_argument("--profiled", type=int, default=5 if ON_GPU else 1)
     parser.add_argument("--csv", type=Path, help="where the table goes")
+    parser.add_argument("--ablate", action="store_true", help="also ours without each fusion (a GPU)")
     args = parser.parse_args(argv)
     shapes = args.shape or ["shakespeare"]
     providers = args.provider or [p for p, (_, step) in PROVIDERS.items() if ON_GPU or step == "eager"]
-    if not ON_GPU and any(PROVIDERS[p][1] == "graph" for p in providers):
-        parser.error("--provider: CUDA graphs need a GPU")
+    if not ON_GPU and (args.ablate or any(PROVIDERS[p][1] == "graph" for p in providers)):
+        parser.error("--provider, --ablate: CUDA graphs need a GPU")
+    providers += list(ABLATIONS) if args.ablate else []
     path = args.csv or default_csv()
     data = load_shakespeare()
     rows = []

@@ -62,3 +62,26 @@ def test_refuses_graphs_without_a_gpu(step_profile, tmp_path):
         pytest.skip("a GPU runs graphs")
     with pytest.raises(SystemExit):
         step_profile.main(["--shape", "toy", "--provider", "torch + CUDA graph", "--csv", str(tmp_path / "x.csv")])
+
+
+def test_the_add_norm_ablation_runs_the_addition_apart(step_profile, monkeypatch):
+    """--ablate's "add then norm": the GPT's layers never call add_layer_norm inside, and the
+    loss is the fused one's (fp32)."""
+    import torch
+    from stepkernels.models import gpt
+
+    torch.manual_seed(0)
+    model = gpt.GPT(gpt.GPTConfig(20, block_size=8, n_layer=1, n_head=2, n_embd=16))
+    idx = torch.randint(20, (2, 8))
+    fused = model(idx, idx)[1]
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("add_layer_norm called in the ablation")
+
+    monkeypatch.setattr(gpt, "add_layer_norm", refuse)
+    with step_profile.undone("add_norm"):
+        apart = model(idx, idx)[1]
+    assert gpt.TritonLayers is not step_profile.AddThenNorm, "restored on leaving"
+    torch.testing.assert_close(apart, fused, rtol=1e-5, atol=1e-6)
+    with pytest.raises(AssertionError, match="add_layer_norm called"):
+        model(idx, idx)
