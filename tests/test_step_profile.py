@@ -67,8 +67,8 @@ def test_refuses_graphs_without_a_gpu(step_profile, tmp_path):
 def test_the_add_norm_ablation_runs_the_addition_apart(step_profile, monkeypatch):
     """--ablate's "add then norm": the GPT's layers never call add_layer_norm inside, and the
     loss is the fused one's (fp32)."""
-    import torch
     from stepkernels.models import gpt
+    import torch
 
     torch.manual_seed(0)
     model = gpt.GPT(gpt.GPTConfig(20, block_size=8, n_layer=1, n_head=2, n_embd=16))
