@@ -163,7 +163,7 @@ def make_trainer(shape, provider, data):
     use_triton, step = PROVIDERS[provider] if fusion is None else (True, "graph")
     cfg = config_of(shape, use_triton, step)
     trainer = train.Trainer(cfg, data)
-    if fusion == "adamw":  # PyTorch's fused AdamW, as for its layers, over our views
+    if fusion == "adamw":  # PyTorch's fused AdamW, as its layers train with
         torch_cfg = dataclasses.replace(cfg, use_triton=False)
         trainer.optimizer = train.make_optimizer(trainer.model, torch_cfg)
     return trainer

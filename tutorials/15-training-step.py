@@ -9,8 +9,8 @@ and the residual addition with the layer norm that follows it. What you will lea
 * reading a profile of a whole step: kernels by total time, launches per step, shares;
 * how many bytes the optimizer and the residual stream move, and what that costs at the
   GPU's bandwidth;
-* an optimizer as flat buffers: parameters, gradients and moments as views of one tensor,
-  so that one elementwise kernel updates them all, and a CUDA graph replays it;
+* one elementwise kernel over many tensors: a table of their addresses, read on the GPU,
+  kept right for the gradients autograd allocates and for a CUDA graph's replays;
 * a forward that writes two outputs, and a backward that takes two incoming gradients.
 
 Prerequisites: chapters 03 (layer norm), 08 (CUDA graphs) and 12 (the GPT and its training
@@ -127,8 +127,8 @@ if race is not None:
 # %%
 # Each part is a few per cent of a step at most: fusing them cannot by itself close the gap
 # to the products, and the profile shows where the rest goes. What fusion also saves is
-# launches: PyTorch's fused AdamW launches per group of tensors and counts the steps in
-# kernels of their own, and every addition is a kernel, forward and backward.
+# launches: PyTorch's fused AdamW counts the steps in a kernel of its own and launches its
+# update per group of tensors, and every addition is a kernel, forward and backward.
 #
 # AdamW, one kernel a group
 # -------------------------
@@ -138,15 +138,21 @@ if race is not None:
 #     m ← β₁ m + (1 − β₁) g,   v ← β₂ v + (1 − β₂) g²
 #     p ← p − lr / (1 − β₁ᵗ) · m / (√v / √(1 − β₂ᵗ) + ε)
 #
-# Every element is independent: it is chapter 01's vector addition with four inputs. What
-# makes it one launch is the memory layout. At construction our optimizer copies a group's
-# parameters into one flat fp32 buffer and makes each parameter a view of it (``p.data =
-# view``); gradients and moments get flat buffers too. The step then is one launch per group
-# over the whole buffer. The gradients stay allocated: autograd adds into an existing
-# gradient in place, so the kernel sets each gradient back to zero after reading it, and the
-# next backward, replayed from a graph, adds into zeros. The learning rate is read from a
-# tensor, and the step count lives on the GPU, so that a CUDA graph of the step replays a new
-# rate and a new t at each step.
+# Every element is independent: it is chapter 01's vector addition with four inputs. The
+# question is how one launch finds elements that live in 26 tensors scattered in memory.
+# The moments are ours: we keep each group's in two flat fp32 buffers, and each parameter's
+# moments are views of them. The parameters and their gradients are not: making them views
+# of flat buffers too (``p.data = view``) would need gradients that stay allocated, and
+# autograd adds a new gradient into an existing one with a kernel per parameter, where it
+# otherwise hands over the tensor it computed. So the kernel reads a table instead: one row
+# per tensor with the addresses of the parameter and of its gradient, where its moments
+# start, its length and its first block, and a second table that maps each program to its
+# tensor. A program loads its row, turns the two addresses into pointers
+# (``.to(tl.pointer_type(tl.float32))``, as Triton's grouped-GEMM tutorial does) and updates
+# one block of 1,024 elements of one tensor.
+#
+# The learning rate is read from a tensor and the step count lives on the GPU, so that a
+# CUDA graph of the step replays a new rate and a new t at each step.
 
 
 # %%
@@ -158,7 +164,106 @@ import torch
 import triton
 import triton.language as tl
 
+COLUMNS = 5  # a tensor's row: parameter address, gradient address, start, numel, block
 
+
+@lean
+@triton.jit
+def adamw_kernel(
+    tensors_ptr,  # int64 rows of COLUMNS, one per parameter (a gradient address 0: none)
+    block_tensor_ptr,  # int32, per program: the row of the tensor its block belongs to
+    exp_avg_ptr,  # the group's first moments m, fp32, flat
+    exp_avg_sq_ptr,  # its second moments v
+    lr_ptr,  # the learning rate, a tensor a CUDA graph's replays read afresh
+    step_ptr,  # the step number t, already counted for this step
+    lr_value,  # the learning rate when it is a number (LR_IN_TENSOR False)
+    beta1,
+    beta2,
+    eps,
+    weight_decay,
+    LR_IN_TENSOR: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    program_id = tl.program_id(axis=0)
+    row = (
+        tensors_ptr + tl.load(block_tensor_ptr + program_id).to(tl.int64) * 5
+    )  # COLUMNS
+    param_ptr = tl.load(row).to(tl.pointer_type(tl.float32))
+    grad_address = tl.load(row + 1)
+    grad_ptr = grad_address.to(tl.pointer_type(tl.float32))
+    start, numel, first_block = tl.load(row + 2), tl.load(row + 3), tl.load(row + 4)
+    offsets = (program_id - first_block) * BLOCK + tl.arange(0, BLOCK)
+    mask = offsets < tl.where(grad_address != 0, numel, 0)  # no gradient: left alone
+    lr = tl.load(lr_ptr).to(tl.float32) if LR_IN_TENSOR else lr_value
+    step = tl.load(step_ptr)
+    # 1 - beta**t, with beta**t as 2**(t log2 beta): a scalar per program
+    correction1 = 1.0 - tl.exp2(step * tl.log2(beta1))
+    correction2 = 1.0 - tl.exp2(step * tl.log2(beta2))
+    param = tl.load(param_ptr + offsets, mask=mask)
+    grad = tl.load(grad_ptr + offsets, mask=mask)
+    exp_avg = tl.load(exp_avg_ptr + start + offsets, mask=mask)
+    exp_avg_sq = tl.load(exp_avg_sq_ptr + start + offsets, mask=mask)
+    param = param * (1.0 - lr * weight_decay)  # decoupled weight decay, first
+    exp_avg = beta1 * exp_avg + (1.0 - beta1) * grad
+    exp_avg_sq = beta2 * exp_avg_sq + (1.0 - beta2) * grad * grad
+    denominator = tl.sqrt(exp_avg_sq) / tl.sqrt(correction2) + eps
+    param -= (lr / correction1) * exp_avg / denominator
+    tl.store(param_ptr + offsets, param, mask=mask)
+    tl.store(exp_avg_ptr + start + offsets, exp_avg, mask=mask)
+    tl.store(exp_avg_sq_ptr + start + offsets, exp_avg_sq, mask=mask)
+
+
+# %%
+# The wrapper launches the kernel over one group: blocks of 1,024 elements and 4 warps, so
+# each thread holds 8 values of each of the four streams; no block spans two tensors, and
+# the Shakespeare model's 10.7M parameters make a grid of about 10,500 programs, many per SM.
+
+# @save ops/adamw
+ADAMW_BLOCK, ADAMW_WARPS = 1024, 4
+
+
+def adamw_update(tables, moments, lr, beta1, beta2, eps, weight_decay, step):
+    """One AdamW step over a group: ``tables`` = (its tensors' rows, each program's row),
+    ``moments`` = its flat (exp_avg, exp_avg_sq); ``step``: one fp32 value, this step's t."""
+    tensors, block_tensor = tables
+    if block_tensor.numel() == 0:
+        return
+    in_tensor = isinstance(lr, torch.Tensor)
+    if in_tensor and lr.device != tensors.device:
+        raise ValueError(
+            f"lr is a tensor on {lr.device}, the parameters on {tensors.device}: make it "
+            f"on theirs, torch.tensor(lr, device='{tensors.device}')"
+        )
+    with quiet():  # the interpreter's numpy warns at log2(0), for beta = 0
+        adamw_kernel[(block_tensor.numel(),)](
+            tensors,
+            block_tensor,
+            *moments,
+            lr if in_tensor else step,  # not read when the rate is a number
+            step,
+            0.0 if in_tensor else float(lr),
+            beta1,
+            beta2,
+            eps,
+            weight_decay,
+            LR_IN_TENSOR=in_tensor,
+            BLOCK=ADAMW_BLOCK,
+            num_warps=ADAMW_WARPS,
+        )
+
+
+# %%
+# The optimizer is a ``torch.optim.Optimizer``: its parameter groups, learning rates and
+# ``state`` (``exp_avg``, ``exp_avg_sq`` and ``step`` per parameter, as PyTorch's AdamW keeps
+# them) are the usual ones, so the training command saves and resumes it as it does
+# PyTorch's, and a checkpoint of either optimizer loads into the other. The addresses in the
+# table are written from the CPU, and only when they change: gradients that autograd
+# allocates anew at each step (``zero_grad`` sets them to None) often come back at the same
+# addresses. Under CUDA-graph capture the copy is always recorded, from pinned memory the
+# optimizer keeps, so that every replay writes the addresses of the graph's own gradients.
+
+
+# @save ops/adamw
 def adamw_arguments(lr, betas, eps, weight_decay):
     """Refuse what torch.optim.AdamW refuses, and a rate in a tensor not of one float."""
     if isinstance(lr, torch.Tensor):
@@ -180,116 +285,27 @@ def adamw_arguments(lr, betas, eps, weight_decay):
         raise ValueError(f"betas must be two numbers in [0, 1), got {betas!r}")
 
 
-@lean
-@triton.jit
-def adamw_kernel(
-    param_ptr,  # fp32 parameters, updated in place
-    grad_ptr,  # their gradients, read, then set to 0 for the next step's backward
-    exp_avg_ptr,  # first moment m, fp32
-    exp_avg_sq_ptr,  # second moment v, fp32
-    lr_ptr,  # the learning rate, a tensor a CUDA graph's replays read afresh
-    step_ptr,  # the step number t, already counted for this step
-    n_elements,
-    lr_value,  # the learning rate when it is a number (LR_IN_TENSOR False)
-    beta1,
-    beta2,
-    eps,
-    weight_decay,
-    LR_IN_TENSOR: tl.constexpr,
-    BLOCK: tl.constexpr,
-):
-    offsets = tl.program_id(axis=0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = offsets < n_elements
-    lr = tl.load(lr_ptr).to(tl.float32) if LR_IN_TENSOR else lr_value
-    step = tl.load(step_ptr)
-    # 1 - beta**t, with beta**t as 2**(t log2 beta): a scalar per program
-    correction1 = 1.0 - tl.exp2(step * tl.log2(beta1))
-    correction2 = 1.0 - tl.exp2(step * tl.log2(beta2))
-    param = tl.load(param_ptr + offsets, mask=mask)
-    grad = tl.load(grad_ptr + offsets, mask=mask)
-    exp_avg = tl.load(exp_avg_ptr + offsets, mask=mask)
-    exp_avg_sq = tl.load(exp_avg_sq_ptr + offsets, mask=mask)
-    param = param * (1.0 - lr * weight_decay)  # decoupled weight decay, first
-    exp_avg = beta1 * exp_avg + (1.0 - beta1) * grad
-    exp_avg_sq = beta2 * exp_avg_sq + (1.0 - beta2) * grad * grad
-    denominator = tl.sqrt(exp_avg_sq) / tl.sqrt(correction2) + eps
-    param -= (lr / correction1) * exp_avg / denominator
-    tl.store(param_ptr + offsets, param, mask=mask)
-    tl.store(exp_avg_ptr + offsets, exp_avg, mask=mask)
-    tl.store(exp_avg_sq_ptr + offsets, exp_avg_sq, mask=mask)
-    tl.store(grad_ptr + offsets, tl.zeros_like(grad), mask=mask)
-
-
-# %%
-# The wrapper launches the kernel over one group's buffers: blocks of 1,024 elements and 4
-# warps, so each thread holds 8 values of each of the four streams, and the Shakespeare
-# model's 10.7M parameters make a grid of about 10,000 programs, many per SM.
-
-# @save ops/adamw
-ADAMW_BLOCK, ADAMW_WARPS = 1024, 4
-
-
-def adamw_update(flat, lr, beta1, beta2, eps, weight_decay, step):
-    """One AdamW step over ``flat`` = (params, grads, exp_avg, exp_avg_sq), four fp32
-    buffers of one length; ``step``: a one-element fp32 tensor, t of this step."""
-    params = flat[0]
-    n_elements = params.numel()
-    if n_elements == 0:
-        return
-    in_tensor = isinstance(lr, torch.Tensor)
-    if in_tensor and lr.device != params.device:
-        raise ValueError(
-            f"lr is a tensor on {lr.device}, the parameters on {params.device}: make it "
-            f"on theirs, torch.tensor(lr, device='{params.device}')"
-        )
-    grid = (triton.cdiv(n_elements, ADAMW_BLOCK),)
-    with quiet():  # the interpreter's numpy warns at log2(0), for beta = 0
-        adamw_kernel[grid](
-            *flat,
-            lr if in_tensor else step,  # not read when the rate is a number
-            step,
-            n_elements,
-            0.0 if in_tensor else float(lr),
-            beta1,
-            beta2,
-            eps,
-            weight_decay,
-            LR_IN_TENSOR=in_tensor,
-            BLOCK=ADAMW_BLOCK,
-            num_warps=ADAMW_WARPS,
-        )
-
-
-# %%
-# The optimizer is a ``torch.optim.Optimizer``: its parameter groups, learning rates and
-# ``state`` (``exp_avg``, ``exp_avg_sq`` and ``step`` per parameter, as PyTorch's AdamW keeps
-# them) are the usual ones, so the training command saves and resumes it as it does
-# PyTorch's, and a checkpoint of either optimizer loads into the other. Only where the
-# tensors live differs: views of the flat buffers, and one step count per group.
-
-
-# @save ops/adamw
 class FusedAdamW(torch.optim.Optimizer):
     """``torch.optim.AdamW`` as one kernel launch per parameter group (and one that counts
-    the steps of all groups).
-
-    At construction each group's parameters move into one flat fp32 buffer, and each
-    parameter becomes a view into it; so do their gradients (which stay allocated: zero_grad
-    zeroes them in place, and each step leaves them at zero) and the moments. The learning
-    rate may be a number or a one-element tensor, which a CUDA graph of the step reads
-    afresh at every replay (as ``capturable=True`` does for PyTorch's). The state dict is
+    the steps of all groups), with the learning rate a number or a one-element tensor, which
+    a CUDA graph of the step reads afresh at every replay (as ``capturable=True`` does for
+    PyTorch's). Parameters: fp32, contiguous, a group's on one device. The state dict is
     that of ``torch.optim.AdamW``: a checkpoint of either loads into the other.
 
-    Every parameter of a group is updated at every step, whether it got a gradient or not
-    (then its gradient is zero: its moments decay, weight decay applies); PyTorch's skips
-    parameters whose gradient is None. Move the model to its device before making this
-    optimizer: ``model.to(...)`` afterwards would leave the parameters outside the buffers."""
+    One step count per group: a parameter without a gradient is left as it is (as
+    PyTorch's does), but its group's count goes on, where PyTorch's keeps one per
+    parameter."""
 
     def __init__(
         self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2
     ):
         adamw_arguments(lr, betas, eps, weight_decay)
-        self.flats = []  # per group: (params, grads, exp_avg, exp_avg_sq) flat buffers
+        self.moments = []  # per group: flat (exp_avg, exp_avg_sq)
+        self.tables = []  # per group: [rows of its tensors, each program's row]
+        self.fixed = []  # per group: the rows' columns that never change, on the CPU
+        self.addresses = []  # per group: the addresses its table holds now
+        self.spares = []  # per group: pinned host rows for the next CUDA-graph capture
+        self.pinned = []  # host rows that recorded graphs read at each replay: kept
         self.steps = None  # one fp32 step count per group, on the parameters' device
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
         super().__init__(params, defaults)
@@ -298,50 +314,79 @@ class FusedAdamW(torch.optim.Optimizer):
         super().add_param_group(param_group)
         params = self.param_groups[-1]["params"]
         for p in params:
-            check_tensor(p, "a parameter", (torch.float32,))
+            check_tensor(p, "a parameter", (torch.float32,), contiguous=True)
         device = params[0].device if params else DEVICE
         if any(p.device != device for p in params):
             raise ValueError(f"a group's parameters must share one device, {device}")
-        total = sum(p.numel() for p in params)
-        self.flats.append([torch.zeros(total, device=device) for _ in range(4)])
-        index = len(self.flats) - 1
-        for p, param, grad, _, _ in self.views(index):
-            param.copy_(p.detach())
-            if p.grad is not None:
-                grad.copy_(p.grad)
-            p.data, p.grad = param, grad
-        steps = torch.zeros(len(self.flats), device=device)
+        sizes = torch.tensor([p.numel() for p in params], dtype=torch.int64)
+        blocks = (sizes + ADAMW_BLOCK - 1) // ADAMW_BLOCK
+        rows = torch.zeros(len(params), COLUMNS, dtype=torch.int64)
+        rows[:, 2] = sizes.cumsum(0) - sizes  # where each tensor's moments start
+        rows[:, 3] = sizes
+        rows[:, 4] = blocks.cumsum(0) - blocks  # its first program
+        block_tensor = torch.arange(len(params)).repeat_interleave(blocks)
+        self.tables.append([rows.to(device), block_tensor.to(device, torch.int32)])
+        self.fixed.append(rows)
+        self.spares.append(rows.pin_memory() if device.type == "cuda" else None)
+        self.addresses.append(None)
+        total = int(sizes.sum())
+        self.moments.append([torch.zeros(total, device=device) for _ in range(2)])
+        index = len(self.moments) - 1
+        steps = torch.zeros(len(self.moments), device=device)
         if self.steps is not None:
             steps[:index] = self.steps
         self.steps = steps
-        for group in range(len(self.flats)):  # the new step tensor, in every state
+        for group in range(len(self.moments)):  # the new step tensor, in every state
             self.link_state(group)
 
     def views(self, index):
-        """(parameter, then its views of the four flat buffers) for group ``index``."""
+        """(parameter, its exp_avg view, its exp_avg_sq view) for group ``index``."""
         start = 0
         for p in self.param_groups[index]["params"]:
             end = start + p.numel()
-            yield p, *(buffer[start:end].view_as(p) for buffer in self.flats[index])
+            yield p, *(flat[start:end].view_as(p) for flat in self.moments[index])
             start = end
 
     def link_state(self, index):
         """Each parameter's state as PyTorch's AdamW names it: views, and the group's step."""
-        for p, _, _, exp_avg, exp_avg_sq in self.views(index):
+        for p, exp_avg, exp_avg_sq in self.views(index):
             self.state[p] = dict(
                 step=self.steps[index], exp_avg=exp_avg, exp_avg_sq=exp_avg_sq
             )
 
-    def keep_gradients_in_place(self):
-        """Put back a gradient that something replaced (``model.zero_grad()`` sets them to
-        None; autograd then allocates new ones), copying its values into the buffer."""
-        for index in range(len(self.flats)):
-            for p, _, grad, _, _ in self.views(index):
-                if p.grad is None:
-                    grad.zero_()
-                elif p.grad.data_ptr() != grad.data_ptr():
-                    grad.copy_(p.grad)
-                p.grad = grad
+    def write_addresses(self, index):
+        """Point group ``index``'s table at its parameters and their gradients."""
+        addresses = []
+        for p in self.param_groups[index]["params"]:
+            grad = p.grad
+            if grad is not None and (grad.shape != p.shape or not grad.is_contiguous()):
+                raise ValueError(
+                    f"a gradient of shape {tuple(grad.shape)}, strides {grad.stride()} "
+                    f"for a parameter of shape {tuple(p.shape)}: FusedAdamW reads "
+                    "contiguous gradients of the parameter's shape"
+                )
+            addresses.append((p.data_ptr(), 0 if grad is None else grad.data_ptr()))
+        tensors = self.tables[index][0]
+        capturing = tensors.is_cuda and torch.cuda.is_current_stream_capturing()
+        if tensors.is_cuda and self.spares[index] is None and not capturing:
+            # pinned outside any capture, for the next one to record its copy from
+            self.spares[index] = self.fixed[index].pin_memory()
+        if addresses == self.addresses[index] and not capturing:
+            return
+        if capturing:  # the graph reads these rows at every replay: never reused
+            rows, self.spares[index] = self.spares[index], None
+            if rows is None:
+                raise RuntimeError(
+                    "FusedAdamW: a second CUDA-graph capture without an eager step since "
+                    "the last: run one step eagerly before capturing again"
+                )
+            self.pinned.append(rows)
+        else:
+            rows = self.fixed[index].clone()
+            rows = rows.pin_memory() if tensors.is_cuda else rows
+        rows[:, :2] = torch.tensor(addresses, dtype=torch.int64).reshape(-1, 2)
+        tensors.copy_(rows, non_blocking=True)
+        self.addresses[index] = addresses
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -349,26 +394,21 @@ class FusedAdamW(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self.keep_gradients_in_place()
         self.steps += 1
         for index, group in enumerate(self.param_groups):
+            self.write_addresses(index)
             beta1, beta2 = group["betas"]
             args = (group["lr"], beta1, beta2, group["eps"], group["weight_decay"])
-            adamw_update(self.flats[index], *args, self.steps[index : index + 1])
+            step = self.steps[index : index + 1]
+            adamw_update(self.tables[index], self.moments[index], *args, step)
         return loss
-
-    def zero_grad(self, set_to_none=True):
-        """Zero the gradients in place (they stay views into the buffer: never None)."""
-        self.keep_gradients_in_place()
-        for flat in self.flats:
-            flat[1].zero_()
 
     def state_dict(self):
         """PyTorch's AdamW's layout: each parameter's own step tensor and moments."""
         saved, index = super().state_dict(), 0
         saved["state"] = {}
-        for group in range(len(self.flats)):
-            for _, _, _, exp_avg, exp_avg_sq in self.views(group):
+        for group in range(len(self.moments)):
+            for _, exp_avg, exp_avg_sq in self.views(group):
                 step = self.steps[group].clone()
                 entry = dict(step=step, exp_avg=exp_avg, exp_avg_sq=exp_avg_sq)
                 saved["state"][index] = entry
@@ -379,11 +419,11 @@ class FusedAdamW(torch.optim.Optimizer):
         """Load a state dict of this optimizer or of ``torch.optim.AdamW``."""
         super().load_state_dict(state_dict)  # new tensors in self.state: copied back
         for index, group in enumerate(self.param_groups):
-            device = self.flats[index][0].device
+            device = self.moments[index][0].device
             if isinstance(group["lr"], torch.Tensor):  # saved from elsewhere: the CPU's
                 group["lr"] = group["lr"].to(device)
             counts = set()
-            for p, _, _, exp_avg, exp_avg_sq in self.views(index):
+            for p, exp_avg, exp_avg_sq in self.views(index):
                 loaded = self.state.get(p, {})
                 for name, view in (("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)):
                     view.copy_(loaded[name]) if name in loaded else view.zero_()
@@ -424,7 +464,7 @@ def check_adamw(shapes, steps=5, seed=0):
     for _ in range(steps):
         for a, b in zip(ours, theirs, strict=True):
             g = torch.randn(a.shape, generator=generator).to(DEVICE)
-            a.grad.copy_(g)
+            a.grad = g.clone()
             b.grad = g.clone()
         for optimizer in optimizers:
             optimizer.step()
@@ -524,7 +564,7 @@ optimizer_step = bench.run(
 # program adds its rows in registers and writes one partial row with chapter 03's
 # ``flush_partials`` (``runtime/partials``), and one more launch sums the partial rows.
 #
-# The sum is stored in h's dtype, then read back as stored: the norm normalizes exactly the h
+# The sum is rounded to h's dtype before the norm uses it: the norm normalizes exactly the h
 # that the stream carries on, as PyTorch's two kernels do. Under autocast the stream is fp32
 # and the update bf16; h is fp32, the wider of the two.
 
@@ -597,6 +637,13 @@ def add_layer_norm_forward_kernel(
     tl.store(rstd_ptr + rows, rstd, mask=row_mask)
 
 
+# %%
+# The backward walks its rows one at a time, as chapter 03's does, with dW and dB summed in
+# registers over the rows of the program; ``HAS_DH`` is off when the sum h is not used
+# further (the block's last norm, say), and then dx is the norm's gradient alone.
+
+
+# @save ops/add_layer_norm
 @lean
 @triton.jit
 def add_layer_norm_backward_kernel(
@@ -647,6 +694,15 @@ def add_layer_norm_backward_kernel(
     )
 
 
+# %%
+# The launch rules follow chapter 03's for rows that fit a program (up to 8,192 columns here;
+# longer ones take the sum, then chapter 03's ``layer_norm``, which splits them): forward
+# tiles of 4,096 values, several short rows a program; backward, enough programs to fill the
+# GPU with rows of this width, at most 64 rows each, so the partial sums stay small beside
+# the stream. The function's backward receives dh and dy, either None when its output is
+# unused (``set_materialize_grads(False)``), and returns dx for both x and the update.
+
+# @save ops/add_layer_norm
 MAX_BLOCK = 8192  # longer rows: the sum, then chapter 03's layer norm
 FORWARD_TILE = 4096  # values a forward program holds: rows of up to 4,096 columns
 BACKWARD_MAX_ROWS = 64
@@ -956,8 +1012,8 @@ torch.testing.assert_close(losses[True], losses[False], rtol=0, atol=1e-4)
 # ---------------
 # * A profile of the whole step, grouped by kernel, says where the time outside the products
 #   goes; the bytes of each part, at the GPU's bandwidth, say what fusing it can win.
-# * An optimizer over flat buffers is one elementwise kernel per group; gradients that stay
-#   allocated must be zeroed inside the step for a CUDA graph's replays.
+# * One launch can update many tensors where they live: a table of their addresses, and of
+#   each program's tensor. Tensors we own (the moments) can simply be one flat buffer.
 # * A kernel with two outputs takes two incoming gradients: the residual addition's backward
 #   costs nothing once the norm's backward adds them.
 #

@@ -235,7 +235,7 @@ def make_optimizer(
         fused = parallel.kind == "ddp"
         return torch.optim.AdamW(groups, lr=cfg.learning_rate, betas=betas, fused=fused)
     lr = torch.tensor(cfg.learning_rate, device=core.DEVICE)
-    if cfg.use_triton:  # the parameters become views of its flat buffers: chapter 15
+    if cfg.use_triton:  # one launch a group, parameters read where they are: chapter 15
         return FusedAdamW(groups, lr=lr, betas=betas)
     return torch.optim.AdamW(groups, lr=lr, betas=betas, fused=True, capturable=True)
 
