@@ -19,9 +19,19 @@ def close(actual, expected, dtype, what):
     torch.testing.assert_close(actual.double(), expected, rtol=tol, atol=tol * scale, msg=lambda m: f"{what}: {m}")
 
 
-def check(shape, x_dtype, residual_dtype=None, n_dims=1, affine=(True, True), sliced=False, grads=("h", "y"), seed=0):
+def check(
+    shape,
+    x_dtype,
+    residual_dtype=None,
+    n_dims=1,
+    affine=(True, True),
+    sliced=False,
+    grads=("h", "y"),
+    seed=0,
+    out_dtype=None,
+):
     """h, y and every gradient against fp64 PyTorch; ``sliced``: x's rows are a strided slice;
-    ``grads``: which outputs get an incoming gradient."""
+    ``grads``: which outputs get an incoming gradient; ``out_dtype``: y's."""
     residual_dtype = residual_dtype or x_dtype
     wide = (*shape[:-1], 2 * shape[-1]) if sliced else shape
     x = random_tensor(wide, torch.float32, seed=seed, scale=2.0, shift=0.5).to(x_dtype)
@@ -34,15 +44,16 @@ def check(shape, x_dtype, residual_dtype=None, n_dims=1, affine=(True, True), sl
     inputs = (x, residual, *params)
     ours = [None if t is None else t.detach().requires_grad_() for t in inputs]
     exact = [None if t is None else t.detach().double().requires_grad_() for t in inputs]
-    h, y = add_layer_norm(ours[0], ours[1], normalized, ours[2], ours[3])
+    h, y = add_layer_norm(ours[0], ours[1], normalized, ours[2], ours[3], out_dtype=out_dtype)
     h_exact = exact[0] + exact[1]
     y_exact = torch.nn.functional.layer_norm(h_exact, normalized, exact[2], exact[3])
     h_dtype = torch.promote_types(x_dtype, residual_dtype)
-    assert h.dtype == y.dtype == h_dtype and h.shape == y.shape == tuple(shape)
+    y_dtype = out_dtype or h_dtype
+    assert h.dtype == h_dtype and y.dtype == y_dtype and h.shape == y.shape == tuple(shape)
     close(h, h_exact, h_dtype, "h")
-    close(y, y_exact, h_dtype, "y")
+    close(y, y_exact, y_dtype, "y")
     pairs = [(o, e) for name, o, e in (("h", h, h_exact), ("y", y, y_exact)) if name in grads]
-    incoming = [random_tensor(tuple(shape), h_dtype, seed=seed + 7 + i) for i in range(len(pairs))]
+    incoming = [random_tensor(tuple(shape), o.dtype, seed=seed + 7 + i) for i, (o, _) in enumerate(pairs)]
     torch.autograd.backward([o for o, _ in pairs], incoming)
     torch.autograd.backward([e for _, e in pairs], [g.double() for g in incoming])
     for name, mine, theirs in zip(("dx", "dresidual", "dW", "dB"), ours, exact, strict=True):
@@ -65,6 +76,17 @@ def test_matches_pytorch(shape, dtype):
 def test_update_of_another_dtype(x_dtype, residual_dtype):
     """Under autocast the stream is fp32 and the update bf16: h is the wider dtype."""
     check((9, 96), x_dtype, residual_dtype)
+
+
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16])
+def test_y_in_the_next_products_dtype(out_dtype):
+    """Under autocast: an fp32 stream, a bf16 update, y written in bf16 (its gradient too)."""
+    check((9, 96), torch.float32, torch.bfloat16, out_dtype=out_dtype)
+
+
+def test_long_rows_give_y_in_out_dtype(monkeypatch):
+    monkeypatch.setattr(module, "MAX_BLOCK", 64)
+    check((3, 100), torch.float32, out_dtype=torch.bfloat16)
 
 
 def test_strided_rows_and_several_normalized_dims():
@@ -122,6 +144,8 @@ def test_refusals():
         add_layer_norm(x, torch.zeros(4, 8, device=DEVICE, dtype=torch.int32), (8,))
     with pytest.raises(ValueError, match="trailing"):
         add_layer_norm(x, x, (5,))
+    with pytest.raises(TypeError, match="out_dtype"):
+        add_layer_norm(x, x, (8,), out_dtype=torch.int8)
 
 
 @pytest.mark.skipif(not ON_GPU, reason="full size needs a GPU")

@@ -51,6 +51,7 @@ KEYS = [
         "12", "gpt-training-throughput", "bfloat16", ours="triton + CUDA graph", references=("products alone (cuBLAS)",)
     ),
     Key("13", "layer-norm-long-rows", "float16"),
+    Key("15", "add-layer-norm-backward", "float32"),
 ]
 
 

@@ -231,14 +231,14 @@ class TritonLayers:
         y = layer_norm(x, norm.normalized_shape, norm.weight, norm.bias, norm.eps)
         return y.to(compute_dtype(x))
 
-    def add_norm(
-        self, x, residual, norm
-    ):  # chapter 15: the sum written once, read once
+    def add_norm(self, x, residual, norm):  # chapter 15
         if residual is None:
             return x, self.norm(x, norm)
-        shape, eps = norm.normalized_shape, norm.eps
-        x, y = add_layer_norm(x, residual, shape, norm.weight, norm.bias, eps)
-        return x, y.to(compute_dtype(x))
+        # One kernel: the sum, and its norm already in the next product's dtype.
+        shape, eps, dtype = norm.normalized_shape, norm.eps, compute_dtype(x)
+        return add_layer_norm(
+            x, residual, shape, norm.weight, norm.bias, eps, out_dtype=dtype
+        )
 
     def linear(self, x, layer, activation=None, p=0.0, seed=None):  # chapters 05, 06
         dtype = compute_dtype(x)

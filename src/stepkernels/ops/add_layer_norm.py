@@ -28,7 +28,7 @@ def add_layer_norm_forward_kernel(
     x_ptr,  # the residual stream, (M, N)
     residual_ptr,  # what a layer adds to it, (M, N), maybe another dtype
     h_ptr,  # out: h = x + residual, in the wider of the two dtypes
-    y_ptr,  # out: layer_norm(h), h's dtype
+    y_ptr,  # out: layer_norm(h), in h's dtype or the next product's (out_dtype)
     weight_ptr,
     bias_ptr,
     mean_ptr,  # out: each row's mean and 1 / std, fp32, for the backward
@@ -145,11 +145,11 @@ def backward_config(n_cols, n_rows):
 
 class AddLayerNormFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, residual, weight, bias, eps):
+    def forward(ctx, x, residual, weight, bias, eps, out_dtype):
         (n_rows, n_cols), device = x.shape, x.device
         dtype = torch.promote_types(x.dtype, residual.dtype)
         h = torch.empty((n_rows, n_cols), device=device, dtype=dtype)
-        y = torch.empty_like(h)
+        y = torch.empty_like(h, dtype=out_dtype or dtype)
         mean, rstd = (torch.empty(n_rows, device=device) for _ in "mr")
         forward = forward_config(n_cols, n_rows)
         grid = (triton.cdiv(n_rows, forward["ROWS_PER_PROGRAM"]),)
@@ -186,7 +186,7 @@ class AddLayerNormFunction(torch.autograd.Function):
         (n_rows, n_cols), device = h.shape, h.device
         dx_dtype, residual_dtype = ctx.dtypes
         if dy is None:  # y unused: the sum's gradient passes through, none for w and b
-            return dh.to(dx_dtype), dh.to(residual_dtype), None, None, None
+            return dh.to(dx_dtype), dh.to(residual_dtype), None, None, None, None
         dy, dh = as_rows(dy), None if dh is None else as_rows(dh)
         backward = backward_config(n_cols, n_rows)
         programs = triton.cdiv(n_rows, backward["ROWS_PER_PROGRAM"])
@@ -214,16 +214,19 @@ class AddLayerNormFunction(torch.autograd.Function):
         grad_dtype = h.dtype if weight is None else weight.dtype
         dw = sums[0].to(grad_dtype) if weight is not None else None
         db = sums[1].to(grad_dtype) if ctx.has_bias else None
-        return dx.to(dx_dtype), dx.to(residual_dtype), dw, db, None
+        return dx.to(dx_dtype), dx.to(residual_dtype), dw, db, None, None
 
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
-def add_layer_norm(x, residual, normalized_shape, weight=None, bias=None, eps=1e-5):
+def add_layer_norm(
+    x, residual, normalized_shape, weight=None, bias=None, eps=1e-5, *, out_dtype=None
+):
     """(h, y): h = x + residual, y = ``layer_norm(h, normalized_shape, weight, bias, eps)``,
     in one pass over memory. h's dtype is the wider of x's and residual's (fp32 for an fp32
-    stream plus a bf16 update under autocast), y's is h's."""
+    stream plus a bf16 update under autocast); y's is ``out_dtype``, else h's: computed in
+    fp32 and rounded once, as a cast of PyTorch's fp32 norm to the next product's dtype."""
     shape = layer_norm_arguments(
         x,
         normalized_shape,
@@ -236,6 +239,10 @@ def add_layer_norm(x, residual, normalized_shape, weight=None, bias=None, eps=1e
         ("two-stage",),
     )
     check_tensor(residual, "residual", SUPPORTED_DTYPES)
+    if out_dtype is not None and out_dtype not in SUPPORTED_DTYPES:
+        raise TypeError(
+            f"out_dtype must be one of {SUPPORTED_DTYPES}, got {out_dtype!r}"
+        )
     if residual.shape != x.shape or residual.device != x.device:
         raise ValueError(
             f"residual must have x's shape {tuple(x.shape)} and device {x.device}, got "
@@ -244,10 +251,10 @@ def add_layer_norm(x, residual, normalized_shape, weight=None, bias=None, eps=1e
     n_cols = math.prod(shape)
     if n_cols > MAX_BLOCK or x.numel() == 0:  # the sum, then chapter 03's kernels
         h = x + residual
-        return h, layer_norm(h, shape, weight, bias, eps)
+        return h, layer_norm(h, shape, weight, bias, eps).to(out_dtype or h.dtype)
     x2d, residual2d = (as_rows(t.reshape(-1, n_cols)) for t in (x, residual))
     flat = lambda p: None if p is None else p.reshape(-1).contiguous()
-    args = (x2d, residual2d, flat(weight), flat(bias), float(eps))
+    args = (x2d, residual2d, flat(weight), flat(bias), float(eps), out_dtype)
     grads = any(t is not None and t.requires_grad for t in (x, residual, weight, bias))
     if grads and torch.is_grad_enabled():
         h, y = AddLayerNormFunction.apply(*args)
