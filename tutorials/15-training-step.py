@@ -2,9 +2,10 @@ r"""
 The training step outside the products
 ======================================
 
-We profile one training step of chapter 12's GPT, find what runs between its matrix products,
-and fuse two parts of it: the optimizer, AdamW over every parameter in one launch per group,
-and the residual addition with the layer norm that follows it. What you will learn:
+We profile one training step of chapter 12's GPT, find what runs between its matrix
+products, and fuse two parts of it: the optimizer, AdamW over every parameter in one
+launch per group, and the residual addition with the layer norm that follows it. What
+you will learn:
 
 * reading a profile of a whole step: kernels by total time, launches per step, shares;
 * how many bytes the optimizer and the residual stream move, and what that costs at the
@@ -13,8 +14,9 @@ and the residual addition with the layer norm that follows it. What you will lea
   kept right for the gradients autograd allocates and for a CUDA graph's replays;
 * a forward that writes two outputs, and a backward that takes two incoming gradients.
 
-Prerequisites: chapters 03 (layer norm), 08 (CUDA graphs) and 12 (the GPT and its training
-command). Without a GPU every cell runs under Triton's interpreter, at toy sizes.
+Prerequisites: chapters 03 (layer norm), 08 (CUDA graphs) and 12 (the GPT and its
+training command). Without a GPU every cell runs under Triton's interpreter, at toy
+sizes.
 """
 
 # %%
@@ -37,22 +39,25 @@ DEVICE = tutorial.DEVICE
 # %%
 # Where a step's time goes
 # ------------------------
-# Chapter 12 raced whole training steps: replayed from a CUDA graph, our layers and PyTorch's
-# ran within a few per cent of each other, and a step made of its matrix products alone would
-# run several times faster than either. The rest of the step is everything between the
-# products: attention over 256 tokens with heads of 64 values, the layer norms, the residual
-# additions, GELU and dropout, the loss over 84 characters, and the optimizer.
+# Chapter 12 raced whole training steps: replayed from a CUDA graph, our layers and
+# PyTorch's ran within a few per cent of each other, and a step made of its matrix
+# products alone would run several times faster than either. The rest of the step is
+# everything between the products: attention over 256 tokens with heads of 64 values,
+# the layer norms, the residual additions, GELU and dropout, the loss over 84
+# characters, and the optimizer.
 #
 # ``lab/step_profile.py`` runs one training step of the Shakespeare model (and of GPT-2
-# small's shape) under ``torch.profiler``, for PyTorch's layers and ours, eager and replayed
-# from a CUDA graph. It groups the GPU's kernels by name and prints the 25 that take the most
-# time, with how many run a step and their share of the step; it writes the same table as a
-# CSV, which the cell below shows when one is recorded for this GPU::
+# small's shape) under ``torch.profiler``, for PyTorch's layers and ours, eager and
+# replayed from a CUDA graph. It groups the GPU's kernels by name and prints the 25 that
+# take the most time, with how many run a step and their share of the step; it writes
+# the same table as a CSV, which the cell below shows when one is recorded for this
+# GPU::
 #
 #     python lab/step_profile.py --shape shakespeare --shape gpt2-small
 #
-# Under the interpreter the profile runs at a toy size and records CPU operators instead of
-# kernels (``tests/test_step_profile.py`` runs it so): it checks the script, not the GPU.
+# Under the interpreter the profile runs at a toy size and records CPU operators instead
+# of kernels (``tests/test_step_profile.py`` runs it so): it checks the script, not the
+# GPU.
 
 PROFILE = "training-step-profile.csv"
 
@@ -83,14 +88,14 @@ else:
     print(f"No {PROFILE} recorded yet: run lab/step_profile.py on a GPU.")
 
 # %%
-# Before any profile, the arithmetic says what two of these parts can win. The optimizer reads
-# a parameter, its gradient and two moments and writes three of them back: 28 bytes a
-# parameter in fp32. The residual stream, M = B × T rows of C values in fp32, is added to
-# twice a block, and each sum is normalized next. Apart, the forward reads x and the update
-# and writes the sum, then the norm reads the sum again and writes y: 5 passes over M × C.
-# Backward, the norm reads the sum and dy and writes its gradient, and autograd adds that to
-# the gradient from the rest of the stream in a kernel of its own: 6 passes. Fused, it is 4
-# and 4.
+# Before any profile, the arithmetic says what two of these parts can win. The optimizer
+# reads a parameter, its gradient and two moments and writes three of them back: 28
+# bytes a parameter in fp32. The residual stream, M = B × T rows of C values in fp32, is
+# added to twice a block, and each sum is normalized next. Apart, the forward reads x
+# and the update and writes the sum, then the norm reads the sum again and writes y: 5
+# passes over M × C. Backward, the norm reads the sum and dy and writes its gradient,
+# and autograd adds that to the gradient from the rest of the stream in a kernel of its
+# own: 6 passes. Fused, it is 4 and 4.
 
 
 def bytes_outside(cfg: Config, vocab_size: int) -> dict:
@@ -117,22 +122,23 @@ if race is not None:
     step_s = (
         shakespeare.batch_size * shakespeare.block_size / rates["triton + CUDA graph"]
     )
-    print(
-        f"recorded on {gpu}: a step {step_s * 1e6:,.0f} µs, copies at {bandwidth / 1e12:.1f} TB/s"
-    )
+    copies = f"copies at {bandwidth / 1e12:.1f} TB/s"
+    print(f"recorded on {gpu}: a step {step_s * 1e6:,.0f} µs, {copies}")
     for name, count in bytes_outside(shakespeare, 84).items():
         at = count / bandwidth
         print(f"{name}: {count / 1e6:,.0f} MB, {at * 1e6:,.0f} µs ({at / step_s:.1%})")
 
 # %%
-# Each part is a few per cent of a step at most: fusing them cannot by itself close the gap
-# to the products, and the profile shows where the rest goes. What fusion also saves is
-# launches: PyTorch's fused AdamW counts the steps in a kernel of its own and launches its
-# update per group of tensors, and every addition is a kernel, forward and backward.
+# Each part is a few per cent of a step at most: fusing them cannot by itself close the
+# gap to the products, and the profile shows where the rest goes. What fusion also saves
+# is launches: PyTorch's fused AdamW counts the steps in a kernel of its own and
+# launches its update per group of tensors, and every addition is a kernel, forward and
+# backward.
 #
 # AdamW, one kernel a group
 # -------------------------
-# For each parameter p with gradient g, moments m and v, learning rate lr, decay λ and step t:
+# For each parameter p with gradient g, moments m and v, learning rate lr, decay λ and
+# step t:
 #
 #     p ← p (1 − lr λ)
 #     m ← β₁ m + (1 − β₁) g,   v ← β₂ v + (1 − β₂) g²
@@ -140,16 +146,16 @@ if race is not None:
 #
 # Every element is independent: it is chapter 01's vector addition with four inputs. The
 # question is how one launch finds elements that live in 26 tensors scattered in memory.
-# The moments are ours: we keep each group's in two flat fp32 buffers, and each parameter's
-# moments are views of them. The parameters and their gradients are not: making them views
-# of flat buffers too (``p.data = view``) would need gradients that stay allocated, and
-# autograd adds a new gradient into an existing one with a kernel per parameter, where it
-# otherwise hands over the tensor it computed. So the kernel reads a table instead: one row
-# per tensor with the addresses of the parameter and of its gradient, where its moments
-# start, its length and its first block, and a second table that maps each program to its
-# tensor. A program loads its row, turns the two addresses into pointers
-# (``.to(tl.pointer_type(tl.float32))``, as Triton's grouped-GEMM tutorial does) and updates
-# one block of 1,024 elements of one tensor.
+# The moments are ours: we keep each group's in two flat fp32 buffers, and each
+# parameter's moments are views of them. The parameters and their gradients are not:
+# making them views of flat buffers too (``p.data = view``) would need gradients that
+# stay allocated, and autograd adds a new gradient into an existing one with a kernel
+# per parameter, where it otherwise hands over the tensor it computed. So the kernel
+# reads a table instead: one row per tensor with the addresses of the parameter and of
+# its gradient, where its moments start, its length and its first block, and a second
+# table that maps each program to its tensor. A program loads its row, turns the two
+# addresses into pointers (``.to(tl.pointer_type(tl.float32))``, as Triton's
+# grouped-GEMM tutorial does) and updates one block of 1,024 elements of one tensor.
 #
 # The learning rate is read from a tensor and the step count lives on the GPU, so that a
 # CUDA graph of the step replays a new rate and a new t at each step.
@@ -214,9 +220,10 @@ def adamw_kernel(
 
 
 # %%
-# The wrapper launches the kernel over one group: blocks of 1,024 elements and 4 warps, so
-# each thread holds 8 values of each of the four streams; no block spans two tensors, and
-# the Shakespeare model's 10.7M parameters make a grid of about 10,500 programs, many per SM.
+# The wrapper launches the kernel over one group: blocks of 1,024 elements and 4 warps,
+# so each thread holds 8 values of each of the four streams; no block spans two tensors,
+# and the Shakespeare model's 10.7M parameters make a grid of about 10,500 programs,
+# many per SM.
 
 # @save ops/adamw
 ADAMW_BLOCK, ADAMW_WARPS = 1024, 4
@@ -254,13 +261,14 @@ def adamw_update(tables, moments, lr, beta1, beta2, eps, weight_decay, step):
 
 # %%
 # The optimizer is a ``torch.optim.Optimizer``: its parameter groups, learning rates and
-# ``state`` (``exp_avg``, ``exp_avg_sq`` and ``step`` per parameter, as PyTorch's AdamW keeps
-# them) are the usual ones, so the training command saves and resumes it as it does
-# PyTorch's, and a checkpoint of either optimizer loads into the other. The addresses in the
-# table are written from the CPU, and only when they change: gradients that autograd
-# allocates anew at each step (``zero_grad`` sets them to None) often come back at the same
-# addresses. Under CUDA-graph capture the copy is always recorded, from pinned memory the
-# optimizer keeps, so that every replay writes the addresses of the graph's own gradients.
+# ``state`` (``exp_avg``, ``exp_avg_sq`` and ``step`` per parameter, as PyTorch's AdamW
+# keeps them) are the usual ones, so the training command saves and resumes it as it
+# does PyTorch's, and a checkpoint of either optimizer loads into the other. The
+# addresses in the table are written from the CPU, and only when they change: gradients
+# that autograd allocates anew at each step (``zero_grad`` sets them to None) often come
+# back at the same addresses. Under CUDA-graph capture the copy is always recorded, from
+# pinned memory the optimizer keeps, so that every replay writes the addresses of the
+# graph's own gradients.
 
 
 # @save ops/adamw
@@ -438,9 +446,10 @@ class FusedAdamW(torch.optim.Optimizer):
 
 
 # %%
-# The check runs our optimizer and ``torch.optim.AdamW(fused=True, capturable=True)``, the one
-# the training command uses, side by side from the same parameters and gradients for five
-# steps, with weight decay on one group, and compares the parameters and moments after each.
+# The check runs our optimizer and ``torch.optim.AdamW(fused=True, capturable=True)``,
+# the one the training command uses, side by side from the same parameters and gradients
+# for five steps, with weight decay on one group, and compares the parameters and
+# moments after each.
 
 
 def check_adamw(shapes, steps=5, seed=0):
@@ -485,11 +494,12 @@ print(f"5 steps as torch's fused AdamW: largest difference {check_adamw(shapes):
 # %%
 # Benchmark: the optimizer step
 # -----------------------------
-# The step over the parameters of the Shakespeare model (10.7M) and of GPT-2 small (124M),
-# shaped as the models have them, in two groups as the training command makes them; the
-# gradients are set once. The bytes counted are the 28 a parameter that AdamW must move; ours
-# moves 4 more, the zeroed gradient. ``torch (fused)`` is the training command's optimizer;
-# ``torch (foreach)``, PyTorch's default on a GPU.
+# The step over the parameters of the Shakespeare model (10.7M) and of GPT-2 small
+# (124M), shaped as the models have them, in two groups as the training command makes
+# them; the gradients are set once. The bytes counted are the 28 a parameter that AdamW
+# must move (ours also reads its table: 40 bytes a tensor, 4 a block). ``torch (fused)``
+# is the training command's optimizer for PyTorch's layers; ``torch (foreach)``,
+# PyTorch's default on a GPU.
 
 OPTIMIZER_SIZES = bench.choose(
     gpu={
@@ -549,26 +559,28 @@ optimizer_step = bench.run(
 # %%
 # The residual addition and the norm, in one kernel
 # -------------------------------------------------
-# A block of chapter 12 computes ``x = x + attention(norm_1(x))``, then ``norm_2(x)``, and the
-# next block starts with ``norm_1`` of ``x + mlp(...)``: every addition to the residual stream
-# is followed by a layer norm of the sum. One kernel can do both: it reads x and the update,
-# writes the sum h (the stream goes on) and y = layer_norm(h), and keeps each row's mean and
-# 1/std for the backward. Forward, that is 2 reads and 2 writes of M × C values where apart
-# it was 3 and 2.
+# A block of chapter 12 computes ``x = x + attention(norm_1(x))``, then ``norm_2(x)``,
+# and the next block starts with ``norm_1`` of ``x + mlp(...)``: every addition to the
+# residual stream is followed by a layer norm of the sum. One kernel can do both: it
+# reads x and the update, writes the sum h (the stream goes on) and y = layer_norm(h),
+# and keeps each row's mean and 1/std for the backward. Forward, that is 2 reads and 2
+# writes of M × C values where apart it was 3 and 2.
 #
-# Backward, h has two consumers, the norm and the rest of the stream, so its gradient is the
-# sum of two: dh from the stream and chapter 03's layer-norm backward of dy. The backward
-# kernel adds dh as it writes dx, and dx is the gradient of both x and the update (an
-# addition passes its gradient through). Apart, that sum was another kernel reading two
-# tensors and writing one. The weight's and bias's gradients are sums over all rows: each
-# program adds its rows in registers and writes one partial row with chapter 03's
-# ``flush_partials`` (``runtime/partials``), and one more launch sums the partial rows.
+# Backward, h has two consumers, the norm and the rest of the stream, so its gradient is
+# the sum of two: dh from the stream and chapter 03's layer-norm backward of dy. The
+# backward kernel adds dh as it writes dx, and dx is the gradient of both x and the
+# update (an addition passes its gradient through). Apart, that sum was another kernel
+# reading two tensors and writing one. The weight's and bias's gradients are sums over
+# all rows: each program adds its rows in registers and writes one partial row with
+# chapter 03's ``flush_partials`` (``runtime/partials``), and one more launch sums the
+# partial rows.
 #
-# The sum is rounded to h's dtype before the norm uses it: the norm normalizes exactly the h
-# that the stream carries on, as PyTorch's two kernels do. Under autocast the stream is fp32
-# and the update bf16; h is fp32, the wider of the two, and y goes to the next product, which
-# takes bf16: ``out_dtype`` has the kernel write y in bf16, rounded once, where PyTorch's
-# norm writes fp32 and the product's autocast casts it (a pass more, forward and backward).
+# The sum is rounded to h's dtype before the norm uses it: the norm normalizes exactly
+# the h that the stream carries on, as PyTorch's two kernels do. Under autocast the
+# stream is fp32 and the update bf16; h is fp32, the wider of the two, and y goes to the
+# next product, which takes bf16: ``out_dtype`` has the kernel write y in bf16, rounded
+# once, where PyTorch's norm writes fp32 and the product's autocast casts it (a pass
+# more, forward and backward).
 
 
 # %%
@@ -640,9 +652,9 @@ def add_layer_norm_forward_kernel(
 
 
 # %%
-# The backward walks its rows one at a time, as chapter 03's does, with dW and dB summed in
-# registers over the rows of the program; ``HAS_DH`` is off when the sum h is not used
-# further (the block's last norm, say), and then dx is the norm's gradient alone.
+# The backward walks its rows one at a time, as chapter 03's does, with dW and dB summed
+# in registers over the rows of the program; ``HAS_DH`` is off when the sum h is not
+# used further (the block's last norm, say), and then dx is the norm's gradient alone.
 
 
 # @save ops/add_layer_norm
@@ -697,12 +709,13 @@ def add_layer_norm_backward_kernel(
 
 
 # %%
-# The launch rules follow chapter 03's for rows that fit a program (up to 8,192 columns here;
-# longer ones take the sum, then chapter 03's ``layer_norm``, which splits them): forward
-# tiles of 4,096 values, several short rows a program; backward, enough programs to fill the
-# GPU with rows of this width, at most 64 rows each, so the partial sums stay small beside
-# the stream. The function's backward receives dh and dy, either None when its output is
-# unused (``set_materialize_grads(False)``), and returns dx for both x and the update.
+# The launch rules follow chapter 03's for rows that fit a program (up to 8,192 columns
+# here; longer ones take the sum, then chapter 03's ``layer_norm``, which splits them):
+# forward tiles of 4,096 values, several short rows a program; backward, enough programs
+# to fill the GPU with rows of this width, at most 64 rows each, so the partial sums
+# stay small beside the stream. The function's backward receives dh and dy, either None
+# when its output is unused (``set_materialize_grads(False)``), and returns dx for both
+# x and the update.
 
 # @save ops/add_layer_norm
 MAX_BLOCK = 8192  # longer rows: the sum, then chapter 03's layer norm
@@ -909,11 +922,12 @@ check_add_layer_norm(
 # %%
 # Benchmark: residual addition and norm
 # -------------------------------------
-# M = 16,384 rows (a batch of the Shakespeare model: 64 × 256 tokens), C from 384 to 4,096,
-# the stream and the update in fp32 (the training command's stream) and bf16, forward and
-# backward timed apart as in chapter 03. The bytes counted are the fused kernel's: x, the
-# update, h and y forward; h, dy, dh and dx backward. ``triton (apart)`` is our two calls:
-# PyTorch's addition, then chapter 03's ``layer_norm``.
+# M = 16,384 rows (a batch of the Shakespeare model: 64 × 256 tokens), C from 384 to
+# 4,096, the stream and the update in fp32 (the training command's stream) and bf16,
+# forward and backward timed apart as in chapter 03. The bytes counted are the fused
+# kernel's: x, the update, h and y forward; h, dy, dh and dx backward.
+# ``triton (apart)`` is our two calls: PyTorch's addition, then chapter 03's
+# ``layer_norm``.
 
 from stepkernels import layer_norm  # noqa: E402  (chapter 03's)
 
@@ -969,15 +983,16 @@ add_norm_backward = bench.run(add_norm_benchmark("add-layer-norm-backward", True
 # %%
 # The GPT on both
 # ---------------
-# Chapter 12's blocks now hand each addition to the norm that follows it: a block takes the
-# stream as (x, the update not yet added) and returns it so, and ``layers.add_norm`` adds
-# and normalizes. PyTorch's layers do it as before, an addition then ``F.layer_norm``, the
-# same operations in the same order; ours call ``add_layer_norm``. The training command uses
-# ``FusedAdamW`` when our layers train on one GPU (PyTorch's fused AdamW otherwise, and
-# under DDP or FSDP). Three steps of a small model in fp32, from the same parameters on the
-# same batch, must give the same losses: ours with ``FusedAdamW``, PyTorch's with its fused
-# AdamW. (Parameters are not compared after a step: Adam's first step moves each by about
-# lr × sign(g), and where g is near zero, rounding decides the sign.)
+# Chapter 12's blocks now hand each addition to the norm that follows it: a block takes
+# the stream as (x, the update not yet added) and returns it so, and ``layers.add_norm``
+# adds and normalizes. PyTorch's layers do it as before, an addition then
+# ``F.layer_norm``, the same operations in the same order; ours call ``add_layer_norm``.
+# The training command uses ``FusedAdamW`` when our layers train on one GPU (PyTorch's
+# fused AdamW otherwise, and under DDP or FSDP). Three steps of a small model in fp32,
+# from the same parameters on the same batch, must give the same losses: ours with
+# ``FusedAdamW``, PyTorch's with its fused AdamW. (Parameters are not compared after a
+# step: Adam's first step moves each by about lr × sign(g), and where g is near zero,
+# rounding decides the sign.)
 
 cfg = Config(n_layer=1, n_head=2, n_embd=16, block_size=8, batch_size=2, dropout=0.0)
 torch.manual_seed(0)
@@ -1013,25 +1028,28 @@ assert losses[True][-1] < losses[True][0], "the model should learn"
 torch.testing.assert_close(losses[True], losses[False], rtol=0, atol=1e-4)
 
 # %%
-# Chapter 12's race measures what both fusions give the whole step: ``make bench`` records it
-# again with the new blocks and optimizer, and the profile above, recorded before and after,
-# says which kernels went and what their time became.
+# Chapter 12's race measures what both fusions give the whole step: ``make bench``
+# records it again with the new blocks and optimizer, and the profile above, recorded
+# before and after, says which kernels went and what their time became.
 #
 # What we learned
 # ---------------
-# * A profile of the whole step, grouped by kernel, says where the time outside the products
-#   goes; the bytes of each part, at the GPU's bandwidth, say what fusing it can win.
-# * One launch can update many tensors where they live: a table of their addresses, and of
-#   each program's tensor. Tensors we own (the moments) can simply be one flat buffer.
-# * A kernel with two outputs takes two incoming gradients: the residual addition's backward
-#   costs nothing once the norm's backward adds them.
+# * A profile of the whole step, grouped by kernel, says where the time outside the
+#   products goes; the bytes of each part, at the GPU's bandwidth, say what fusing it
+#   can win.
+# * One launch can update many tensors where they live: a table of their addresses, and
+#   of each program's tensor. Tensors we own (the moments) can simply be one flat
+#   buffer.
+# * A kernel with two outputs takes two incoming gradients: the residual addition's
+#   backward costs nothing once the norm's backward adds them.
 #
 # Exercises
 # ---------
-# 1. Fold gradient clipping into the optimizer: a first kernel sums g² over the flat gradient
-#    buffer, the AdamW kernel scales g by min(1, max_norm / norm) as it reads it. How many
-#    bytes and launches does ``clip_grad_norm_`` cost a step, and what is left?
-# 2. Keep the moments in bf16 (the update in fp32): how many bytes a parameter is that, and
-#    how far does the loss curve move?
-# 3. Fuse the embedding's addition (tokens + positions) into the first block's norm. What is
-#    different about its backward?
+# 1. Fold gradient clipping into the optimizer: a first kernel sums g² over the
+#    gradients through the same table, and the AdamW kernel scales g by min(1, max_norm
+#    / norm) as it reads it. How many bytes and launches does ``clip_grad_norm_`` cost a
+#    step, and what is left of them?
+# 2. Keep the moments in bf16 (the update in fp32): how many bytes a parameter is that,
+#    and how far does the loss curve move?
+# 3. Fuse the embedding's addition (tokens + positions) into the first block's norm.
+#    What is different about its backward?
