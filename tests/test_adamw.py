@@ -252,3 +252,9 @@ def test_full_size_in_a_cuda_graph():
             graph.replay()
         torch.cuda.synchronize()
         assert_same_state(ours, theirs, opt_ours, opt_theirs, f"replay {step_index + 1}")
+    # An eager step on the graph's own gradients (their addresses those of the capture,
+    # whose copy of the table ran only at the replays): the table must be written again.
+    for optimizer in (opt_ours, opt_theirs):
+        optimizer.step()
+    torch.cuda.synchronize()
+    assert_same_state(ours, theirs, opt_ours, opt_theirs, "an eager step after the replays")

@@ -214,7 +214,8 @@ class FusedAdamW(torch.optim.Optimizer):
             rows = rows.pin_memory() if tensors.is_cuda else rows
         rows[:, :2] = torch.tensor(addresses, dtype=torch.int64).reshape(-1, 2)
         tensors.copy_(rows, non_blocking=True)
-        self.addresses[index] = addresses
+        # A captured copy runs at the replays, not now: the next eager step writes again.
+        self.addresses[index] = None if capturing else addresses
 
     @torch.no_grad()
     def step(self, closure=None):
