@@ -422,3 +422,44 @@ def test_grad_accum_gradients_are_the_whole_batchs(data_dir):
         grads[accum] = {name: p.grad for name, p in trainer.model.named_parameters()}
     for name, grad in grads[1].items():
         torch.testing.assert_close(grads[2][name], grad, rtol=1e-4, atol=1e-7, msg=name)
+
+
+@pytest.fixture
+def as_on_one_gpu(monkeypatch):
+    """make_optimizer as on one GPU (on the CPU's tensors): FusedAdamW for our layers."""
+    original = train.make_optimizer
+
+    def make(model, cfg, parallel=None):
+        monkeypatch.setattr(train.core, "ON_GPU", True)
+        try:
+            return original(model, cfg, parallel)
+        finally:
+            monkeypatch.setattr(train.core, "ON_GPU", False)
+
+    monkeypatch.setattr(train, "make_optimizer", make)
+
+
+@pytest.mark.skipif(ON_GPU, reason="the CPU run of what a GPU runs; on a GPU, tests/test_gpt.py")
+def test_fused_adamw_checkpoint_resumes_as_an_unbroken_run(run, tmp_path, as_on_one_gpu):
+    """Our layers on one GPU train with FusedAdamW (chapter 15): 2 steps, a checkpoint, 2 more
+    steps resumed give the parameters and moments of 4 steps without a break."""
+    from stepkernels import FusedAdamW
+
+    model = train.GPT(config.Config(n_layer=1, n_head=2, n_embd=16).model_config(10))
+    assert isinstance(train.make_optimizer(model, config.Config()), FusedAdamW)
+    assert not isinstance(train.make_optimizer(model, config.Config(use_triton=False)), FusedAdamW)
+    ours = ["--use-triton", "--eval-interval", "2"]
+    straight, broken = tmp_path / "straight", tmp_path / "broken"
+    assert run(*ours, "--max-steps", "4", out_dir=straight)[0] == 0
+    assert run(*ours, "--max-steps", "2", out_dir=broken)[0] == 0
+    status, out, err = run(*ours, "--max-steps", "4", "--resume", out_dir=broken)
+    assert status == 0, err
+    assert "at step 2" in out
+    a, b = (train.read_checkpoint(folder / "checkpoint.pt") for folder in (straight, broken))
+    assert a["step"] == b["step"] == 4
+    for name, weight in a["model"].items():
+        torch.testing.assert_close(b["model"][name], weight, rtol=1e-6, atol=1e-7, msg=lambda m, n=name: f"{n}: {m}")
+    for index, state in a["optimizer"]["state"].items():
+        assert float(b["optimizer"]["state"][index]["step"]) == float(state["step"]) == 4
+        for key in ("exp_avg", "exp_avg_sq"):
+            torch.testing.assert_close(b["optimizer"]["state"][index][key], state[key], rtol=1e-6, atol=1e-9)

@@ -52,6 +52,7 @@ KEYS = [
     ),
     Key("13", "layer-norm-long-rows", "float16"),
     Key("14", "rotary-forward-backward", "bfloat16"),
+    Key("15", "add-layer-norm-backward", "float32"),
 ]
 
 

@@ -62,6 +62,7 @@ FULL_RUNS_LIVE = tutorial.ON_GPU and any(
 import dataclasses
 import math
 
+from stepkernels.ops.add_layer_norm import add_layer_norm
 from stepkernels.ops.attention import MAX_HEAD_DIM, attention
 from stepkernels.ops.cross_entropy import cross_entropy
 from stepkernels.ops.dropout import dropout, dropout_bias_act
@@ -174,9 +175,10 @@ tutorial.show_refusals(
 # * q, k, v and the MLP's first layer with its GELU: ``linear``, one kernel (chapter 05);
 # * the projections back to the residual stream: ``linear``, then the bias and dropout in
 #   ``dropout_bias_act`` (chapters 05 and 06); the embeddings' dropout: ``dropout``;
-# * causal attention: ``attention`` (chapter 11); the loss: ``cross_entropy`` (chapter 09).
+# * causal attention: ``attention`` (chapter 11); the loss: ``cross_entropy`` (chapter 09);
+# * each residual addition with the norm after it: ``add_layer_norm``, one kernel (chapter 15).
 #
-# Embedding lookups and residual additions stay PyTorch's in both. nanoGPT also drops
+# Embedding lookups stay PyTorch's in both. nanoGPT also drops
 # attention probabilities; our attention kernel has no dropout, so neither version does.
 #
 # Under ``torch.autocast``, PyTorch runs matrix products in bf16 and norms and losses in fp32,
@@ -202,6 +204,11 @@ class TorchLayers:
     def norm(self, x, norm):
         return F.layer_norm(x, norm.normalized_shape, norm.weight, norm.bias, norm.eps)
 
+    def add_norm(self, x, residual, norm):
+        """x + residual (x alone if None), and its norm."""
+        x = x if residual is None else x + residual
+        return x, self.norm(x, norm)
+
     def linear(self, x, layer, activation=None, p=0.0, seed=None):
         y = F.linear(x, layer.weight, getattr(layer, "bias", None))
         y = F.gelu(y) if activation == "gelu" else y
@@ -224,6 +231,15 @@ class TritonLayers:
     def norm(self, x, norm):  # chapter 03
         y = layer_norm(x, norm.normalized_shape, norm.weight, norm.bias, norm.eps)
         return y.to(compute_dtype(x))
+
+    def add_norm(self, x, residual, norm):  # chapter 15
+        if residual is None:
+            return x, self.norm(x, norm)
+        # One kernel: the sum, and its norm already in the next product's dtype.
+        shape, eps, dtype = norm.normalized_shape, norm.eps, compute_dtype(x)
+        return add_layer_norm(
+            x, residual, shape, norm.weight, norm.bias, eps, out_dtype=dtype
+        )
 
     def linear(self, x, layer, activation=None, p=0.0, seed=None):  # chapters 05, 06
         dtype = compute_dtype(x)
@@ -301,7 +317,9 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    """x + attention(norm_1(x)), then x + mlp(norm_2(x)): GPT-2's pre-norm block."""
+    """x + attention(norm_1(x)), then x + mlp(norm_2(x)): GPT-2's pre-norm block. The last
+    addition is left to whoever normalizes next (``layers.add_norm``, one kernel of ours):
+    a block takes and returns the stream as (x, what to add to it)."""
 
     def __init__(self, config: GPTConfig):
         super().__init__()
@@ -310,9 +328,10 @@ class Block(nn.Module):
         self.norm_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
         self.mlp = MLP(config)
 
-    def forward(self, x, layers, p, seeds):
-        x = x + self.attention(layers.norm(x, self.norm_1), layers, p, seeds[0])
-        return x + self.mlp(layers.norm(x, self.norm_2), layers, p, seeds[1])
+    def forward(self, x, residual, layers, p, seeds):
+        x, h = layers.add_norm(x, residual, self.norm_1)
+        x, h = layers.add_norm(x, self.attention(h, layers, p, seeds[0]), self.norm_2)
+        return x, self.mlp(h, layers, p, seeds[1])
 
 
 class GPT(nn.Module):
@@ -361,10 +380,12 @@ class GPT(nn.Module):
         site = (lambda i: seeds[i]) if seeds is not None else (lambda i: None)
         positions = torch.arange(idx.shape[1], device=idx.device)
         x = layers.dropout(self.tokens(idx) + self.positions(positions), p, site(0))
+        residual = None
         for i, block in enumerate(self.blocks):
-            x = block(x, layers, p, (site(1 + 2 * i), site(2 + 2 * i)))
+            seeds_i = (site(1 + 2 * i), site(2 + 2 * i))
+            x, residual = block(x, residual, layers, p, seeds_i)
         # The output layer is the token embedding's matrix (GPT-2's weight tying).
-        logits = layers.linear(layers.norm(x, self.norm), self.tokens)
+        logits = layers.linear(layers.add_norm(x, residual, self.norm)[1], self.tokens)
         if targets is None:
             return logits, None
         flat = logits.view(-1, logits.shape[-1])

@@ -39,6 +39,8 @@ if not torch.cuda.is_available() and "TRITON_INTERPRET" not in os.environ:
 
 # The public functions (their modules are written from the chapters by tools/export.py).
 from stepkernels.models.gpt import GPT, GPTConfig  # noqa: E402
+from stepkernels.ops.adamw import FusedAdamW  # noqa: E402
+from stepkernels.ops.add_layer_norm import add_layer_norm  # noqa: E402
 from stepkernels.ops.attention import attention  # noqa: E402
 from stepkernels.ops.cross_entropy import cross_entropy  # noqa: E402
 from stepkernels.ops.dropout import Dropout, dropout, dropout_bias_act  # noqa: E402
@@ -57,12 +59,14 @@ __version__ = "0.1.0"
 __all__ = [
     "Dropout",
     "DropoutBiasAct",
+    "FusedAdamW",
     "FusedLinear",
     "GPT",
     "GPTConfig",
     "LayerNorm",
     "RMSNorm",
     "add",
+    "add_layer_norm",
     "attention",
     "cross_entropy",
     "dropout",

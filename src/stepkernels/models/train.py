@@ -52,6 +52,7 @@ from stepkernels.models.config import (
     read_preset,
 )
 from stepkernels.models.gpt import GPT, ConfigError, ConfigTypeError, flops_per_token
+from stepkernels.ops.adamw import FusedAdamW
 from stepkernels.runtime import core
 from stepkernels.runtime.graphs import side_stream
 import torch
@@ -216,10 +217,11 @@ def learning_rate(step: int, cfg: Config) -> float:
 
 def make_optimizer(
     model: torch.nn.Module, cfg: Config, parallel: distributed.Parallel | None = None
-) -> torch.optim.AdamW:
+) -> torch.optim.Optimizer:
     """AdamW with weight decay on matrices only. On one GPU: fused, capturable and with the
-    learning rate in a tensor, so a CUDA graph of the step replays it; on several (no graph)
-    the learning rate is a number, fused under DDP, PyTorch's default for FSDP's shards."""
+    learning rate in a tensor, so a CUDA graph of the step replays it, and with our layers
+    (use_triton) chapter 15's FusedAdamW, one launch a group; on several (no graph) the
+    learning rate is a number, fused under DDP, PyTorch's default for FSDP's shards."""
     matrices = [p for p in model.parameters() if p.dim() >= 2]
     vectors = [p for p in model.parameters() if p.dim() < 2]
     groups = [
@@ -233,6 +235,8 @@ def make_optimizer(
         fused = parallel.kind == "ddp"
         return torch.optim.AdamW(groups, lr=cfg.learning_rate, betas=betas, fused=fused)
     lr = torch.tensor(cfg.learning_rate, device=core.DEVICE)
+    if cfg.use_triton:  # one launch a group, parameters read where they are: chapter 15
+        return FusedAdamW(groups, lr=lr, betas=betas)
     return torch.optim.AdamW(groups, lr=lr, betas=betas, fused=True, capturable=True)
 
 

@@ -1,0 +1,266 @@
+"""ops.adamw: the code of chapter 15, The training step outside the products."""
+
+# Generated from tutorials/15-training-step.py by tools/export.py: edit the chapter, then `make
+# export`.
+
+from stepkernels.runtime.core import DEVICE, check_tensor
+from stepkernels.runtime.launch import lean  # cheap repeated launches: chapter 08
+from stepkernels.runtime.rows import quiet
+import torch
+import triton
+import triton.language as tl
+
+COLUMNS = 5  # a tensor's row: parameter address, gradient address, start, numel, block
+
+
+@lean
+@triton.jit
+def adamw_kernel(
+    tensors_ptr,  # int64 rows of COLUMNS, one per parameter (a gradient address 0: none)
+    block_tensor_ptr,  # int32, per program: the row of the tensor its block belongs to
+    exp_avg_ptr,  # the group's first moments m, fp32, flat
+    exp_avg_sq_ptr,  # its second moments v
+    lr_ptr,  # the learning rate, a tensor a CUDA graph's replays read afresh
+    step_ptr,  # the step number t, already counted for this step
+    lr_value,  # the learning rate when it is a number (LR_IN_TENSOR False)
+    beta1,
+    beta2,
+    eps,
+    weight_decay,
+    LR_IN_TENSOR: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    program_id = tl.program_id(axis=0)
+    row = (
+        tensors_ptr + tl.load(block_tensor_ptr + program_id).to(tl.int64) * 5
+    )  # COLUMNS
+    param_ptr = tl.load(row).to(tl.pointer_type(tl.float32))
+    grad_address = tl.load(row + 1)
+    grad_ptr = grad_address.to(tl.pointer_type(tl.float32))
+    start, numel, first_block = tl.load(row + 2), tl.load(row + 3), tl.load(row + 4)
+    offsets = (program_id - first_block) * BLOCK + tl.arange(0, BLOCK)
+    mask = offsets < tl.where(grad_address != 0, numel, 0)  # no gradient: left alone
+    lr = tl.load(lr_ptr).to(tl.float32) if LR_IN_TENSOR else lr_value
+    step = tl.load(step_ptr)
+    # 1 - beta**t, with beta**t as 2**(t log2 beta): a scalar per program
+    correction1 = 1.0 - tl.exp2(step * tl.log2(beta1))
+    correction2 = 1.0 - tl.exp2(step * tl.log2(beta2))
+    param = tl.load(param_ptr + offsets, mask=mask)
+    grad = tl.load(grad_ptr + offsets, mask=mask)
+    exp_avg = tl.load(exp_avg_ptr + start + offsets, mask=mask)
+    exp_avg_sq = tl.load(exp_avg_sq_ptr + start + offsets, mask=mask)
+    param = param * (1.0 - lr * weight_decay)  # decoupled weight decay, first
+    exp_avg = beta1 * exp_avg + (1.0 - beta1) * grad
+    exp_avg_sq = beta2 * exp_avg_sq + (1.0 - beta2) * grad * grad
+    denominator = tl.sqrt(exp_avg_sq) / tl.sqrt(correction2) + eps
+    param -= (lr / correction1) * exp_avg / denominator
+    tl.store(param_ptr + offsets, param, mask=mask)
+    tl.store(exp_avg_ptr + start + offsets, exp_avg, mask=mask)
+    tl.store(exp_avg_sq_ptr + start + offsets, exp_avg_sq, mask=mask)
+
+
+ADAMW_BLOCK, ADAMW_WARPS = 1024, 4
+
+
+def adamw_update(tables, moments, lr, beta1, beta2, eps, weight_decay, step):
+    """One AdamW step over a group: ``tables`` = (its tensors' rows, each program's row),
+    ``moments`` = its flat (exp_avg, exp_avg_sq); ``step``: one fp32 value, this step's t."""
+    tensors, block_tensor = tables
+    if block_tensor.numel() == 0:
+        return
+    in_tensor = isinstance(lr, torch.Tensor)
+    if in_tensor and lr.device != tensors.device:
+        raise ValueError(
+            f"lr is a tensor on {lr.device}, the parameters on {tensors.device}: make it "
+            f"on theirs, torch.tensor(lr, device='{tensors.device}')"
+        )
+    with quiet():  # the interpreter's numpy warns at log2(0), for beta = 0
+        adamw_kernel[(block_tensor.numel(),)](
+            tensors,
+            block_tensor,
+            *moments,
+            lr if in_tensor else step,  # not read when the rate is a number
+            step,
+            0.0 if in_tensor else float(lr),
+            beta1,
+            beta2,
+            eps,
+            weight_decay,
+            LR_IN_TENSOR=in_tensor,
+            BLOCK=ADAMW_BLOCK,
+            num_warps=ADAMW_WARPS,
+        )
+
+
+def adamw_arguments(lr, betas, eps, weight_decay):
+    """Refuse what torch.optim.AdamW refuses, and a rate in a tensor not of one float."""
+    if isinstance(lr, torch.Tensor):
+        if lr.numel() != 1 or not lr.is_floating_point():
+            raise TypeError(
+                f"lr as a tensor must hold one float, got {tuple(lr.shape)} {lr.dtype}"
+            )
+        return adamw_arguments(0.0, betas, eps, weight_decay)
+    numbers = {"lr": lr, "eps": eps, "weight_decay": weight_decay}
+    if len(betas) == 2:
+        numbers.update(beta1=betas[0], beta2=betas[1])
+    for name, value in numbers.items():
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise TypeError(f"{name} must be a number, got {value!r}")
+    for name in ("lr", "eps", "weight_decay"):
+        if not numbers[name] >= 0:  # nan too
+            raise ValueError(f"{name} must be >= 0, got {numbers[name]!r}")
+    if len(betas) != 2 or not all(0.0 <= beta < 1.0 for beta in betas):
+        raise ValueError(f"betas must be two numbers in [0, 1), got {betas!r}")
+
+
+class FusedAdamW(torch.optim.Optimizer):
+    """``torch.optim.AdamW`` as one kernel launch per parameter group (and one that counts
+    the steps of all groups), with the learning rate a number or a one-element tensor, which
+    a CUDA graph of the step reads afresh at every replay (as ``capturable=True`` does for
+    PyTorch's). Parameters: fp32, contiguous, a group's on one device. The state dict is
+    that of ``torch.optim.AdamW``: a checkpoint of either loads into the other.
+
+    One step count per group: a parameter without a gradient is left as it is (as
+    PyTorch's does), but its group's count goes on, where PyTorch's keeps one per
+    parameter."""
+
+    def __init__(
+        self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2
+    ):
+        adamw_arguments(lr, betas, eps, weight_decay)
+        self.moments = []  # per group: flat (exp_avg, exp_avg_sq)
+        self.tables = []  # per group: [rows of its tensors, each program's row]
+        self.fixed = []  # per group: the rows' columns that never change, on the CPU
+        self.addresses = []  # per group: the addresses its table holds now
+        self.spares = []  # per group: pinned host rows for the next CUDA-graph capture
+        self.pinned = []  # host rows that recorded graphs read at each replay: kept
+        self.steps = None  # one fp32 step count per group, on the parameters' device
+        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+        super().__init__(params, defaults)
+
+    def add_param_group(self, param_group):
+        super().add_param_group(param_group)
+        params = self.param_groups[-1]["params"]
+        for p in params:
+            check_tensor(p, "a parameter", (torch.float32,), contiguous=True)
+        device = params[0].device if params else DEVICE
+        if any(p.device != device for p in params):
+            raise ValueError(f"a group's parameters must share one device, {device}")
+        sizes = torch.tensor([p.numel() for p in params], dtype=torch.int64)
+        blocks = (sizes + ADAMW_BLOCK - 1) // ADAMW_BLOCK
+        rows = torch.zeros(len(params), COLUMNS, dtype=torch.int64)
+        rows[:, 2] = sizes.cumsum(0) - sizes  # where each tensor's moments start
+        rows[:, 3] = sizes
+        rows[:, 4] = blocks.cumsum(0) - blocks  # its first program
+        block_tensor = torch.arange(len(params)).repeat_interleave(blocks)
+        self.tables.append([rows.to(device), block_tensor.to(device, torch.int32)])
+        self.fixed.append(rows)
+        self.spares.append(rows.pin_memory() if device.type == "cuda" else None)
+        self.addresses.append(None)
+        total = int(sizes.sum())
+        self.moments.append([torch.zeros(total, device=device) for _ in range(2)])
+        index = len(self.moments) - 1
+        steps = torch.zeros(len(self.moments), device=device)
+        if self.steps is not None:
+            steps[:index] = self.steps
+        self.steps = steps
+        for group in range(len(self.moments)):  # the new step tensor, in every state
+            self.link_state(group)
+
+    def views(self, index):
+        """(parameter, its exp_avg view, its exp_avg_sq view) for group ``index``."""
+        start = 0
+        for p in self.param_groups[index]["params"]:
+            end = start + p.numel()
+            yield p, *(flat[start:end].view_as(p) for flat in self.moments[index])
+            start = end
+
+    def link_state(self, index):
+        """Each parameter's state as PyTorch's AdamW names it: views, and the group's step."""
+        for p, exp_avg, exp_avg_sq in self.views(index):
+            self.state[p] = dict(
+                step=self.steps[index], exp_avg=exp_avg, exp_avg_sq=exp_avg_sq
+            )
+
+    def write_addresses(self, index):
+        """Point group ``index``'s table at its parameters and their gradients."""
+        addresses = []
+        for p in self.param_groups[index]["params"]:
+            grad = p.grad
+            if grad is not None and (grad.shape != p.shape or not grad.is_contiguous()):
+                raise ValueError(
+                    f"a gradient of shape {tuple(grad.shape)}, strides {grad.stride()} "
+                    f"for a parameter of shape {tuple(p.shape)}: FusedAdamW reads "
+                    "contiguous gradients of the parameter's shape"
+                )
+            addresses.append((p.data_ptr(), 0 if grad is None else grad.data_ptr()))
+        tensors = self.tables[index][0]
+        capturing = tensors.is_cuda and torch.cuda.is_current_stream_capturing()
+        if tensors.is_cuda and self.spares[index] is None and not capturing:
+            # pinned outside any capture, for the next one to record its copy from
+            self.spares[index] = self.fixed[index].pin_memory()
+        if addresses == self.addresses[index] and not capturing:
+            return
+        if capturing:  # the graph reads these rows at every replay: never reused
+            rows, self.spares[index] = self.spares[index], None
+            if rows is None:
+                raise RuntimeError(
+                    "FusedAdamW: a second CUDA-graph capture without an eager step since "
+                    "the last: run one step eagerly before capturing again"
+                )
+            self.pinned.append(rows)
+        else:
+            rows = self.fixed[index].clone()
+            rows = rows.pin_memory() if tensors.is_cuda else rows
+        rows[:, :2] = torch.tensor(addresses, dtype=torch.int64).reshape(-1, 2)
+        tensors.copy_(rows, non_blocking=True)
+        # A captured copy runs at the replays, not now: the next eager step writes again.
+        self.addresses[index] = None if capturing else addresses
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self.steps += 1
+        for index, group in enumerate(self.param_groups):
+            self.write_addresses(index)
+            beta1, beta2 = group["betas"]
+            args = (group["lr"], beta1, beta2, group["eps"], group["weight_decay"])
+            step = self.steps[index : index + 1]
+            adamw_update(self.tables[index], self.moments[index], *args, step)
+        return loss
+
+    def state_dict(self):
+        """PyTorch's AdamW's layout: each parameter's own step tensor and moments."""
+        saved, index = super().state_dict(), 0
+        saved["state"] = {}
+        for group in range(len(self.moments)):
+            for _, exp_avg, exp_avg_sq in self.views(group):
+                step = self.steps[group].clone()
+                entry = dict(step=step, exp_avg=exp_avg, exp_avg_sq=exp_avg_sq)
+                saved["state"][index] = entry
+                index += 1
+        return saved
+
+    def load_state_dict(self, state_dict):
+        """Load a state dict of this optimizer or of ``torch.optim.AdamW``."""
+        super().load_state_dict(state_dict)  # new tensors in self.state: copied back
+        for index, group in enumerate(self.param_groups):
+            device = self.moments[index][0].device
+            if isinstance(group["lr"], torch.Tensor):  # saved from elsewhere: the CPU's
+                group["lr"] = group["lr"].to(device)
+            counts = set()
+            for p, exp_avg, exp_avg_sq in self.views(index):
+                loaded = self.state.get(p, {})
+                for name, view in (("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)):
+                    view.copy_(loaded[name]) if name in loaded else view.zero_()
+                counts.add(float(loaded.get("step", 0)))
+            if len(counts) > 1:
+                raise ValueError(
+                    f"parameter group {index} has parameters at different steps "
+                    f"{sorted(counts)}: FusedAdamW keeps one step count a group"
+                )
+            self.steps[index] = counts.pop() if counts else 0.0
+            self.link_state(index)
