@@ -29,7 +29,9 @@ torch's own op is timed twice: on the same CPU tensors (where it also *computes*
 slower than its GPU call's CPU cost; fp16 on a CPU is slow) and on 2 x 8 fp32 tensors
 (``tiny``: its dispatch and autograd with next to no computation, the nearest CPU stand-in
 for what a CUDA call costs the host; ``meta`` tensors are no stand-in: many of their ops are
-Python decompositions, milliseconds a call). The ratio is ours / torch tiny.
+Python decompositions, milliseconds a call). The ratio is ours / torch tiny. "calls": the
+Python functions (and C functions called from Python) that one call of ours runs, as cProfile
+counts them: the same from run to run, where a time on this shared machine moves by half.
 
     python lab/call_cost.py [--profile] [--only softmax,layer_norm] [--calls 2000]
 """
@@ -39,7 +41,6 @@ import cProfile
 import io
 import os
 import pstats
-import statistics
 import sys
 import time
 
@@ -48,6 +49,7 @@ import torch
 if torch.cuda.is_available():
     sys.exit("lab/call_cost.py times the Python path without a GPU: on a GPU, time calls")
 os.environ["TRITON_INTERPRET"] = "0"  # LeanKernel's GPU path, not the interpreter's
+torch.set_num_threads(1)  # the fp16 ops torch computes here: no threads to wait for
 
 import stepkernels  # noqa: E402
 from stepkernels.runtime import arguments  # noqa: E402
@@ -78,7 +80,11 @@ class NoCompile:
 FIRST_LAUNCH = LeanKernel.first_launch
 
 
+FIRST_CALLS = []
+
+
 def first_launch(self, key, grid, args, meta):
+    FIRST_CALLS.append(self)
     if self.tuned is not None:  # the autotuner's choice: its first config
         self.tuned.best_config = self.tuned.configs[0]
     kernel, self.kernel = self.kernel, NoCompile()
@@ -198,28 +204,46 @@ def call(fn, backward, grads, tiny=False):
     return lambda: torch.autograd.grad(fn(t), leaves, dy)
 
 
-def cpu_us(fn, calls, batches=5):
-    """µs per call: the median of ``batches`` batches of calls issued back to back."""
-    for _ in range(20):
+def cpu_us(fn, calls, batches=10):
+    """µs per call: the fastest of ``batches`` batches of calls issued back to back, in this
+    process's CPU time (the machine is shared: wall time counts the others' turns too)."""
+    for _ in range(5):
         fn()
     per_batch, times = max(1, calls // batches), []
     for _ in range(batches):
-        start = time.perf_counter()
+        start = time.process_time()
         for _ in range(per_batch):
             fn()
-        times.append((time.perf_counter() - start) / per_batch)
-    return statistics.median(times) * 1e6
+        times.append((time.process_time() - start) / per_batch)
+    return min(times) * 1e6
 
 
-def profile(fn, calls, top):
+def mine_path(fn) -> bool:
+    """Did every kernel ``fn`` launches take LeanKernel's cached path?"""
+    FIRST_CALLS.clear()
     fn()
-    profiler = cProfile.Profile()
+    return not FIRST_CALLS
+
+
+def profiled(fn, calls):
+    fn()
+    profiler = cProfile.Profile(time.process_time)
     profiler.enable()
     for _ in range(calls):
         fn()
     profiler.disable()
+    return profiler
+
+
+def python_calls(fn, calls=50) -> float:
+    """Python function calls (and calls of C functions from Python) per call of ``fn``:
+    unlike a time on a shared machine, the same from run to run."""
+    return pstats.Stats(profiled(fn, calls)).total_calls / calls
+
+
+def profile(fn, calls, top):
     text = io.StringIO()
-    stats = pstats.Stats(profiler, stream=text)
+    stats = pstats.Stats(profiled(fn, calls), stream=text)
     stats.sort_stats("tottime").print_stats(top)
     lines = text.getvalue().splitlines()
     start = next(i for i, line in enumerate(lines) if "ncalls" in line)
@@ -232,14 +256,16 @@ def main():
     parser.add_argument("--only", default="", help="ops, comma-separated")
     parser.add_argument("--profile", action="store_true", help="cProfile each call")
     parser.add_argument("--top", type=int, default=12)
+    parser.add_argument("--no-torch", action="store_true", help="time ours alone")
     options = parser.parse_args()
     names = [n for n in options.only.split(",") if n] or list(OPS)
     print(
         f"µs of CPU per call, {ROWS} x {WIDTH} fp16 (attention 1 x 4 x {ROWS} x 64), "
         f"torch {torch.__version__}, triton {triton.__version__}, launches as no-ops; "
-        f"median of 5 batches of {options.calls // 5}"
+        f"fastest of 10 batches of {options.calls // 10} (torch: of 2 of "
+        f"{options.calls // 40})"
     )
-    header = f"{'op':<28} {'ours':>7} {'torch':>8} {'torch tiny':>11} {'ours/tiny':>10}"
+    header = f"{'op':<28} {'ours':>7} {'torch':>8} {'torch tiny':>11} {'ours/tiny':>10} {'calls':>6}"
     print(header)
     for name in names:
         ours, theirs, grads = OPS[name]
@@ -247,17 +273,19 @@ def main():
             if backward and grads is None:
                 continue
             label = f"{name}{' fwd+bwd' if backward else ''}"
-            ours_call = call(ours, backward, grads)
             try:
+                ours_call = call(ours, backward, grads)
                 mine = cpu_us(ours_call, options.calls)
             except RuntimeError as error:  # a kernel launched through Triton's own path
                 print(f"{label:<28} not timed: {str(error)[:60]}")
                 continue
-            on_cpu = cpu_us(call(theirs, backward, grads), options.calls // 4)
-            tiny = cpu_us(call(theirs, backward, grads, tiny=True), options.calls)
+            on_cpu = tiny = float("nan")
+            if not options.no_torch:
+                on_cpu = cpu_us(call(theirs, backward, grads), options.calls // 20, 2)
+                tiny = cpu_us(call(theirs, backward, grads, tiny=True), options.calls)
             print(
                 f"{label:<28} {mine:7.1f} {on_cpu:8.1f} {tiny:11.1f} "
-                f"{mine / tiny:9.1f}x",
+                f"{mine / tiny:9.1f}x {python_calls(ours_call):6.0f}" + ("" if mine_path(ours_call) else " (not lean)"),
                 flush=True,
             )
             if options.profile:

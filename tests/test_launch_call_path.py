@@ -1,0 +1,83 @@
+"""The Python path of a call (chapter 08): host arithmetic without Triton's constexpr functions,
+lean launches for every kernel of the public operations (tensor descriptors too), and
+arguments checked once per call."""
+
+import sys
+
+import pytest
+import stepkernels
+from stepkernels.runtime import arguments
+from stepkernels.runtime.launch import LeanKernel, cdiv, next_power_of_2
+import torch
+import triton
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+
+def test_host_cdiv_and_next_power_of_2_are_tritons():
+    for n in range(0, 5000):
+        assert next_power_of_2(n) == triton.next_power_of_2(n), n
+        for d in (1, 3, 16, 128):
+            assert cdiv(n, d) == triton.cdiv(n, d), (n, d)
+    assert next_power_of_2(2**40 + 1) == triton.next_power_of_2(2**40 + 1)
+
+
+def descriptor(t, block, padding="zero"):
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), block, padding)
+
+
+def test_launch_key_of_tensor_descriptors():
+    """A descriptor specializes a kernel by its dtype, block shape and padding; its shape,
+    strides and address are runtime values (and its object is no dict key)."""
+    kernel = sys.modules["stepkernels.ops.attention"].attention_forward_kernel
+    key = lambda *args: kernel.key(args, {"BLOCK_M": 16}, 0)
+    a, b = torch.zeros(32, 64), torch.zeros(128, 64)
+    base = key(descriptor(a, [16, 64]), 7)
+    assert hash(base) == hash(key(descriptor(a, [16, 64]), 7))
+    assert key(descriptor(b, [16, 64]), 7) == base  # another tensor, another shape
+    assert key(descriptor(a, [32, 64]), 7) != base  # block shape
+    assert key(descriptor(a.half(), [16, 64]), 7) != base  # dtype
+    assert key(descriptor(a, [16, 64], "nan"), 7) != base  # padding
+
+
+@pytest.mark.parametrize(
+    "module, kernels",
+    [
+        ("softmax", ["softmax_kernel", "softmax_backward_kernel"]),
+        ("layer_norm", ["layer_norm_forward_kernel", "layer_norm_backward_kernel"]),
+        ("matmul", ["matmul_portable_tuned"]),
+        ("matmul_hopper", ["matmul_tma_tuned"]),
+        ("linear", ["activation_backward_kernel"]),
+        ("dropout", ["dropout_kernel", "bias_act_dropout_kernel"]),
+        ("cross_entropy", ["cross_entropy_kernel", "scale_unless_one_kernel"]),
+        (
+            "attention",
+            [
+                "attention_forward_kernel",
+                "attention_key_grads_kernel",
+                "attention_query_grad_kernel",
+            ],
+        ),
+    ],
+)
+def test_public_operations_launch_lean_kernels(module, kernels):
+    found = sys.modules[f"stepkernels.ops.{module}"]
+    for name in kernels:
+        assert isinstance(getattr(found, name), LeanKernel), f"{module}.{name}"
+
+
+def test_linear_checks_its_arguments_once(monkeypatch):
+    """linear's forward and backward run three products: their arguments are linear's,
+    checked once, not again by matmul at each."""
+    seen = []
+    checked = arguments.matmul_arguments
+    monkeypatch.setattr(arguments, "matmul_arguments", lambda *a, **k: seen.append(1) or checked(*a, **k))
+    tiles = sys.modules["stepkernels.runtime.tiles"]
+    monkeypatch.setattr(tiles, "matmul_arguments", arguments.matmul_arguments)
+    x = torch.randn(4, 16, requires_grad=True)
+    w = torch.randn(8, 16, requires_grad=True)
+    b = torch.randn(8, requires_grad=True)
+    y = stepkernels.linear(x, w, b, "gelu")
+    torch.autograd.grad(y, (x, w, b), torch.ones_like(y))
+    assert seen == []
+    stepkernels.matmul(x.detach(), w.detach().T)  # matmul itself still checks
+    assert seen == [1]
