@@ -52,6 +52,7 @@ os.environ["TRITON_INTERPRET"] = "0"  # LeanKernel's GPU path, not the interpret
 torch.set_num_threads(1)  # the fp16 ops torch computes here: no threads to wait for
 
 import stepkernels  # noqa: E402
+from stepkernels.ops import matmul_hopper  # noqa: E402
 from stepkernels.runtime import arguments  # noqa: E402
 from stepkernels.runtime.launch import LeanKernel  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
@@ -150,6 +151,11 @@ OPS = {  # name: (ours, torch's, the inputs that take a gradient); None: no back
     ),
     "matmul": (
         lambda t: stepkernels.matmul(t["a"], t["b_mat"]),
+        lambda t: torch.mm(t["a"], t["b_mat"]),
+        None,
+    ),
+    "matmul_tma": (  # chapter 07's kernel, which matmul takes on Hopper (not here)
+        lambda t: matmul_hopper.matmul_tma(t["a"], t["b_mat"]),
         lambda t: torch.mm(t["a"], t["b_mat"]),
         None,
     ),

@@ -81,3 +81,32 @@ def test_linear_checks_its_arguments_once(monkeypatch):
     assert seen == []
     stepkernels.matmul(x.detach(), w.detach().T)  # matmul itself still checks
     assert seen == [1]
+
+
+def one_node_calls():
+    x = torch.randn(4, 16, requires_grad=True)
+    w = torch.randn(8, 16, requires_grad=True)
+    b = torch.randn(16, requires_grad=True)
+    q = torch.randn(1, 2, 8, 16, requires_grad=True)
+    target = torch.randint(8, (4,))
+    return {
+        "softmax": lambda: stepkernels.softmax(x),
+        "log_softmax": lambda: stepkernels.log_softmax(x),
+        "layer_norm": lambda: stepkernels.layer_norm(x, (16,), b, b),
+        "linear": lambda: stepkernels.linear(x, w),
+        "linear+gelu": lambda: stepkernels.linear(x, w, None, "gelu"),
+        "dropout": lambda: stepkernels.dropout(x, 0.1, 3),
+        "dropout_bias_act": lambda: stepkernels.dropout_bias_act(x, b, 0.1, "gelu", 3),
+        "cross_entropy": lambda: stepkernels.cross_entropy(x, torch.randint(16, (4,))),
+        "linear_cross_entropy": lambda: stepkernels.linear_cross_entropy(x, w, target),
+        "attention": lambda: stepkernels.attention(q, q, q, causal=True),
+    }
+
+
+@pytest.mark.parametrize("name", list(one_node_calls()))
+def test_one_autograd_node_per_call(name):
+    """An operation on matrices (attention: heads) records one node, whose inputs are the
+    leaves themselves: no view or reshape nodes around it for autograd to walk."""
+    node = one_node_calls()[name]().grad_fn
+    inputs = [n for n, _ in node.next_functions if n is not None]
+    assert all(type(n).__name__ == "AccumulateGrad" for n in inputs), node.next_functions

@@ -329,7 +329,8 @@ def linear(x, weight, bias=None, activation=None, *, recompute=False):
     )  # raises, saying what to do
     tensors = (x, weight) if bias is None else (x, weight, bias)
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
-    rows = x.reshape(x.shape[:-1].numel(), x.shape[-1])
+    # A matrix as it is: a reshape and a view would add two autograd nodes to ours
+    rows = x if x.dim() == 2 else x.reshape(x.shape[:-1].numel(), x.shape[-1])
     keep_z = needs_grad and not recompute
     if torch.compiler.is_compiling():
         y, _ = fused_linear_op(rows, weight, bias, activation, keep_z)
@@ -337,7 +338,7 @@ def linear(x, weight, bias=None, activation=None, *, recompute=False):
         y, _ = FusedLinearFunction.apply(rows, weight, bias, activation, keep_z)
     else:
         y = fused_linear_forward(rows, weight, bias, activation, False)[0]
-    return y.view(*x.shape[:-1], weight.shape[0])
+    return y if x.dim() == 2 else y.view(*x.shape[:-1], weight.shape[0])
 
 
 class FusedLinear(nn.Linear):
