@@ -46,10 +46,11 @@ import time
 
 import torch
 
-if torch.cuda.is_available():
-    sys.exit("lab/call_cost.py times the Python path without a GPU: on a GPU, time calls")
-os.environ["TRITON_INTERPRET"] = "0"  # LeanKernel's GPU path, not the interpreter's
-torch.set_num_threads(1)  # the fp16 ops torch computes here: no threads to wait for
+if __name__ == "__main__":  # before the package is imported (importing the script: not)
+    if torch.cuda.is_available():
+        sys.exit("lab/call_cost.py times the Python path without a GPU: on a GPU, time calls")
+    os.environ["TRITON_INTERPRET"] = "0"  # LeanKernel's GPU path, not the interpreter's
+    torch.set_num_threads(1)  # the fp16 ops torch computes here: no threads to wait for
 
 import stepkernels  # noqa: E402
 from stepkernels.ops import matmul_hopper  # noqa: E402
@@ -57,8 +58,6 @@ from stepkernels.runtime import arguments  # noqa: E402
 from stepkernels.runtime.launch import LeanKernel  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 import triton  # noqa: E402
-
-assert not stepkernels.runtime.core.INTERPRET
 
 
 class NoLaunch:
@@ -100,9 +99,13 @@ def bind_runtime(self):
     return self.runtime
 
 
-LeanKernel.first_launch = first_launch
-LeanKernel.bind_runtime = bind_runtime
-arguments.classes_in_range = lambda *args, **kwargs: None  # a GPU skips it too
+def launches_as_no_ops():
+    """LeanKernel's cached path, with launchers that do nothing (see the docstring)."""
+    assert not stepkernels.runtime.core.INTERPRET, "run it as a script, without a GPU"
+    LeanKernel.first_launch = first_launch
+    LeanKernel.bind_runtime = bind_runtime
+    arguments.classes_in_range = lambda *args, **kwargs: None  # a GPU skips it too
+
 
 ROWS, WIDTH = 64, 256
 DTYPE = torch.float16
@@ -264,6 +267,7 @@ def main():
     parser.add_argument("--top", type=int, default=12)
     parser.add_argument("--no-torch", action="store_true", help="time ours alone")
     options = parser.parse_args()
+    launches_as_no_ops()
     names = [n for n in options.only.split(",") if n] or list(OPS)
     print(
         f"µs of CPU per call, {ROWS} x {WIDTH} fp16 (attention 1 x 4 x {ROWS} x 64), "

@@ -12,7 +12,8 @@ What you will learn:
 * where the CPU time of a call goes: the Python wrapper, Triton's launcher, autograd's engine
   calling a Python backward; and which of these we can shrink;
 * a launch that skips Triton's argument binding once a shape has been seen
-  (``stepkernels.runtime.launch.lean``), and skipping autograd when nothing needs a gradient;
+  (``stepkernels.runtime.launch.lean``), host arithmetic without Triton's
+  ``constexpr_function`` helpers, and skipping autograd when nothing needs a gradient;
 * capturing a training step as a CUDA graph (``torch.cuda.graph``,
   ``torch.cuda.make_graphed_callables``), and what must stay static for that;
 * ``torch.library.triton_op``: an operator whose Triton kernels ``torch.compile`` sees, so
@@ -32,24 +33,12 @@ import pstats
 import sys
 import timeit
 
-from stepkernels import (
-    FusedLinear,
-    attention,
-    cross_entropy,
-    dropout,
-    dropout_bias_act,
-    layer_norm,
-    linear,
-    linear_cross_entropy,
-    log_softmax,
-    matmul,
-    softmax,
-)
+from stepkernels import FusedLinear
 from stepkernels.lessons import bench, tutorial
+from stepkernels.lessons import calls as calls_of
 from stepkernels.runtime.launch import LeanKernel, cdiv, triton_launches
 import torch
 from torch import nn
-import torch.nn.functional as F
 import triton
 
 tutorial.announce()
@@ -182,9 +171,10 @@ print(
 # So the package's host code takes ``cdiv`` and ``next_power_of_2`` from
 # ``stepkernels.runtime.launch``: plain arithmetic. Each argument is checked once per call:
 # chapter 05's layer checks its inputs, then calls chapter 04's ``product`` (``matmul`` less
-# its checks) for its three products. And when nothing needs a gradient, under
-# ``torch.no_grad()`` or for inputs that do not require one, the public functions call the
-# forward wrapper directly instead of an ``autograd.Function``.
+# its checks) for its three products. Each operation records one ``autograd.Function``
+# node, with no reshape or view nodes around it for the engine to walk. And when nothing
+# needs a gradient, under ``torch.no_grad()`` or for inputs that do not require one, the
+# public functions call the forward wrapper directly instead of an ``autograd.Function``.
 #
 # Benchmark: CPU per call, before and after
 # -----------------------------------------
@@ -197,92 +187,17 @@ print(
 # forward and backward.
 
 ROWS, WIDTH = tutorial.choose(gpu=(64, 256), cpu=(8, 32))
-HEADS = (
-    1,
-    4,
-    ROWS,
-    tutorial.choose(gpu=64, cpu=16),
-)  # batch, heads, sequence, head dim
-OPERATIONS = {  # name: (ours, torch's, the inputs that get a gradient; None: no backward)
-    "softmax": (softmax, lambda t: torch.softmax(t["x"], -1), ("x",)),
-    "log_softmax": (log_softmax, lambda t: torch.log_softmax(t["x"], -1), ("x",)),
-    "layer_norm": (
-        lambda t: layer_norm(t["x"], (WIDTH,), t["w_ln"], t["b"]),
-        lambda t: F.layer_norm(t["x"], (WIDTH,), t["w_ln"], t["b"]),
-        ("x", "w_ln", "b"),
-    ),
-    "matmul": (matmul, lambda t: torch.mm(t["x"], t["w"].mT), None),
-    "linear": (linear, lambda t: F.linear(t["x"], t["w"], t["b"]), ("x", "w", "b")),
-    "linear+gelu": (
-        lambda t: linear(t["x"], t["w"], t["b"], "gelu"),
-        lambda t: F.gelu(F.linear(t["x"], t["w"], t["b"])),
-        ("x", "w", "b"),
-    ),
-    "dropout": (dropout, lambda t: F.dropout(t["x"], 0.1), ("x",)),
-    "dropout_bias_act": (
-        dropout_bias_act,
-        lambda t: F.dropout(F.gelu(t["x"] + t["b"]), 0.1),
-        ("x", "b"),
-    ),
-    "cross_entropy": (
-        cross_entropy,
-        lambda t: F.cross_entropy(t["x"], t["target"]),
-        ("x",),
-    ),
-    "linear_cross_entropy": (
-        linear_cross_entropy,
-        lambda t: F.cross_entropy(F.linear(t["x"], t["w"]), t["target"]),
-        ("x", "w"),
-    ),
-    "attention": (
-        attention,
-        lambda t: F.scaled_dot_product_attention(*t["qkv"], is_causal=True),
-        ("q", "k", "v"),
-    ),
-}
-OURS = {  # how each of ours is called on the inputs t
-    softmax: lambda t: softmax(t["x"]),
-    log_softmax: lambda t: log_softmax(t["x"]),
-    matmul: lambda t: matmul(t["x"], t["w"].mT),
-    linear: lambda t: linear(t["x"], t["w"], t["b"]),
-    dropout: lambda t: dropout(t["x"], 0.1, 1234),
-    dropout_bias_act: lambda t: dropout_bias_act(t["x"], t["b"], 0.1, "gelu", 1234),
-    cross_entropy: lambda t: cross_entropy(t["x"], t["target"]),
-    linear_cross_entropy: lambda t: linear_cross_entropy(t["x"], t["w"], t["target"]),
-    attention: lambda t: attention(*t["qkv"], causal=True),
-}
-CALLS = {  # x value -> "name" (forward) or "name fwd+bwd"
-    index: call
-    for index, call in enumerate(
-        label
-        for name, (_, _, grads) in OPERATIONS.items()
-        for label in (name, f"{name} fwd+bwd")[: 1 if grads is None else 2]
-    )
-}
-
-
-def operands(requires_grad: bool) -> dict:
-    """Fresh inputs for every operation, fp16."""
-    make = lambda *shape, scale=1.0: (
-        torch.randn(*shape, device=DEVICE, dtype=torch.float16) * scale
-    ).requires_grad_(requires_grad)
-    t = dict(x=make(ROWS, WIDTH), w=make(WIDTH, WIDTH, scale=WIDTH**-0.5))
-    t.update(b=make(WIDTH), w_ln=make(WIDTH), q=make(*HEADS), k=make(*HEADS))
-    t.update(v=make(*HEADS), target=torch.randint(WIDTH, (ROWS,), device=DEVICE))
-    t["qkv"] = (t["q"], t["k"], t["v"])
-    return t
+HEAD_DIM = tutorial.choose(gpu=64, cpu=16)
+HEADS = (1, 4, ROWS, HEAD_DIM)  # batch, heads, sequence, head dim
+# x value -> "softmax", "softmax fwd+bwd", ...: every public operation (lessons.calls)
+CALLS = calls_of.labels()
+PROFILED = list(CALLS.values()).index("layer_norm fwd+bwd")
 
 
 def operation_call(provider, index, dtype):
-    """The call of ``CALLS[index]`` by ``provider``, on fresh inputs."""
-    name, backward = CALLS[index].split()[0], CALLS[index].endswith("fwd+bwd")
-    ours, theirs, grads = OPERATIONS[name]
-    fn = theirs if provider == "torch" else OURS.get(ours, ours)
-    t = operands(requires_grad=backward)
-    call = lambda: fn(t)
-    if backward:
-        leaves, grad = [t[g] for g in grads], torch.ones_like(fn(t))
-        call = lambda: torch.autograd.grad(fn(t), leaves, grad)
+    """The call ``CALLS[index]`` by ``provider``, on fresh inputs."""
+    ours = provider != "torch"
+    call = calls_of.make_call(CALLS[index], ours, ROWS, WIDTH, HEADS, DEVICE, dtype)
     if provider == "triton (Triton's launch)":
         return lambda: launched_by_triton(call)
     return call
@@ -303,7 +218,7 @@ calls = bench.run(
         work=lambda x, dtype: 1,
         unit=bench.CPU_UNIT,
         dtypes=(torch.float16,),
-        smoke_x=list(CALLS.values()).index("layer_norm fwd+bwd"),
+        smoke_x=PROFILED,
         headline_x=None,  # the lines below name each operation
         x_labels=CALLS,
     )
@@ -333,6 +248,11 @@ if calls:  # by the names recorded: a recording made before an operation joined 
     )
 
 # %%
+# CPU time per call is the noisiest figure we record: the same call of the same code has
+# measured over three times apart on machines of one kind, so one recording says little below
+# a factor of 1.5, and a line "slower with the lean launch" above is within that noise unless
+# it repeats.
+#
 # Where the time of one call goes now: ``cProfile`` over 100 calls of ``layer_norm``'s
 # forward and backward, the functions that take the most time of their own. On a GPU these
 # are our wrappers, autograd's and the launcher; under the interpreter the interpreter's own
@@ -347,13 +267,11 @@ def profile_call(call, calls=PROFILED_CALLS, top=8) -> None:
     call()  # compiled, tuned, keyed
     profiler = cProfile.Profile()
     profiler.runcall(lambda: [call() for _ in range(calls)])
-    stats = pstats.Stats(profiler, stream=sys.stdout).sort_stats("tottime")
+    stats = pstats.Stats(profiler, stream=sys.stdout).strip_dirs().sort_stats("tottime")
     stats.print_stats(top)
 
 
-profile_call(
-    operation_call("triton", list(CALLS.values()).index("layer_norm fwd+bwd"), None)
-)
+profile_call(operation_call("triton", PROFILED, torch.float16))
 
 # %%
 # The call from Python at full size
@@ -365,30 +283,13 @@ profile_call(
 # a call rate at least torch's. Bytes counted: x read and y written (forward), and x or y,
 # dy read and dx written again (backward).
 
-RATE_CALLS = {
-    0: "softmax",
-    1: "softmax fwd+bwd",
-    2: "layer_norm",
-    3: "layer_norm fwd+bwd",
-}
+RATE_CALLS = calls_of.labels(("softmax", "layer_norm"))
 SIDE = tutorial.choose(gpu=4096, cpu=16)
 
 
 def rate_call(provider, index, dtype):
-    name, backward = RATE_CALLS[index].split()[0], RATE_CALLS[index].endswith("fwd+bwd")
-    x = torch.randn(SIDE, SIDE, device=DEVICE, dtype=dtype, requires_grad=backward)
-    w, b = (torch.full((SIDE,), v, device=DEVICE, dtype=dtype) for v in (1.0, 0.0))
-    fn = {
-        ("softmax", "triton"): softmax,
-        ("softmax", "torch"): lambda x: torch.softmax(x, -1),
-        ("layer_norm", "triton"): lambda x: layer_norm(x, (SIDE,), w, b),
-        ("layer_norm", "torch"): lambda x: F.layer_norm(x, (SIDE,), w, b),
-    }[name, provider]
-    if not backward:
-        return lambda: fn(x)
-    leaves = [x] if name == "softmax" else [x, w.requires_grad_(), b.requires_grad_()]
-    dy = torch.randn_like(x)
-    return lambda: torch.autograd.grad(fn(x), leaves, dy)
+    ours, label = provider != "torch", RATE_CALLS[index]
+    return calls_of.make_call(label, ours, SIDE, SIDE, (1, 1, 1, 16), DEVICE, dtype)
 
 
 rates = bench.run(
