@@ -4,10 +4,12 @@ arguments checked once per call."""
 
 import sys
 
+from conftest import random_tensor
 import pytest
 import stepkernels
 from stepkernels.runtime import arguments
-from stepkernels.runtime.launch import LeanKernel, cdiv, next_power_of_2
+from stepkernels.runtime.core import ON_GPU
+from stepkernels.runtime.launch import LeanKernel, cdiv, next_power_of_2, triton_launches
 import torch
 import triton
 from triton.tools.tensor_descriptor import TensorDescriptor
@@ -110,3 +112,26 @@ def test_one_autograd_node_per_call(name):
     node = one_node_calls()[name]().grad_fn
     inputs = [n for n, _ in node.next_functions if n is not None]
     assert all(type(n).__name__ == "AccumulateGrad" for n in inputs), node.next_functions
+
+
+@pytest.mark.skipif(not ON_GPU, reason="lean launches are taken on a GPU only")
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_lean_attention_matches_tritons_path(dtype):
+    """Attention's descriptor kernels, lean: the same bits as through Triton's launch, for
+    head dims and sequences that give other descriptors and grids, called again and again."""
+
+    def forward_backward(q, k, v, do):
+        out = stepkernels.attention(q, k, v, causal=True)
+        return (out, *torch.autograd.grad(out, (q, k, v), do))
+
+    cases = [(1, 2, 128, 64), (2, 3, 77, 40), (1, 2, 128, 64)]  # the first again: cached
+    for shape in cases:
+        q, k, v = (random_tensor(shape, dtype, seed).requires_grad_() for seed in range(3))
+        inputs = (q, k, v, random_tensor(shape, dtype, 3))
+        with triton_launches():
+            expected = forward_backward(*inputs)
+        for _ in range(2):
+            for got, want in zip(forward_backward(*inputs), expected, strict=True):
+                torch.testing.assert_close(got, want, rtol=0, atol=0)
+    attention_module = sys.modules["stepkernels.ops.attention"]
+    assert attention_module.attention_forward_kernel.entries  # the lean path was taken
