@@ -23,7 +23,10 @@ Where the path here differs from a GPU's (say so beside any figure):
   (``classes_in_range``): this script turns that check off, as a GPU skips it;
 * ``torch.empty`` and friends allocate CPU memory, not from the CUDA caching allocator;
 * the launcher a GPU calls (``compiled.run``) is Python that builds the launch's scratch
-  and calls C: here it is an empty function, so add 5 to 8 µs per kernel for a GPU.
+  and calls C: here it is an empty function, so add 5 to 8 µs per kernel for a GPU;
+* autograd's engine runs a CPU tensor's backward on the calling thread; a CUDA tensor's, on
+  the engine's device thread, a hand-over chapter 08's launch-pieces recording puts at tens
+  of µs a backward (torch's own ops pay it too).
 
 torch's own op is timed twice: on the same CPU tensors (where it also *computes*, so it is
 slower than its GPU call's CPU cost; fp16 on a CPU is slow) and on 2 x 8 fp32 tensors
