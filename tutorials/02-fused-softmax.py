@@ -63,7 +63,11 @@ import functools
 
 from stepkernels.runtime.arguments import softmax_arguments
 from stepkernels.runtime.core import refuse_double_backward
-from stepkernels.runtime.launch import lean  # cheap repeated launches: chapter 08
+from stepkernels.runtime.launch import (  # cheap repeated launches: chapter 08
+    cdiv,
+    lean,
+    next_power_of_2,
+)
 from stepkernels.runtime.rows import as_rows, quiet
 from stepkernels.runtime.waiting import MAX_POLLS, publish_and_wait
 import torch
@@ -427,7 +431,9 @@ def as_rows(t: torch.Tensor) -> torch.Tensor:
 
 
 # %%
-# The launch and the wrappers, the rules above put to work.
+# The launch and the wrappers, the rules above put to work. On the host, ``cdiv`` and
+# ``next_power_of_2`` are plain arithmetic from ``stepkernels.runtime.launch``: Triton's own
+# cost microseconds a call, and a call of ours runs them every time (chapter 08).
 
 
 # @save ops/softmax
@@ -437,8 +443,8 @@ def launch_rows(tensors: tuple, log: bool, launch: Launch, backward: bool) -> No
     strides = [t.stride(0) for t in tensors]
     meta = {"BLOCK_N": launch.block_n, "LOG": log, "num_warps": launch.num_warps}
     if launch.kernel == "split":
-        n_chunks = triton.cdiv(n_cols, launch.block_n)
-        chunks_pow2 = triton.next_power_of_2(n_chunks)
+        n_chunks = cdiv(n_cols, launch.block_n)
+        chunks_pow2 = next_power_of_2(n_chunks)
         shape = (n_rows, 1 if backward else 2, chunks_pow2)  # pairs, or sums
         partials = torch.empty(shape, device=tensors[0].device)
         counters = torch.zeros(n_rows, device=partials.device, dtype=torch.int32)
@@ -456,7 +462,7 @@ def launch_rows(tensors: tuple, log: bool, launch: Launch, backward: bool) -> No
         )
     elif launch.kernel == "fused" and launch.block_n >= n_cols:
         kernel = softmax_backward_kernel if backward else softmax_kernel
-        grid = (triton.cdiv(n_rows, launch.rows),)
+        grid = (cdiv(n_rows, launch.rows),)
         kernel[grid](*tensors, n_rows, n_cols, *strides, ROWS=launch.rows, **meta)
     else:
         raise ValueError(f"{launch} cannot take rows of {n_cols}")

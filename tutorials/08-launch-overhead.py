@@ -12,7 +12,8 @@ What you will learn:
 * where the CPU time of a call goes: the Python wrapper, Triton's launcher, autograd's engine
   calling a Python backward; and which of these we can shrink;
 * a launch that skips Triton's argument binding once a shape has been seen
-  (``stepkernels.runtime.launch.lean``), and skipping autograd when nothing needs a gradient;
+  (``stepkernels.runtime.launch.lean``), host arithmetic without Triton's
+  ``constexpr_function`` helpers, and skipping autograd when nothing needs a gradient;
 * capturing a training step as a CUDA graph (``torch.cuda.graph``,
   ``torch.cuda.make_graphed_callables``), and what must stay static for that;
 * ``torch.library.triton_op``: an operator whose Triton kernels ``torch.compile`` sees, so
@@ -25,15 +26,20 @@ Prerequisites: chapters 02 (softmax), 03 (layer norm), 05 (the fused linear laye
 # Setup
 # -----
 
+import cProfile
 import functools
 import inspect
+import pstats
+import sys
+import timeit
 
-from stepkernels import FusedLinear, dropout, layer_norm, linear, softmax
+from stepkernels import FusedLinear
 from stepkernels.lessons import bench, tutorial
-from stepkernels.runtime.launch import LeanKernel, triton_launches
+from stepkernels.lessons import calls as calls_of
+from stepkernels.runtime.launch import LeanKernel, cdiv, triton_launches
 import torch
 from torch import nn
-import torch.nn.functional as F
+import triton
 
 tutorial.announce()
 DEVICE = tutorial.DEVICE
@@ -148,124 +154,177 @@ if pieces:
 print(inspect.getsource(LeanKernel.key))
 
 # %%
-# Two more rules make our wrappers lean. Launch decisions (block sizes, warps, the grid's
-# shape) are computed once per shape and kept (``functools.cache``). And when nothing needs a
-# gradient, under ``torch.no_grad()`` or for inputs that do not require one, the public
-# functions call the forward wrapper directly instead of an ``autograd.Function``.
+# Three more rules make our wrappers lean. Launch decisions (block sizes, warps, the grid's
+# shape) are computed once per shape and kept (``functools.cache``), so a repeated call looks
+# them up. What is left at every call is a little integer arithmetic, and there Triton's own
+# helpers are a trap: ``triton.cdiv`` and ``triton.next_power_of_2`` are
+# ``constexpr_function`` objects (since Triton 3.5), callable from kernels and from the host,
+# and a host call pays for that generality:
+
+seconds = lambda fn: timeit.timeit(fn, number=20_000) / 20_000
+print(
+    f"triton.cdiv(4096, 128): {seconds(lambda: triton.cdiv(4096, 128)) * 1e6:.2f} µs; "
+    f"cdiv(4096, 128): {seconds(lambda: cdiv(4096, 128)) * 1e6:.2f} µs (this CPU)"
+)
+
+# %%
+# So the package's host code takes ``cdiv`` and ``next_power_of_2`` from
+# ``stepkernels.runtime.launch``: plain arithmetic. Each argument is checked once per call:
+# chapter 05's layer checks its inputs, then calls chapter 04's ``product`` (``matmul`` less
+# its checks) for its three products. Each operation records one ``autograd.Function``
+# node, with no reshape or view nodes around it for the engine to walk. And when nothing
+# needs a gradient, under ``torch.no_grad()`` or for inputs that do not require one, the
+# public functions call the forward wrapper directly instead of an ``autograd.Function``.
 #
 # Benchmark: CPU per call, before and after
 # -----------------------------------------
-# Each operation at a headline size, forward alone (no input requires a gradient) and forward
-# and backward through ``torch.autograd.grad``: ours, ours launched through Triton's own path
-# (inside ``triton_launches()``: what ``lean`` saves), and torch's own operation. Targets: at
-# most 1.5 times torch's CPU time per forward, and twice per forward and backward.
+# Every public operation at 64 x 256 fp16 (attention: 1 x 4 heads of 64 x 64; matmul, linear
+# and the losses 256 features), where the GPU's work is a few microseconds and a call costs
+# what the CPU spends on it: forward alone (no input requires a gradient), and forward and
+# backward through ``torch.autograd.grad``. Ours, ours launched through Triton's own path
+# (inside ``triton_launches()``: what ``lean`` saves, the "before"), and torch's own
+# operation, in one run. Targets: at most 1.5 times torch's CPU time per forward, twice per
+# forward and backward.
 
-OPERATIONS = {
-    0: "softmax",
-    1: "softmax fwd+bwd",
-    2: "layer_norm",
-    3: "layer_norm fwd+bwd",
-    4: "linear+gelu",
-    5: "linear+gelu fwd+bwd",
-    6: "dropout",
-    7: "dropout fwd+bwd",
-}
-ROWS, WIDTH = tutorial.choose(gpu=(4096, 1024), cpu=(8, 32))
+ROWS, WIDTH = tutorial.choose(gpu=(64, 256), cpu=(8, 32))
+HEAD_DIM = tutorial.choose(gpu=64, cpu=16)
+HEADS = (1, 4, ROWS, HEAD_DIM)  # batch, heads, sequence, head dim
+# x value -> "softmax", "softmax fwd+bwd", ...: every public operation (lessons.calls)
+CALLS = calls_of.labels()
+PROFILED = list(CALLS.values()).index("layer_norm fwd+bwd")
 
 
-def operation_call(provider, operation, dtype):
-    """The call of ``OPERATIONS[operation]`` by ``provider``, on fresh inputs."""
-    backward, name = operation % 2 == 1, OPERATIONS[operation].split()[0]
-    x = torch.randn(ROWS, WIDTH, device=DEVICE, dtype=dtype)
-    w = torch.randn(WIDTH, WIDTH, device=DEVICE, dtype=dtype) / WIDTH**0.5
-    b = torch.randn(WIDTH, device=DEVICE, dtype=dtype)
-    ln_w = torch.ones(WIDTH, device=DEVICE, dtype=dtype)
+def operation_call(provider, index, dtype):
+    """The call ``CALLS[index]`` by ``provider``, on fresh inputs."""
     ours = provider != "torch"
-    fn = {
-        "softmax": lambda x: softmax(x) if ours else torch.softmax(x, -1),
-        "layer_norm": lambda x: (layer_norm if ours else F.layer_norm)(
-            x, (WIDTH,), ln_w, b
-        ),
-        "linear+gelu": lambda x: (
-            linear(x, w, b, "gelu") if ours else F.gelu(F.linear(x, w, b))
-        ),
-        "dropout": lambda x: dropout(x, 0.1, 1234) if ours else F.dropout(x, 0.1),
-    }[name]
-    call = fn
-    if backward:
-        leaves = [t.requires_grad_() for t in (x, w, b, ln_w)]
-        used = {"softmax": 1, "dropout": 1, "layer_norm": None, "linear+gelu": 3}[name]
-        leaves = [leaves[0], leaves[3], leaves[2]] if used is None else leaves[:used]
-        grad = torch.randn(ROWS, WIDTH, device=DEVICE, dtype=dtype)
-        call = lambda x: torch.autograd.grad(fn(x), leaves, grad)
+    call = calls_of.make_call(CALLS[index], ours, ROWS, WIDTH, HEADS, DEVICE, dtype)
     if provider == "triton (Triton's launch)":
-        return lambda: launched_by_triton(call, x)
-    return lambda: call(x)
+        return lambda: launched_by_triton(call)
+    return call
 
 
-def launched_by_triton(call, x):
+def launched_by_triton(call):
     with triton_launches():
-        return call(x)
+        return call()
 
 
 calls = bench.run(
     bench.Benchmark(
         name="cpu-per-call",
-        x_name="operation, 4096 x 1024 fp16",  # on a GPU
-        x_values=list(OPERATIONS),
+        x_name="operation, 64 x 256 fp16",  # on a GPU
+        x_values=list(CALLS),
         providers=["triton", "triton (Triton's launch)", "torch"],
         make=operation_call,
         work=lambda x, dtype: 1,
         unit=bench.CPU_UNIT,
         dtypes=(torch.float16,),
-        smoke_x=0,
+        smoke_x=PROFILED,
         headline_x=None,  # the lines below name each operation
-        x_labels=OPERATIONS,
+        x_labels=CALLS,
     )
 )
-if calls:
+if calls:  # by the names recorded: a recording made before an operation joined lacks it
     print(f"µs of CPU per call, {calls.how}:")
     print(
-        f"  {'':<20} {'ours':>7} {'ours, Triton launch':>20} {'torch':>7}  ours/torch"
+        f"  {'':<28} {'ours':>7} {'ours, Triton launch':>20} {'torch':>7}  ours/torch"
     )
-    for operation, label in OPERATIONS.items():
+    for index, label in calls.bench.x_labels.items():
         ours, triton_path, theirs = (
-            calls.value(p, operation, "float16") for p in calls.bench.providers
+            calls.value(p, index, "float16") for p in calls.bench.providers
         )
         target = 2.0 if "bwd" in label else 1.5
         verdict = "meets" if ours / theirs <= target else "misses"
         print(
-            f"  {label:<20} {ours:7.1f} {triton_path:20.1f} {theirs:7.1f}  "
+            f"  {label:<28} {ours:7.1f} {triton_path:20.1f} {theirs:7.1f}  "
             f"{ours / theirs:4.1f}x: {verdict} the {target}x target"
         )
-    lean = lambda op: calls.ratio("triton", "triton (Triton's launch)", op, "float16")
-    slower = [label for op, label in OPERATIONS.items() if lean(op) > 1]
+    lean_ratio = lambda x: calls.ratio(
+        "triton", "triton (Triton's launch)", x, "float16"
+    )
+    slower = [label for x, label in calls.bench.x_labels.items() if lean_ratio(x) > 1]
     print(
         "Slower with the lean launch than through Triton's:",
         ", ".join(slower) or "none",
     )
 
 # %%
-# What remains of a forward is the launcher itself (the "compiled launcher alone" above),
-# the output's allocation and a few microseconds of Python: more than torch's C++ path, which
-# is why most of our forwards miss the 1.5x target on this host. Through autograd the engine's own
-# cost, paid by torch too, narrows the ratio. (Chapter 05's linear layer takes an
-# ``autograd.Function`` for eager calls, not its ``torch.library.custom_op``, whose dispatch
-# costs hundreds of microseconds a call.)
+# CPU time per call is the noisiest figure we record: the same call of the same code has
+# measured over three times apart on machines of one kind, so one recording says little below
+# a factor of 1.5, and a line "slower with the lean launch" above is within that noise unless
+# it repeats.
 #
-# In the recording shown one line goes the wrong way (the last line above names it): the lean
-# launch made ``layer_norm``'s forward *slower* than Triton's own path. The lean path replaces
-# Triton's binding, which it undercuts by a few microseconds for an empty kernel (the pieces
-# above), yet the two figures differ by tens, and the same call, the same code, measured 49 to
-# 164 µs on the four machines of the session that recorded it (``lab/NOTES.md``). CPU time per
-# call is the noisiest figure we record: one recording of it says little below a factor of
-# 1.5, and this one does not show the lean launch helping ``layer_norm``'s forward.
-#
+# Where the time of one call goes now: ``cProfile`` over 100 calls of ``layer_norm``'s
+# forward and backward, the functions that take the most time of their own. On a GPU these
+# are our wrappers, autograd's and the launcher; under the interpreter the interpreter's own
+# functions lead (it runs the kernel), and ``lab/call_cost.py`` measures our Python without
+# a GPU, launches made no-ops, per operation, before and after.
+
+
+PROFILED_CALLS = tutorial.choose(gpu=100, cpu=3)  # the interpreter's calls are slow
+
+
+def profile_call(call, calls=PROFILED_CALLS, top=8) -> None:
+    call()  # compiled, tuned, keyed
+    profiler = cProfile.Profile()
+    profiler.runcall(lambda: [call() for _ in range(calls)])
+    stats = pstats.Stats(profiler, stream=sys.stdout).strip_dirs().sort_stats("tottime")
+    stats.print_stats(top)
+
+
+profile_call(operation_call("triton", PROFILED, torch.float16))
+
+# %%
+# The call from Python at full size
+# ---------------------------------
+# At 4096 x 4096 fp16 the GPU's work is no longer small (a softmax forward and backward
+# moves 168 MB, 56 µs at the H100's copy bandwidth), and a user's call runs at the slower of
+# the CPU issuing it and the GPU running it. Here each call is timed as a user makes it
+# (``do_bench`` of the Python call) beside the GPU time alone, ours and torch's: the target is
+# a call rate at least torch's. Bytes counted: x read and y written (forward), and x or y,
+# dy read and dx written again (backward).
+
+RATE_CALLS = calls_of.labels(("softmax", "layer_norm"))
+SIDE = tutorial.choose(gpu=4096, cpu=16)
+
+
+def rate_call(provider, index, dtype):
+    ours, label = provider != "torch", RATE_CALLS[index]
+    return calls_of.make_call(label, ours, SIDE, SIDE, (1, 1, 1, 16), DEVICE, dtype)
+
+
+rates = bench.run(
+    bench.Benchmark(
+        name="call-rate",
+        x_name="operation, 4096 x 4096 fp16",  # on a GPU
+        x_values=list(RATE_CALLS),
+        providers=["triton", "torch"],
+        make=rate_call,
+        work=lambda x, dtype: (5 if x % 2 else 2) * SIDE * SIDE * dtype.itemsize,
+        dtypes=(torch.float16,),
+        smoke_x=3,
+        headline_x=None,
+        x_labels=RATE_CALLS,
+    ),
+    draw=False,
+)
+if rates:
+    print(f"GB/s called from Python (GPU time alone), {rates.how}:")
+    for index, label in rates.bench.x_labels.items():
+        line = [
+            f"{p} {rates.call(p, index, 'float16'):6,.0f} "
+            f"({rates.value(p, index, 'float16'):,.0f})"
+            for p in rates.bench.providers
+        ]
+        print(f"  {label:<20} " + ", ".join(line))
+
+# %%
 # Chapter 04's matmul, under the linear layer, sits under an autotuner and a
 # ``triton.heuristics`` layer (``EVEN_K``: whether K is a multiple of the chosen BLOCK_K).
 # ``lean`` evaluates such rules once, at a key's first launch, on the arguments and the
 # autotuner's choice; later calls skip both layers. A rule that reads a tensor (whose shape
-# and strides are not all in the key) keeps Triton's path.
+# and strides are not all in the key) keeps Triton's path. Chapter 11's attention passes
+# tensor descriptors: ``lean`` keys them by what Triton specializes on (dtype, block shape,
+# padding), so its launches are lean too.
 #
 # No Python wrapper will reach C++. To remove the CPU's cost we have to stop paying it at
 # every step: record the GPU work once and replay it.

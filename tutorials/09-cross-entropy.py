@@ -116,7 +116,11 @@ from stepkernels.runtime.core import (
     refuse_double_backward,
     sm_count,
 )
-from stepkernels.runtime.launch import lean  # cheap repeated launches: chapter 08
+from stepkernels.runtime.launch import (  # cheap repeated launches: chapter 08
+    cdiv,
+    lean,
+    next_power_of_2,
+)
 from stepkernels.runtime.rows import as_rows, quiet
 import torch
 import triton
@@ -386,9 +390,9 @@ def loss_rows(logits, target, options, grad=None, scale=None, launch=None):
     aligned, write_grad = rows_aligned(logits, align), grad is not None
     n_values = n_cols if aligned else n_cols + align - 1  # first group to last, at most
     launch = launch or default_launch(n_values, size, write_grad, aligned)
-    part = min(launch.part, triton.next_power_of_2(n_values))
-    n_parts = triton.cdiv(n_values, part)
-    parts_pow2 = triton.next_power_of_2(n_parts)
+    part = min(launch.part, next_power_of_2(n_values))
+    n_parts = cdiv(n_values, part)
+    parts_pow2 = next_power_of_2(n_parts)
     stats = counters = losses  # unused by a row in one program
     if n_parts > 1:
         stats = torch.empty(n_rows, 3, parts_pow2, device=logits.device)
@@ -444,7 +448,7 @@ def scale_unless_one(tensor, factor):
     if flat.numel():
         grid = (
             min(
-                triton.cdiv(flat.numel(), SCALE_BLOCK),
+                cdiv(flat.numel(), SCALE_BLOCK),
                 SCALE_PROGRAMS_PER_SM * sm_count(),
             ),
         )
@@ -456,7 +460,8 @@ def kept_rows(target, options):
     """The rows not ignored, which "mean" divides by; None for the other reductions."""
     if options.reduction == "mean":
         # in int64: an int32 target against an ignore_index past int32 would wrap it
-        return target.long().ne(options.ignore_index).sum(dtype=torch.float32)
+        values = target if target.dtype == torch.int64 else target.long()
+        return values.ne(options.ignore_index).sum(dtype=torch.float32)
 
 
 def reduce_losses(losses, count, reduction):

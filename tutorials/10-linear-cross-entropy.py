@@ -53,7 +53,7 @@ from stepkernels.ops.cross_entropy import (
     reduce_losses,
     scale_unless_one,
 )
-from stepkernels.ops.matmul import matmul
+from stepkernels.ops.matmul import product
 from stepkernels.runtime.core import (
     FLOAT_DTYPES,
     check_tensor,
@@ -80,31 +80,42 @@ def linear_loss_pass(
     one per row."""
     n_rows, n_cols = x.shape[0], weight.shape[0]
     chunk = chunk_rows(n_rows, n_cols, x.element_size(), chunk_tokens)
-    grad_x = torch.empty(x.shape, device=x.device, dtype=x.dtype) if needs[0] else None
+    whole = chunk >= n_rows  # one chunk: no slices, and dX written where it stays
+    grad_x = None
+    if needs[0] and not whole:
+        grad_x = torch.empty(x.shape, device=x.device, dtype=x.dtype)
     grad_w = None
     grad_b = torch.zeros(n_cols, device=x.device) if needs[2] else None
     per_row = grad_scale is not None and grad_scale.dim() > 0
     losses = []
     for start in range(0, n_rows, chunk):
         rows = slice(start, start + chunk)
-        logits = matmul(x[rows], weight.mT, bias=bias)
+        x_rows = x if whole else x[rows]
+        # product: matmul without its checks, done once by linear_cross_entropy
+        logits = product(x_rows, weight.mT, None, bias)
         grad = logits if any(needs) else None  # in place: our own buffer
-        scale = grad_scale[rows] if per_row else grad_scale
-        losses.append(loss_rows(logits, target[rows], options, grad, scale))
+        scale = grad_scale[rows] if per_row and not whole else grad_scale
+        part = target if whole else target[rows]
+        losses.append(loss_rows(logits, part, options, grad, scale))
         del grad
         if not any(needs):
             continue
-        if needs[0]:
-            grad_x[rows] = matmul(logits, weight)
-        if needs[1]:
-            accumulate = {} if grad_w is None else {"accumulate": grad_w}
-            grad_w = matmul(logits.mT, x[rows], **accumulate)
+        if needs[0] and whole:
+            grad_x = product(logits, weight)
+        elif needs[0]:
+            grad_x[rows] = product(logits, weight)
+        if needs[1]:  # the first chunk's product, then the others added to it
+            grad_w = product(logits.mT, x_rows, None, None, False, grad_w)
         if needs[2]:
             grad_b += logits.sum(dim=0, dtype=torch.float32)
         del logits  # before the next chunk's: one chunk of logits at a time
+    if needs[0] and grad_x is None:  # no tokens
+        grad_x = torch.empty(x.shape, device=x.device, dtype=x.dtype)
     if needs[1] and grad_w is None:  # no tokens, no product
         grad_w = torch.zeros_like(weight)
     grads = (grad_x, grad_w, None if grad_b is None else grad_b.to(x.dtype))
+    if len(losses) == 1:
+        return losses[0], grads
     return torch.cat(losses) if losses else x.new_empty(0, dtype=torch.float32), grads
 
 
@@ -197,9 +208,16 @@ def linear_cross_entropy(
         raise ValueError(f"chunk_tokens must be at least 1, got {chunk_tokens}")
     shape = (x.shape[0], weight.shape[0])  # the logits'
     options = check_target(target, shape, ignore_index, label_smoothing, reduction)
-    return LinearCrossEntropyFunction.apply(
-        x, weight, bias, target.contiguous(), options, chunk_tokens
+    target = target.contiguous()
+    tensors = (x, weight) if bias is None else (x, weight, bias)
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        args = (x, weight, bias, target, options, chunk_tokens)
+        return LinearCrossEntropyFunction.apply(*args)
+    count = kept_rows(target, options)  # no autograd: the loss alone
+    losses, _ = linear_loss_pass(
+        x, weight, bias, target, options, (False,) * 3, chunk_tokens
     )
+    return reduce_losses(losses, count, reduction).to(loss_dtype(x))
 
 
 # %%

@@ -4,6 +4,7 @@ layer."""
 # Generated from tutorials/06-low-memory-dropout.py by tools/export.py: edit the chapter, then
 # `make export`.
 
+import functools
 import math
 
 from stepkernels.runtime import activations, core
@@ -15,7 +16,7 @@ from stepkernels.runtime.arguments import (
     dropout_seed,
     flag_argument,
 )
-from stepkernels.runtime.launch import lean  # cheap repeated launches: chapter 08
+from stepkernels.runtime.launch import cdiv, lean  # cheap repeated launches: chapter 08
 import torch
 import triton
 import triton.language as tl
@@ -77,7 +78,7 @@ def launch_dropout(x, p, seed, inplace=False, kernel=dropout_kernel) -> torch.Te
     source = x.contiguous()
     out = source if inplace else torch.empty_like(source)
     if x.numel():
-        grid = (triton.cdiv(x.numel(), BLOCK_SIZE),)
+        grid = (cdiv(x.numel(), BLOCK_SIZE),)
         args = (source, out, x.numel(), p, scale_for(p), seed)
         kernel[grid](*args, BLOCK_SIZE, num_warps=NUM_WARPS)
     return x.copy_(out) if inplace and out is not x else out
@@ -276,6 +277,7 @@ BACKWARD_PROGRAMS_PER_SM = 4  # the backward's strips: long enough for about thi
 BACKWARD_STAGES = {4: 3, 2: 4}  # by bytes an element: the best measured (H100)
 
 
+@functools.cache  # once per shape: a repeated call looks its launch up
 def fused_launch(n_rows: int, n_cols: int, backward: bool) -> tuple[int, int, tuple]:
     """(BLOCK_COLS, rows per program, grid) for a non-empty input: a forward program
     takes a row block (more rows if they are short, never more than there are), a

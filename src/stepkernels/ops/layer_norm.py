@@ -15,7 +15,11 @@ from stepkernels.runtime.arguments import (  # checks
     reduction_argument,
 )
 from stepkernels.runtime.core import INTERPRET, refuse_double_backward, sm_count
-from stepkernels.runtime.launch import lean  # cheap repeated launches: chapter 08
+from stepkernels.runtime.launch import (  # cheap repeated launches: chapter 08
+    cdiv,
+    lean,
+    next_power_of_2,
+)
 from stepkernels.runtime.partials import flush_partials
 import torch
 import triton
@@ -122,10 +126,10 @@ def layer_norm_forward(x2d, weight, bias, eps, block_size=None, config=None):
     )
     affine = dict(HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None)
     strides = (x2d.stride(0), y.stride(0))
-    if config["BLOCK_N"] < triton.next_power_of_2(n_cols):  # a row in chunks: split
+    if config["BLOCK_N"] < next_power_of_2(n_cols):  # a row in chunks: split
         long_rows.split_forward(tensors, strides, affine, n_rows, n_cols, eps, config)
         return y, mean, rstd
-    grid = triton.cdiv(n_rows, config["ROWS_PER_PROGRAM"])
+    grid = cdiv(n_rows, config["ROWS_PER_PROGRAM"])
     grid = min(grid, config.pop("programs", None) or grid)  # a cap on the grid
     layer_norm_forward_kernel[(grid,)](
         *tensors, *strides, n_rows, n_cols, eps, **affine, **config
@@ -289,13 +293,13 @@ def layer_norm_backward(
         return dx, *(None if grad is None else grad.zero_() for grad in (dw, db))
     size, per_program = x2d.element_size(), rows_per_program
     config = config or backward_config(n_cols, n_rows, block_size, per_program, size)
-    n_programs = triton.cdiv(n_rows, config["ROWS_PER_PROGRAM"])  # or groups of rows
+    n_programs = cdiv(n_rows, config["ROWS_PER_PROGRAM"])  # or groups of rows
     mode = reduction if (want_dw or want_db) else "none"
     group = group_size_m or GROUP_SIZE_M
     num_locks, locks, partials = 0, dx, dx  # "none": never touched
     if mode == "lock":
         partials = torch.empty((group, 2, n_cols), device=device, dtype=torch.float32)
-        num_locks = group * triton.cdiv(n_cols, config["BLOCK_N"])
+        num_locks = group * cdiv(n_cols, config["BLOCK_N"])
         # locks, then visit counters: the only memory that needs zeroing
         locks = torch.zeros(2 * num_locks, device=device, dtype=torch.int32)
     elif mode == "two-stage":
@@ -313,7 +317,7 @@ def layer_norm_backward(
     )
     strides = (x2d.stride(0), dy2d.stride(0), dx.stride(0))
     options = dict(HAS_WEIGHT=weight is not None, REDUCTION=mode, GROUP_SIZE_M=group)
-    if config["BLOCK_N"] < triton.next_power_of_2(n_cols):  # a row in chunks: split
+    if config["BLOCK_N"] < next_power_of_2(n_cols):  # a row in chunks: split
         long_rows.split_backward(
             tensors, strides, options, n_rows, n_cols, num_locks, config
         )
@@ -322,11 +326,11 @@ def layer_norm_backward(
             *tensors, *strides, n_rows, n_cols, num_locks, **options, **config
         )
     if mode != "none":  # narrow column blocks: two programs per SM whenever N allows
-        block_n = triton.next_power_of_2(triton.cdiv(n_cols, 2 * sm_count()))
+        block_n = next_power_of_2(cdiv(n_cols, 2 * sm_count()))
         block_n = min(128, max(16, block_n))
         n_partials = partials.shape[0]  # in tiles of up to 4,096 sums, loaded together
-        block_p = min(triton.next_power_of_2(n_partials), max(32, 4096 // block_n))
-        sum_partials_kernel[(triton.cdiv(n_cols, block_n),)](
+        block_p = min(next_power_of_2(n_partials), max(32, 4096 // block_n))
+        sum_partials_kernel[(cdiv(n_cols, block_n),)](
             partials,
             locks[num_locks:],
             dx if dw is None else dw,
@@ -343,8 +347,14 @@ def layer_norm_backward(
     return dx, dw, db
 
 
+def is_vector(tensor) -> bool:
+    return tensor.dim() == 1 and tensor.stride(0) == 1
+
+
 def rows_of(tensor, n_cols):
     """A 2-D view of ``tensor`` with contiguous rows; copies only when there is none."""
+    if tensor.dim() == 2 and tensor.shape[1] == n_cols and tensor.stride(1) == 1:
+        return tensor  # the common case, without a view (a microsecond a call)
     rows = tensor.reshape(-1, n_cols)
     return rows.contiguous() if rows.stride(1) != 1 and n_cols > 1 else rows
 
@@ -353,14 +363,14 @@ class LayerNormFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, normalized_shape, eps, reduction, block_size):
         x2d = rows_of(x, math.prod(normalized_shape))
-        flat = lambda p: None if p is None else p.reshape(-1).contiguous()
+        flat = lambda p: p if p is None or is_vector(p) else p.reshape(-1).contiguous()
         weight, bias = flat(weight), flat(bias)
         y, mean, rstd = layer_norm_forward(x2d, weight, bias, eps, block_size)
         if ctx is not None:  # None: called without autograd, nothing to save
             ctx.save_for_backward(x2d, weight, mean, rstd)
             ctx.normalized_shape, ctx.has_bias = normalized_shape, bias is not None
             ctx.options = dict(reduction=reduction, block_size=block_size)
-        return y.view(x.shape)
+        return y if y.shape == x.shape else y.view(x.shape)
 
     @staticmethod
     def backward(ctx, dy):
@@ -372,8 +382,12 @@ class LayerNormFunction(torch.autograd.Function):
         dx, dw, db = layer_norm_backward(
             rows_of(dy, x2d.shape[1]), *saved, want_dw, want_db, **ctx.options
         )
-        dw, db = (None if g is None else g.view(ctx.normalized_shape) for g in (dw, db))
-        return dx.view(dy.shape), dw, db, None, None, None, None
+        if len(ctx.normalized_shape) > 1:
+            dw, db = (
+                g if g is None else g.view(ctx.normalized_shape) for g in (dw, db)
+            )
+        dx = dx if dx.shape == dy.shape else dx.view(dy.shape)
+        return dx, dw, db, None, None, None, None
 
 
 def layer_norm(

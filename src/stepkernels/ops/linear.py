@@ -3,11 +3,11 @@
 # Generated from tutorials/05-autograd-fused-linear.py by tools/export.py: edit the chapter, then
 # `make export`.
 
-from stepkernels.ops.matmul import copies_for_tf32, matmul
+from stepkernels.ops.matmul import copies_for_tf32, product
 from stepkernels.runtime.activations import activation_derivative
 from stepkernels.runtime.arguments import linear_arguments, linear_options
 from stepkernels.runtime.core import refuse_double_backward
-from stepkernels.runtime.launch import lean
+from stepkernels.runtime.launch import cdiv, lean
 import torch
 from torch import Tensor, nn
 import triton
@@ -68,10 +68,10 @@ def activation_backward(
     M, N = z.shape
     grad_z = z if over_z else torch.empty((M, N), device=z.device, dtype=z.dtype)
     grad_z_t = z.new_empty((N, M)) if transposed else None
-    blocks_m = triton.cdiv(M, ACTIVATION_BACKWARD_BLOCK["BLOCK_M"])
+    blocks_m = cdiv(M, ACTIVATION_BACKWARD_BLOCK["BLOCK_M"])
     partial = torch.empty((blocks_m, N), device=z.device, dtype=torch.float32)
     if grad_z.numel() > 0:
-        grid = (blocks_m, triton.cdiv(N, ACTIVATION_BACKWARD_BLOCK["BLOCK_N"]))
+        grid = (blocks_m, cdiv(N, ACTIVATION_BACKWARD_BLOCK["BLOCK_N"]))
         outputs = (grad_z, grad_z if grad_z_t is None else grad_z_t, partial)
         strides = (*grad_y.stride(), *z.stride())
         flags = dict(ACTIVATION=activation, BIAS_GRAD=bias_grad, TRANSPOSED=transposed)
@@ -83,8 +83,8 @@ def activation_backward(
 
 def fused_linear_forward(x, weight, bias, activation, keep_z):
     if activation is not None and keep_z:
-        return matmul(x, weight.mT, activation, bias=bias, return_preactivation=True)
-    return matmul(x, weight.mT, activation, bias=bias), x.new_empty(0)
+        return product(x, weight.mT, activation, bias, True)
+    return product(x, weight.mT, activation, bias), x.new_empty(0)
 
 
 def fused_linear_backward(grad_y, x, weight, bias, z, activation, needs_grad):
@@ -94,7 +94,7 @@ def fused_linear_backward(grad_y, x, weight, bias, z, activation, needs_grad):
         grad_bias = grad_y.sum(dim=0, dtype=torch.float32) if need_bias else None
     else:
         again = z is None  # recompute: the forward product, without the activation,
-        z = matmul(x, weight.mT, None, bias=bias) if again else z  # then dZ over it
+        z = product(x, weight.mT, None, bias) if again else z  # then dZ over it
         # dZ^T from the dZ kernel where dW's product would copy it (fp32 as tf32)
         transposed = need_weight and copies_for_tf32(x.dtype, *weight.shape)
         grad_z, grad_bias, grad_z_t = activation_backward(
@@ -102,8 +102,8 @@ def fused_linear_backward(grad_y, x, weight, bias, z, activation, needs_grad):
         )
     grad_z_t = grad_z.mT if grad_z_t is None else grad_z_t  # a view, or the kernel's
     return (  # a new empty tensor for each gradient not asked for: none may alias
-        matmul(grad_z, weight) if need_x else x.new_empty(0),
-        matmul(grad_z_t, x) if need_weight else x.new_empty(0),
+        product(grad_z, weight) if need_x else x.new_empty(0),
+        product(grad_z_t, x) if need_weight else x.new_empty(0),
         grad_bias.to(x.dtype) if need_bias else x.new_empty(0),
     )
 
@@ -184,7 +184,8 @@ def linear(x, weight, bias=None, activation=None, *, recompute=False):
     )  # raises, saying what to do
     tensors = (x, weight) if bias is None else (x, weight, bias)
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
-    rows = x.reshape(x.shape[:-1].numel(), x.shape[-1])
+    # A matrix as it is: a reshape and a view would add two autograd nodes to ours
+    rows = x if x.dim() == 2 else x.reshape(x.shape[:-1].numel(), x.shape[-1])
     keep_z = needs_grad and not recompute
     if torch.compiler.is_compiling():
         y, _ = fused_linear_op(rows, weight, bias, activation, keep_z)
@@ -192,7 +193,7 @@ def linear(x, weight, bias=None, activation=None, *, recompute=False):
         y, _ = FusedLinearFunction.apply(rows, weight, bias, activation, keep_z)
     else:
         y = fused_linear_forward(rows, weight, bias, activation, False)[0]
-    return y.view(*x.shape[:-1], weight.shape[0])
+    return y if x.dim() == 2 else y.view(*x.shape[:-1], weight.shape[0])
 
 
 class FusedLinear(nn.Linear):

@@ -13,7 +13,7 @@ from stepkernels.runtime.core import (
     capability,
     sm_count,
 )
-from stepkernels.runtime.launch import lean
+from stepkernels.runtime.launch import cdiv, lean
 from stepkernels.runtime.tiles import (
     add_bias,
     allocate_outputs,
@@ -175,7 +175,7 @@ ON_HOPPER = ON_GPU and capability()[0] == 9
 
 def fills_the_gpu(M: int, N: int) -> bool:
     """At least one 128 × 128 tile of the M × N output per SM?"""
-    return triton.cdiv(M, 128) * triton.cdiv(N, 128) >= sm_count()
+    return cdiv(M, 128) * cdiv(N, 128) >= sm_count()  # at every call: no triton.cdiv
 
 
 def on_descriptors(dtype, M: int, N: int) -> bool:
@@ -203,6 +203,14 @@ def matmul(
         accumulate_arguments(
             accumulate, a, b, activation, return_preactivation, output_dtype(a.dtype)
         )
+    return product(a, b, activation, bias, return_preactivation, accumulate)
+
+
+def product(
+    a, b, activation=None, bias=None, return_preactivation=False, accumulate=None
+):
+    """``matmul`` for arguments already checked (chapter 05's layer calls it three
+    times a step: the checks once, in ``linear``)."""
     if on_descriptors(a.dtype, a.shape[0], b.shape[1]):
         operands = tma_operands(a, b)
         if operands is not None:

@@ -187,9 +187,10 @@ def layer_norm_arguments(
             check_tensor(tensor, name, dtypes)
     shape = normalized_shape
     shape = tuple(shape) if isinstance(shape, (tuple, list, torch.Size)) else (shape,)
-    if not all(is_number(size, numbers.Integral) for size in shape):
-        raise TypeError(f"normalized_shape must be ints, got {normalized_shape!r}")
-    shape = tuple(int(size) for size in shape)  # NumPy's too, as torch takes them
+    if not all(type(size) is int for size in shape):  # NumPy's too, as torch takes them
+        if not all(is_number(size, numbers.Integral) for size in shape):
+            raise TypeError(f"normalized_shape must be ints, got {normalized_shape!r}")
+        shape = tuple(int(size) for size in shape)
     if not shape or len(shape) > x.dim() or x.shape[x.dim() - len(shape) :] != shape:
         raise ValueError(
             f"normalized_shape {shape} must be the trailing dimensions of "
@@ -217,10 +218,9 @@ def layer_norm_arguments(
     if not eps >= 0:  # also refuses nan
         raise ValueError(f"eps must be a non-negative number, got {eps!r}")
     reduction_argument(reduction, reductions)
-    reduced = torch.is_grad_enabled() and any(
-        p is not None and p.requires_grad for p in (weight, bias)
-    )
-    if reduction == "lock" and reduced and torch.are_deterministic_algorithms_enabled():
+    reduced = reduction == "lock" and torch.is_grad_enabled()  # the default skips this
+    reduced = reduced and any(p is not None and p.requires_grad for p in (weight, bias))
+    if reduced and torch.are_deterministic_algorithms_enabled():
         message = (
             "layer_norm's reduction='lock' adds dW and dB in the order programs arrive, so "
             "their last bits vary from run to run, and torch.use_deterministic_algorithms"

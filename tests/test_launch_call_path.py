@@ -1,0 +1,138 @@
+"""The Python path of a call (chapter 08): host arithmetic without Triton's constexpr functions,
+lean launches for every kernel of the public operations (tensor descriptors too), and
+arguments checked once per call."""
+
+import sys
+
+from conftest import random_tensor
+import pytest
+import stepkernels
+from stepkernels.runtime import arguments
+from stepkernels.runtime.core import ON_GPU
+from stepkernels.runtime.launch import LeanKernel, cdiv, next_power_of_2, triton_launches
+import torch
+import triton
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+
+def test_host_cdiv_and_next_power_of_2_are_tritons():
+    for n in range(0, 5000):
+        assert next_power_of_2(n) == triton.next_power_of_2(n), n
+        for d in (1, 3, 16, 128):
+            assert cdiv(n, d) == triton.cdiv(n, d), (n, d)
+    assert next_power_of_2(2**40 + 1) == triton.next_power_of_2(2**40 + 1)
+
+
+def descriptor(t, block, **options):  # options: padding, where Triton has it (3.4+)
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), block, **options)
+
+
+def test_launch_key_of_tensor_descriptors():
+    """A descriptor specializes a kernel by its dtype, block shape and padding; its shape,
+    strides and address are runtime values (and its object is no dict key)."""
+    kernel = sys.modules["stepkernels.ops.attention"].attention_forward_kernel
+    key = lambda *args: kernel.key(args, {"BLOCK_M": 16}, 0)
+    a, b = torch.zeros(32, 64), torch.zeros(128, 64)
+    base = key(descriptor(a, [16, 64]), 7)
+    assert hash(base) == hash(key(descriptor(a, [16, 64]), 7))
+    assert key(descriptor(b, [16, 64]), 7) == base  # another tensor, another shape
+    assert key(descriptor(a, [32, 64]), 7) != base  # block shape
+    assert key(descriptor(a.half(), [16, 64]), 7) != base  # dtype
+    if "padding" in TensorDescriptor.__dataclass_fields__:
+        assert key(descriptor(a, [16, 64], padding="nan"), 7) != base
+
+
+@pytest.mark.parametrize(
+    "module, kernels",
+    [
+        ("softmax", ["softmax_kernel", "softmax_backward_kernel"]),
+        ("layer_norm", ["layer_norm_forward_kernel", "layer_norm_backward_kernel"]),
+        ("matmul", ["matmul_portable_tuned"]),
+        ("matmul_hopper", ["matmul_tma_tuned"]),
+        ("linear", ["activation_backward_kernel"]),
+        ("dropout", ["dropout_kernel", "bias_act_dropout_kernel"]),
+        ("cross_entropy", ["cross_entropy_kernel", "scale_unless_one_kernel"]),
+        (
+            "attention",
+            [
+                "attention_forward_kernel",
+                "attention_key_grads_kernel",
+                "attention_query_grad_kernel",
+            ],
+        ),
+    ],
+)
+def test_public_operations_launch_lean_kernels(module, kernels):
+    found = sys.modules[f"stepkernels.ops.{module}"]
+    for name in kernels:
+        assert isinstance(getattr(found, name), LeanKernel), f"{module}.{name}"
+
+
+def test_linear_checks_its_arguments_once(monkeypatch):
+    """linear's forward and backward run three products: their arguments are linear's,
+    checked once, not again by matmul at each."""
+    seen = []
+    checked = arguments.matmul_arguments
+    monkeypatch.setattr(arguments, "matmul_arguments", lambda *a, **k: seen.append(1) or checked(*a, **k))
+    tiles = sys.modules["stepkernels.runtime.tiles"]
+    monkeypatch.setattr(tiles, "matmul_arguments", arguments.matmul_arguments)
+    x = torch.randn(4, 16, requires_grad=True)
+    w = torch.randn(8, 16, requires_grad=True)
+    b = torch.randn(8, requires_grad=True)
+    y = stepkernels.linear(x, w, b, "gelu")
+    torch.autograd.grad(y, (x, w, b), torch.ones_like(y))
+    assert seen == []
+    stepkernels.matmul(x.detach(), w.detach().T)  # matmul itself still checks
+    assert seen == [1]
+
+
+def one_node_calls():
+    x = torch.randn(4, 16, requires_grad=True)
+    w = torch.randn(8, 16, requires_grad=True)
+    b = torch.randn(16, requires_grad=True)
+    q = torch.randn(1, 2, 8, 16, requires_grad=True)
+    target = torch.randint(8, (4,))
+    return {
+        "softmax": lambda: stepkernels.softmax(x),
+        "log_softmax": lambda: stepkernels.log_softmax(x),
+        "layer_norm": lambda: stepkernels.layer_norm(x, (16,), b, b),
+        "linear": lambda: stepkernels.linear(x, w),
+        "linear+gelu": lambda: stepkernels.linear(x, w, None, "gelu"),
+        "dropout": lambda: stepkernels.dropout(x, 0.1, 3),
+        "dropout_bias_act": lambda: stepkernels.dropout_bias_act(x, b, 0.1, "gelu", 3),
+        "cross_entropy": lambda: stepkernels.cross_entropy(x, torch.randint(16, (4,))),
+        "linear_cross_entropy": lambda: stepkernels.linear_cross_entropy(x, w, target),
+        "attention": lambda: stepkernels.attention(q, q, q, causal=True),
+    }
+
+
+@pytest.mark.parametrize("name", list(one_node_calls()))
+def test_one_autograd_node_per_call(name):
+    """An operation on matrices (attention: heads) records one node, whose inputs are the
+    leaves themselves: no view or reshape nodes around it for autograd to walk."""
+    node = one_node_calls()[name]().grad_fn
+    inputs = [n for n, _ in node.next_functions if n is not None]
+    assert all(type(n).__name__ == "AccumulateGrad" for n in inputs), node.next_functions
+
+
+@pytest.mark.skipif(not ON_GPU, reason="lean launches are taken on a GPU only")
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_lean_attention_matches_tritons_path(dtype):
+    """Attention's descriptor kernels, lean: the same bits as through Triton's launch, for
+    head dims and sequences that give other descriptors and grids, called again and again."""
+
+    def forward_backward(q, k, v, do):
+        out = stepkernels.attention(q, k, v, causal=True)
+        return (out, *torch.autograd.grad(out, (q, k, v), do))
+
+    cases = [(1, 2, 128, 64), (2, 3, 77, 40), (1, 2, 128, 64)]  # the first again: cached
+    for shape in cases:
+        q, k, v = (random_tensor(shape, dtype, seed).requires_grad_() for seed in range(3))
+        inputs = (q, k, v, random_tensor(shape, dtype, 3))
+        with triton_launches():
+            expected = forward_backward(*inputs)
+        for _ in range(2):
+            for got, want in zip(forward_backward(*inputs), expected, strict=True):
+                torch.testing.assert_close(got, want, rtol=0, atol=0)
+    attention_module = sys.modules["stepkernels.ops.attention"]
+    assert attention_module.attention_forward_kernel.entries  # the lean path was taken
