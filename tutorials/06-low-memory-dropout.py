@@ -67,7 +67,11 @@ DEVICE = tutorial.DEVICE
 # @save ops/dropout
 import math
 
-from stepkernels.runtime import activations, core
+from stepkernels.runtime import core
+
+# Device functions by name: torch.compile copies a kernel's source with the @triton.jit
+# functions it names, not a module it reads them from (``activations.apply_activation``).
+from stepkernels.runtime.activations import activation_derivative, apply_activation
 from stepkernels.runtime.arguments import (
     activation_argument,
     dropout_bias,
@@ -362,7 +366,7 @@ def bias_act_dropout_kernel(
         counters, offsets, in_bounds = tile
         x = tl.load(x_ptr + offsets, mask=in_bounds).to(tl.float32)
         out_type = out_ptr.dtype.element_ty
-        activated = activations.apply_activation(x + bias, ACTIVATION, out_type)
+        activated = apply_activation(x + bias, ACTIVATION, out_type)
         keep = keep_eight(seed, threshold, counters)
         out = tl.where(keep, activated * scale, 0.0)
         tl.store(out_ptr + offsets, out.to(out_ptr.dtype.element_ty), mask=in_bounds)
@@ -405,7 +409,7 @@ def bias_act_dropout_backward_kernel(
         if ACTIVATION is not None:  # recompute z = x + b: read x, store nothing
             x = tl.load(x_ptr + offsets, mask=in_bounds).to(tl.float32)
             out_type = grad_in_ptr.dtype.element_ty
-            grad *= activations.activation_derivative(x + bias, ACTIVATION, out_type)
+            grad *= activation_derivative(x + bias, ACTIVATION, out_type)
         grad = tl.where(in_bounds, grad, 0.0)
         grad_in = grad.to(grad_in_ptr.dtype.element_ty)
         tl.store(grad_in_ptr + offsets, grad_in, mask=in_bounds)
@@ -548,7 +552,7 @@ P_BENCH, FEATURES = 0.1, 4096
 
 
 def torch_layer(x, bias=None):
-    z = x if bias is None else activations.activation_reference(x + bias, "gelu")
+    z = x if bias is None else torch.nn.functional.gelu(x + bias)
     return torch.nn.functional.dropout(z, P_BENCH, training=True)
 
 

@@ -6,7 +6,11 @@ layer."""
 
 import math
 
-from stepkernels.runtime import activations, core
+from stepkernels.runtime import core
+
+# Device functions by name: torch.compile copies a kernel's source with the @triton.jit
+# functions it names, not a module it reads them from (``activations.apply_activation``).
+from stepkernels.runtime.activations import activation_derivative, apply_activation
 from stepkernels.runtime.arguments import (
     activation_argument,
     dropout_bias,
@@ -206,7 +210,7 @@ def bias_act_dropout_kernel(
         counters, offsets, in_bounds = tile
         x = tl.load(x_ptr + offsets, mask=in_bounds).to(tl.float32)
         out_type = out_ptr.dtype.element_ty
-        activated = activations.apply_activation(x + bias, ACTIVATION, out_type)
+        activated = apply_activation(x + bias, ACTIVATION, out_type)
         keep = keep_eight(seed, threshold, counters)
         out = tl.where(keep, activated * scale, 0.0)
         tl.store(out_ptr + offsets, out.to(out_ptr.dtype.element_ty), mask=in_bounds)
@@ -249,7 +253,7 @@ def bias_act_dropout_backward_kernel(
         if ACTIVATION is not None:  # recompute z = x + b: read x, store nothing
             x = tl.load(x_ptr + offsets, mask=in_bounds).to(tl.float32)
             out_type = grad_in_ptr.dtype.element_ty
-            grad *= activations.activation_derivative(x + bias, ACTIVATION, out_type)
+            grad *= activation_derivative(x + bias, ACTIVATION, out_type)
         grad = tl.where(in_bounds, grad, 0.0)
         grad_in = grad.to(grad_in_ptr.dtype.element_ty)
         tl.store(grad_in_ptr + offsets, grad_in, mask=in_bounds)
