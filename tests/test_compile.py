@@ -91,3 +91,145 @@ def test_inductor_copies_every_name_a_kernel_reads(name, monkeypatch):
             reads = {i.argval for i in dis.Bytecode(function.fn) if i.opname == "LOAD_GLOBAL"}
             missing |= {n for n in reads if n not in namespace and not hasattr(builtins, n)}
     assert not missing, f"{name}: Inductor's copy reads {sorted(missing)}, never defined"
+
+
+# ---------------------------------------------------------------------------------------------
+# Our operators under torch.compile. Under the interpreter (CPU) torch.library.wrap_triton
+# hands an interpreted kernel back unwrapped, so no graph can hold it: there the compiler keeps
+# each triton_op opaque (decompose_custom_triton_ops=False) and aot_eager runs it as an
+# operator; Inductor on a GPU traces into the kernels.
+
+import copy  # noqa: E402
+
+from conftest import random_tensor  # noqa: E402
+from stepkernels.models.gpt import GPT, GPTConfig  # noqa: E402
+from stepkernels.ops.attention import attention  # noqa: E402
+from stepkernels.ops.cross_entropy import cross_entropy  # noqa: E402
+from stepkernels.ops.dropout import dropout, dropout_bias_act  # noqa: E402
+from stepkernels.ops.layer_norm import layer_norm  # noqa: E402
+from stepkernels.ops.linear import linear  # noqa: E402
+from stepkernels.runtime.core import DEVICE, ON_GPU  # noqa: E402
+import torch  # noqa: E402
+
+BACKEND = "inductor" if ON_GPU else "aot_eager"
+
+
+def compiled(fn):
+    torch._dynamo.reset()
+    return torch.compile(fn, backend=BACKEND, fullgraph=True)
+
+
+def opaque_on_cpu():
+    """The interpreter's kernels cannot enter a graph: keep triton_ops whole there."""
+    if ON_GPU:
+        return torch._functorch.config.patch({})
+    return torch._functorch.config.patch(decompose_custom_triton_ops=False)
+
+
+def leaf(shape, seed, dtype=torch.float32):
+    return random_tensor(shape, dtype, seed=seed).requires_grad_()
+
+
+def op_cases():
+    """name: (function, its tensor arguments): every operator the GPT uses."""
+    x, w, b = leaf((6, 3, 32), 0), leaf(32, 1), leaf(32, 2)
+    q, k, v = (leaf((2, 2, 16, 16), s) for s in (3, 4, 5))
+    logits, target = leaf((12, 40), 6), torch.randint(40, (12,), device=DEVICE)
+    weight = leaf((24, 32), 7)
+    seed = torch.tensor(1234, device=DEVICE)
+    return {
+        "layer_norm": (lambda x, w, b: layer_norm(x, (32,), w, b), (x, w, b)),
+        "dropout": (lambda x: dropout(x, 0.25, seed), (x,)),
+        "dropout_int_seed": (lambda x: dropout(x, 0.25, 77), (x,)),
+        "dropout_bias_act": (
+            lambda x, b: dropout_bias_act(x, b, 0.25, "gelu", seed),
+            (x, b),
+        ),
+        "dropout_bias": (lambda x, b: dropout_bias_act(x, b, 0.25, None, 5), (x, b)),
+        "attention": (lambda q, k, v: attention(q, k, v, causal=True), (q, k, v)),
+        "cross_entropy": (lambda z: cross_entropy(z, target), (logits,)),
+        "cross_entropy_none": (
+            lambda z: cross_entropy(z, target, reduction="none"),
+            (logits,),
+        ),
+        "linear_gelu": (lambda x, w: linear(x, w, None, "gelu"), (x, weight)),
+    }
+
+
+CASES = sorted(op_cases())
+
+
+def outputs_and_grads(fn, args):
+    out = fn(*args)
+    cotangent = random_tensor(out.shape, out.dtype, seed=99)
+    return out, torch.autograd.grad(out, args, cotangent)
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_operator_traces_whole(name):
+    fn, args = op_cases()[name]
+    torch._dynamo.reset()
+    explanation = torch._dynamo.explain(fn)(*args)
+    assert explanation.graph_break_count == 0, explanation.break_reasons
+    assert explanation.graph_count == 1
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_compiled_operator_matches_eager(name):
+    fn, args = op_cases()[name]
+    want, want_grads = outputs_and_grads(fn, args)
+    with opaque_on_cpu():
+        got, got_grads = outputs_and_grads(compiled(fn), args)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    for g, w in zip(got_grads, want_grads, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+
+
+def small_gpt(dropout=0.1):
+    torch.manual_seed(0)
+    config = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32)
+    return GPT(dataclasses_replace(config, dropout=dropout)).to(DEVICE)
+
+
+def dataclasses_replace(config, **changes):
+    import dataclasses
+
+    return dataclasses.replace(config, **changes)
+
+
+def tokens():
+    generator = torch.Generator().manual_seed(1)
+    idx, targets = torch.randint(64, (2, 2, 16), generator=generator).to(DEVICE)
+    return idx, targets
+
+
+def test_gpt_traces_whole_on_our_kernels():
+    """The GPT on our kernels, with dropout, is one graph: no break."""
+    model = small_gpt()
+    torch._dynamo.reset()
+    explanation = torch._dynamo.explain(model)(*tokens())
+    assert explanation.graph_break_count == 0, explanation.break_reasons
+    assert explanation.graph_count == 1
+
+
+def step(model, idx, targets, forward=None):
+    logits, loss = (model if forward is None else forward)(idx, targets)
+    loss.backward()
+    grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    return logits, loss, grads
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+def test_compiled_gpt_matches_eager(dropout):
+    """Logits, loss and every gradient of the compiled GPT equal our eager ones (dropout
+    too: both draw from the same device seeds, which both advance)."""
+    eager = small_gpt(dropout)
+    model = copy.deepcopy(eager)
+    want = step(eager, *tokens())
+    with opaque_on_cpu():
+        got = step(model, *tokens(), forward=compiled(model))
+    torch.testing.assert_close(got[0], want[0], rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(got[1], want[1], rtol=1e-4, atol=1e-5)
+    assert got[2].keys() == want[2].keys()
+    for name in want[2]:
+        torch.testing.assert_close(got[2][name], want[2][name], rtol=1e-4, atol=1e-5)
