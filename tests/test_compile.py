@@ -108,6 +108,9 @@ from stepkernels.ops.cross_entropy import cross_entropy  # noqa: E402
 from stepkernels.ops.dropout import dropout, dropout_bias_act  # noqa: E402
 from stepkernels.ops.layer_norm import layer_norm  # noqa: E402
 from stepkernels.ops.linear import linear  # noqa: E402
+from stepkernels.ops.linear_cross_entropy import linear_cross_entropy  # noqa: E402
+from stepkernels.ops.matmul import matmul  # noqa: E402
+from stepkernels.ops.softmax import log_softmax, softmax  # noqa: E402
 from stepkernels.runtime.core import DEVICE, ON_GPU  # noqa: E402
 import torch  # noqa: E402
 
@@ -136,6 +139,8 @@ def op_cases():
     q, k, v = (leaf((2, 2, 16, 16), s) for s in (3, 4, 5))
     logits, target = leaf((12, 40), 6), torch.randint(40, (12,), device=DEVICE)
     weight = leaf((24, 32), 7)
+    a, b = leaf((18, 32), 8), leaf((32, 32), 9)
+    x2d, weight40 = leaf((12, 32), 10), leaf((40, 32), 11)
     seed = torch.tensor(1234, device=DEVICE)
     return {
         "layer_norm": (lambda x, w, b: layer_norm(x, (32,), w, b), (x, w, b)),
@@ -153,6 +158,24 @@ def op_cases():
             (logits,),
         ),
         "linear_gelu": (lambda x, w: linear(x, w, None, "gelu"), (x, weight)),
+        "softmax": (lambda x: softmax(x), (x,)),
+        "log_softmax_dim1": (lambda x: log_softmax(x, 1), (x,)),
+        "matmul_relu": (
+            lambda a, b: matmul(a, b, "relu", bias=b[0].detach()),
+            (a.detach(), b.detach()),
+        ),
+        "matmul_accumulate": (
+            lambda a, b: matmul(a, b, accumulate=torch.ones(18, 32, device=DEVICE)),
+            (a.detach(), b.detach()),
+        ),
+        "linear_cross_entropy": (
+            lambda x, w: linear_cross_entropy(x, w, target),
+            (x2d, weight40),
+        ),
+        "linear_cross_entropy_none": (
+            lambda x, w: linear_cross_entropy(x, w, target, reduction="none"),
+            (x2d, weight40),
+        ),
     }
 
 
@@ -161,6 +184,8 @@ CASES = sorted(op_cases())
 
 def outputs_and_grads(fn, args):
     out = fn(*args)
+    if not out.requires_grad:  # an operator without a derivative (matmul)
+        return out, ()
     cotangent = random_tensor(out.shape, out.dtype, seed=99)
     return out, torch.autograd.grad(out, args, cotangent)
 
@@ -233,3 +258,60 @@ def test_compiled_gpt_matches_eager(dropout):
     assert got[2].keys() == want[2].keys()
     for name in want[2]:
         torch.testing.assert_close(got[2][name], want[2][name], rtol=1e-4, atol=1e-5)
+
+
+def opcheck_cases():
+    """Each registered operator with arguments it takes."""
+    ops = torch.ops.stepkernels
+    x, w, b = leaf((6, 32), 0), leaf(32, 1), leaf(32, 2)
+    y, mean, rstd = ops.layer_norm_forward(x, w, b, 1e-5)
+    q, k, v = (leaf((1, 2, 16, 16), s) for s in (3, 4, 5))
+    o, lse = ops.attention(q, k, v, True, 0.25)
+    logits, target = leaf((12, 40), 6), torch.randint(40, (12,), device=DEVICE)
+    seed = torch.tensor(7, device=DEVICE)
+    weight40 = leaf((40, 32), 7)
+    dy = random_tensor((6, 32), seed=8)
+    return {
+        "layer_norm_forward": (ops.layer_norm_forward, (x, w, b, 1e-5)),
+        "layer_norm_backward": (
+            ops.layer_norm_backward,
+            (dy, x.detach(), w.detach(), mean, rstd, True, True),
+        ),
+        "dropout": (ops.dropout, (x, 0.25, seed)),
+        "dropout_bias_act": (ops.dropout_bias_act, (x, b, 0.25, "gelu", seed)),
+        "dropout_bias_act_backward": (
+            ops.dropout_bias_act_backward,
+            (dy, x.detach(), b.detach(), 0.25, "gelu", seed),
+        ),
+        "softmax": (ops.softmax, (x, True)),
+        "softmax_backward": (ops.softmax_backward, (y.detach(), dy, False)),
+        "attention": (ops.attention, (q, k, v, True, 0.25)),
+        "attention_backward": (
+            ops.attention_backward,
+            (*(t.detach() for t in (q, k, v, o)), lse, random_tensor(q.shape, seed=9), True, 0.25),
+        ),
+        "cross_entropy": (ops.cross_entropy, (logits, target, -100, 0.1, "mean", True)),
+        "cross_entropy_backward": (
+            ops.cross_entropy_backward,
+            (logits.detach(), target, torch.rand(12, device=DEVICE), -100, 0.0),
+        ),
+        "matmul": (ops.matmul, (x.detach(), w.detach().expand(32, 32), "relu", b.detach(), True, None)),
+        "linear_cross_entropy": (
+            ops.linear_cross_entropy,
+            (x[:, :32].repeat(2, 1), weight40, None, target, -100, 0.0, "mean", None, [True, True, False]),
+        ),
+        "fused_linear": (ops.fused_linear, (x, weight40, None, "gelu", True)),
+    }
+
+
+# Under the interpreter the test that decomposes a triton_op into its kernels cannot run.
+OPCHECKS = None if ON_GPU else ("test_schema", "test_autograd_registration", "test_faketensor")
+
+
+@pytest.mark.parametrize("name", sorted(opcheck_cases()))
+def test_opcheck(name):
+    """torch.library.opcheck: the schema, the autograd registration, the fake (meta)
+    implementation against the real outputs, and on a GPU AOT dispatch too."""
+    op, args = opcheck_cases()[name]
+    kwargs = {} if OPCHECKS is None else {"test_utils": OPCHECKS}
+    torch.library.opcheck(op, args, **kwargs)
