@@ -4,6 +4,7 @@ operator traced without a graph break, and the GPT compiled whole."""
 import builtins
 import dis
 import importlib
+import importlib.util
 import inspect
 import pkgutil
 import textwrap
@@ -15,7 +16,6 @@ from torch._inductor.codegen.wrapper import (
     user_defined_triton_kernel_transitive_closure_source_code as inductor_source,
 )
 import triton
-import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
 
@@ -73,21 +73,28 @@ def test_kernels_found():
         for name in sorted(KERNELS)
     ],
 )
-def test_inductor_copies_every_name_a_kernel_reads(name, monkeypatch):
+def test_inductor_copies_every_name_a_kernel_reads(name, monkeypatch, tmp_path):
     """Inductor compiles a Triton kernel from a copy of its source, with the @triton.jit
     functions the kernel names and its int, str and bool globals
     (``user_defined_triton_kernel_transitive_closure_source_code``); a function read from a
     module (``activations.apply_activation``) is not copied, and the compiled step died
-    with ``NameError: activations is not defined``. Under the interpreter our kernels are
-    ``InterpretedFunction``s, so we let Inductor's walk take them for ``JITFunction``s."""
-    monkeypatch.setattr(triton, "JITFunction", InterpretedFunction)
-    monkeypatch.setattr(InterpretedFunction, "src", property(source_of), raising=False)
+    with ``NameError: activations is not defined``. We import the copy as Inductor does and
+    look up every global name each of its functions reads. Under the interpreter our
+    kernels are ``InterpretedFunction``s, so we let Inductor's walk take them for
+    ``JITFunction``s."""
+    if INTERPRET:
+        monkeypatch.setattr(triton, "JITFunction", InterpretedFunction)
+        monkeypatch.setattr(InterpretedFunction, "src", property(source_of), raising=False)
     source = inductor_source(KERNELS[name])
-    namespace = {"triton": triton, "tl": tl}  # the imports of Inductor's generated file
-    exec(compile(f"@triton.jit\n{source}", name, "exec"), namespace)
+    path = tmp_path / f"copied_{name.replace('.', '_')}.py"
+    path.write_text(f"import triton\nimport triton.language as tl\n\n\n@triton.jit\n{source}")
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)  # a NameError here: a default read from a global
+    namespace = vars(module)
     missing = set()
     for function in namespace.values():
-        if isinstance(function, InterpretedFunction):
+        if isinstance(function, (triton.runtime.JITFunction, InterpretedFunction)):
             reads = {i.argval for i in dis.Bytecode(function.fn) if i.opname == "LOAD_GLOBAL"}
             missing |= {n for n in reads if n not in namespace and not hasattr(builtins, n)}
     assert not missing, f"{name}: Inductor's copy reads {sorted(missing)}, never defined"
@@ -111,7 +118,7 @@ from stepkernels.ops.linear import linear  # noqa: E402
 from stepkernels.ops.linear_cross_entropy import linear_cross_entropy  # noqa: E402
 from stepkernels.ops.matmul import matmul  # noqa: E402
 from stepkernels.ops.softmax import log_softmax, softmax  # noqa: E402
-from stepkernels.runtime.core import DEVICE, ON_GPU  # noqa: E402
+from stepkernels.runtime.core import DEVICE, INTERPRET, ON_GPU  # noqa: E402
 import torch  # noqa: E402
 
 BACKEND = "inductor" if ON_GPU else "aot_eager"
@@ -139,7 +146,7 @@ def op_cases():
     q, k, v = (leaf((2, 2, 16, 16), s) for s in (3, 4, 5))
     logits, target = leaf((12, 40), 6), torch.randint(40, (12,), device=DEVICE)
     weight = leaf((24, 32), 7)
-    a, b = leaf((18, 32), 8), leaf((32, 32), 9)
+    a, m = leaf((18, 32), 8), leaf((32, 32), 9)
     x2d, weight40 = leaf((12, 32), 10), leaf((40, 32), 11)
     seed = torch.tensor(1234, device=DEVICE)
     return {
@@ -161,12 +168,12 @@ def op_cases():
         "softmax": (lambda x: softmax(x), (x,)),
         "log_softmax_dim1": (lambda x: log_softmax(x, 1), (x,)),
         "matmul_relu": (
-            lambda a, b: matmul(a, b, "relu", bias=b[0].detach()),
-            (a.detach(), b.detach()),
+            lambda a, m: matmul(a, m, "relu", bias=m[0].detach()),
+            (a.detach(), m.detach()),
         ),
         "matmul_accumulate": (
-            lambda a, b: matmul(a, b, accumulate=torch.ones(18, 32, device=DEVICE)),
-            (a.detach(), b.detach()),
+            lambda a, m: matmul(a, m, accumulate=torch.ones(18, 32, device=DEVICE)),
+            (a.detach(), m.detach()),
         ),
         "linear_cross_entropy": (
             lambda x, w: linear_cross_entropy(x, w, target),
@@ -275,7 +282,7 @@ def opcheck_cases():
         "layer_norm_forward": (ops.layer_norm_forward, (x, w, b, 1e-5)),
         "layer_norm_backward": (
             ops.layer_norm_backward,
-            (dy, x.detach(), w.detach(), mean, rstd, True, True),
+            (dy, x.detach(), w.detach(), mean.detach(), rstd.detach(), True, True),
         ),
         "dropout": (ops.dropout, (x, 0.25, seed)),
         "dropout_bias_act": (ops.dropout_bias_act, (x, b, 0.25, "gelu", seed)),
@@ -288,7 +295,7 @@ def opcheck_cases():
         "attention": (ops.attention, (q, k, v, True, 0.25)),
         "attention_backward": (
             ops.attention_backward,
-            (*(t.detach() for t in (q, k, v, o)), lse, random_tensor(q.shape, seed=9), True, 0.25),
+            (*(t.detach() for t in (q, k, v, o, lse)), random_tensor(q.shape, seed=9), True, 0.25),
         ),
         "cross_entropy": (ops.cross_entropy, (logits, target, -100, 0.1, "mean", True)),
         "cross_entropy_backward": (
@@ -315,3 +322,16 @@ def test_opcheck(name):
     op, args = opcheck_cases()[name]
     kwargs = {} if OPCHECKS is None else {"test_utils": OPCHECKS}
     torch.library.opcheck(op, args, **kwargs)
+
+
+@pytest.mark.parametrize("name", sorted(opcheck_cases()))
+def test_operator_traces_with_symbolic_shapes(name):
+    """Traced with symbolic shapes, as torch.compile(dynamic=True) and opcheck's AOT test do:
+    launch rules cached by shape got a SymInt ("unhashable type") before the operators
+    specialized on their shapes (``concrete``)."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    op, args = opcheck_cases()[name]
+    detached = [a.detach() if isinstance(a, torch.Tensor) else a for a in args]
+    graph = make_fx(lambda *a: op(*a), tracing_mode="symbolic")(*detached)
+    assert any(n.op == "call_function" for n in graph.graph.nodes)

@@ -524,18 +524,19 @@ def log_softmax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
 # ``register_autograd`` gives the derivative. ``softmax`` calls it only while compiled.
 
 # @save ops/softmax
+from stepkernels.runtime.launch import concrete  # a kernel per shape, as in eager calls
 from torch import Tensor
 from torch.library import triton_op
 
 
 @triton_op("stepkernels::softmax", mutates_args={})
 def softmax_op(x: Tensor, log: bool) -> Tensor:
-    return softmax_forward(x, log)  # over the last dimension
+    return softmax_forward(concrete(x), log)  # over the last dimension
 
 
 @triton_op("stepkernels::softmax_backward", mutates_args={})
 def softmax_backward_op(y: Tensor, dy: Tensor, log: bool) -> Tensor:
-    return softmax_backward(y, dy, log)
+    return softmax_backward(concrete(y), concrete(dy), log)
 
 
 def softmax_setup(ctx, inputs, output):

@@ -252,7 +252,8 @@ def bias_act_dropout_backward_kernel(
         counters, offsets, in_bounds = tile
         grad = tl.load(grad_out_ptr + offsets, mask=in_bounds).to(tl.float32)
         keep = keep_eight(seed, threshold, counters)
-        grad = tl.where(keep, grad * scale, 0.0)
+        # fp32: torch.compile passes the float scale as fp64, which the sums must not take
+        grad = tl.where(keep, (grad * scale).to(tl.float32), 0.0)
         if ACTIVATION is not None:  # recompute z = x + b: read x, store nothing
             x = tl.load(x_ptr + offsets, mask=in_bounds).to(tl.float32)
             out_type = grad_in_ptr.dtype.element_ty

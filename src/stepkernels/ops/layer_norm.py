@@ -417,6 +417,7 @@ class LayerNorm(torch.nn.LayerNorm):
         return f"{super().extra_repr()}, reduction={self.reduction!r}"
 
 
+from stepkernels.runtime.launch import concrete  # a kernel per shape, as in eager calls
 from torch import Tensor
 from torch.library import triton_op
 
@@ -425,7 +426,7 @@ from torch.library import triton_op
 def layer_norm_forward_op(
     x2d: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float
 ) -> tuple[Tensor, Tensor, Tensor]:
-    return layer_norm_forward(x2d, weight, bias, eps)  # y, mean, rstd
+    return layer_norm_forward(concrete(x2d), weight, bias, eps)  # y, mean, rstd
 
 
 @triton_op("stepkernels::layer_norm_backward", mutates_args={})
@@ -438,7 +439,8 @@ def layer_norm_backward_op(
     want_dw: bool,
     want_db: bool,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    dx, dw, db = layer_norm_backward(dy2d, x2d, weight, mean, rstd, want_dw, want_db)
+    rows = (concrete(dy2d), concrete(x2d))
+    dx, dw, db = layer_norm_backward(*rows, weight, mean, rstd, want_dw, want_db)
     none = lambda: x2d.new_empty(0)  # an operator returns fresh tensors, never None
     return dx, none() if dw is None else dw, none() if db is None else db
 

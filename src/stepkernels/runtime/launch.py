@@ -130,8 +130,11 @@ class LeanKernel:
     def key(self, args: tuple, meta: dict, device: int) -> tuple:
         # Integers, None, bools and floats as they are (a float is never specialized on,
         # so keying on its value costs only cache entries).
+        # A fake tensor's address reads 0: no_data raises for it (a triton_op traced).
         spec = [
-            (a.dtype, a.data_ptr() & 15 == 0) if isinstance(a, torch.Tensor) else a
+            (a.dtype, (a.data_ptr() or no_data(a)) & 15 == 0)
+            if isinstance(a, torch.Tensor)
+            else a
             for a in args
         ]
         for index in self.unspecialized:  # a seed: only its width matters
@@ -228,6 +231,22 @@ def has_data(tensor: torch.Tensor) -> bool:
     from torch._subclasses.fake_tensor import is_fake
 
     return not is_fake(tensor) and not torch._is_functional_tensor(tensor)
+
+
+def concrete(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` viewed with int sizes. A ``triton_op`` traced with symbolic shapes
+    (``dynamic=True``) then specializes on them: its launch rules, cached by shape, choose a
+    kernel per shape as in eager calls."""
+    if all(type(n) is int for n in tensor.shape):
+        return tensor
+    return tensor.view(*(int(n) for n in tensor.shape))
+
+
+def no_data(tensor: torch.Tensor) -> int:
+    """The address 0 of an empty tensor; for a fake one (traced), a RuntimeError."""
+    if has_data(tensor):
+        return 0
+    raise RuntimeError("a tensor without data: traced, not launched")
 
 
 class _TensorRead(Exception):
