@@ -512,6 +512,8 @@ def softmax(x: torch.Tensor, dim: int = -1, *, log: bool = False) -> torch.Tenso
     dim = softmax_arguments(x, dim, log, SUPPORTED_DTYPES)  # raises, saying what to do
     if dim != x.dim() - 1:
         return softmax(x.movedim(dim, -1), log=log).movedim(-1, dim)
+    if torch.compiler.is_compiling():  # an operator the compiler traces (below)
+        return softmax_op(x, log)
     if x.requires_grad and torch.is_grad_enabled():
         return SoftmaxFunction.apply(x, log)
     return softmax_forward(x, log)  # autograd's machinery costs the CPU ~15 µs: skip it
@@ -520,6 +522,41 @@ def softmax(x: torch.Tensor, dim: int = -1, *, log: bool = False) -> torch.Tenso
 def log_softmax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     """``torch.log_softmax(x, dim)`` for fp32, fp16 and bf16, with autograd (as softmax)."""
     return softmax(x, dim, log=True)
+
+
+# %%
+# ``torch.compile`` sees softmax as an operator of ``torch.library`` (chapter 08 explains the
+# pattern): ``triton_op`` lets the compiler trace its kernels into a graph, and
+# ``register_autograd`` gives the derivative. ``softmax`` calls it only while compiled.
+
+# @save ops/softmax
+from stepkernels.runtime.launch import concrete  # a kernel per shape, as in eager calls
+from torch import Tensor
+from torch.library import triton_op
+
+
+@triton_op("stepkernels::softmax", mutates_args={})
+def softmax_op(x: Tensor, log: bool) -> Tensor:
+    return softmax_forward(concrete(x), log)  # over the last dimension
+
+
+@triton_op("stepkernels::softmax_backward", mutates_args={})
+def softmax_backward_op(y: Tensor, dy: Tensor, log: bool) -> Tensor:
+    return softmax_backward(concrete(y), concrete(dy), log)
+
+
+def softmax_setup(ctx, inputs, output):
+    ctx.log = inputs[1]
+    ctx.save_for_backward(output)
+
+
+def softmax_op_backward(ctx, dy):
+    name = "log_softmax" if ctx.log else "softmax"
+    refuse_double_backward(name, f"torch.{name}")
+    return softmax_backward_op(*ctx.saved_tensors, dy, ctx.log), None
+
+
+softmax_op.register_autograd(softmax_op_backward, setup_context=softmax_setup)
 
 
 # %%

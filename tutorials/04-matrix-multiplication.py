@@ -497,7 +497,15 @@ def matmul(
     kernel. ``accumulate``: a contiguous (M, N) tensor that gets ``a @ b (+ bias)``
     added in place."""
     check_inputs(a, b, activation, bias, return_preactivation)
-    if accumulate is not None:
+    if torch.compiler.is_compiling():  # an operator the compiler calls (below)
+        out, pre = matmul_op(a, b, activation, bias, return_preactivation, accumulate)
+        out = out if accumulate is None else accumulate
+        return (out, pre) if return_preactivation else out
+    return launch_matmul(a, b, activation, bias, return_preactivation, accumulate)
+
+
+def launch_matmul(a, b, activation, bias, return_preactivation, accumulate):
+    if accumulate is not None:  # its checks read addresses: here, not while traced
         accumulate_arguments(
             accumulate, a, b, activation, return_preactivation, output_dtype(a.dtype)
         )
@@ -518,6 +526,41 @@ def product(
     return launch_portable(
         a, b, activation, bias, return_preactivation, None, accumulate
     )
+
+
+# %%
+# ``torch.compile`` sees ``matmul`` as an operator of ``torch.library`` (chapter 08). Chapter
+# 07's Hopper kernel builds host-side TMA descriptors and an ``Epilogue`` class, which the
+# compiler cannot copy into its own code, so this one is a ``custom_op``: opaque, called by the
+# compiled graph as it is, with a fake implementation for the outputs' shapes. It has no
+# derivative (chapter 05's linear layer has one). An operator returns new tensors only: with
+# ``accumulate`` it writes there and returns an empty one.
+
+# @save ops/matmul
+from torch import Tensor
+from torch.library import custom_op
+
+
+@custom_op("stepkernels::matmul", mutates_args=("accumulate",))
+def matmul_op(
+    a: Tensor,
+    b: Tensor,
+    activation: str | None,
+    bias: Tensor | None,
+    return_preactivation: bool,
+    accumulate: Tensor | None,
+) -> tuple[Tensor, Tensor]:
+    """(out, preactivation), each empty where not asked for (out: with accumulate)."""
+    result = launch_matmul(a, b, activation, bias, return_preactivation, accumulate)
+    out, pre = result if return_preactivation else (result, a.new_empty(0))
+    return (out if accumulate is None else a.new_empty(0)), pre
+
+
+@matmul_op.register_fake
+def _(a, b, activation, bias, return_preactivation, accumulate):
+    out, pre = allocate_outputs(a, b, return_preactivation)
+    out = out if accumulate is None else a.new_empty(0)
+    return out, pre if return_preactivation else a.new_empty(0)
 
 
 # %%

@@ -70,7 +70,6 @@ DEVICE = tutorial.DEVICE
 from typing import NamedTuple
 
 from stepkernels.ops.matmul_tuning import (
-    MAX_SPLITS,
     SHARE_STEPS,
     programs,
     tma_autotuned,
@@ -131,7 +130,7 @@ def matmul_tma_kernel(
     GROUP_SIZE_M: tl.constexpr,  # chapter 04's program order
     ACCUMULATE: tl.constexpr = False,
     SPLIT_TAIL: tl.constexpr = False,  # the last wave split along K (below)
-    MAX_SPLITS: tl.constexpr = MAX_SPLITS,
+    MAX_SPLITS: tl.constexpr = 8,  # matmul_tuning's: a literal, as torch.compile copies it
     PROGRAMS_PER_SM: tl.constexpr = 1,
 ):
     NUM_PROGRAMS: tl.constexpr = NUM_SMS * PROGRAMS_PER_SM  # the grid

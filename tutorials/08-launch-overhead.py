@@ -361,101 +361,47 @@ class Block(nn.Module):
 # it would have to trace our wrapper and its lean launch, which reads memory addresses that a
 # traced tensor does not have. ``torch.library.triton_op`` declares an operator whose body
 # launches Triton kernels through ``wrap_triton`` (our ``lean`` kernels do that by
-# themselves when traced): the compiler traces the body, sees each kernel as a node of its
+# themselves when traced): the compiler traces the body with tensors that only have shapes
+# (which gives the operator's meta function for free), sees each kernel as a node of its
 # graph, and can replay the whole graph from CUDA graphs. ``register_autograd`` gives the
-# derivative, itself an operator. Eager calls keep the cheap path: the module dispatches to
-# the operator only while ``torch.compile`` traces it. (Chapter 05's ``custom_op`` is opaque
-# to the compiler, which still calls it inside its graphs.)
+# derivative, itself an operator. Chapter 03 wrote layer norm this way
+# (``layer_norm_forward_op``, ``layer_norm_backward_op``); every public operation of the
+# package follows the same pattern in its own chapter, under the ``stepkernels::``
+# namespace. Eager calls keep the cheap path: the public function dispatches to the operator
+# only while ``torch.compile`` traces it (``torch.compiler.is_compiling()``). Where the
+# compiler cannot copy a kernel (Inductor recompiles a ``triton_op``'s kernels from their
+# source, and cannot copy a class such as chapter 07's ``Epilogue``, or build chapter 11's
+# host-side TMA descriptors), the operator is a ``custom_op`` with a ``register_fake``:
+# opaque, called by the compiled graph as it is, still without a graph break (chapter 05's
+# fused linear). Two rules keep a kernel copyable: name each ``@triton.jit`` function it
+# calls directly (``apply_activation``, not ``activations.apply_activation``), and use no
+# global but ints, strings, bools and ``tl.constexpr`` in it, defaults included.
+#
+# ``explain`` counts the graphs and breaks of one call; ours compiles whole.
 
 # @save ops/compiler_ops
-import math
-
-from stepkernels.ops.layer_norm import (
-    REDUCTIONS,
-    SUPPORTED_DTYPES,
+from stepkernels.ops.layer_norm import (  # noqa: F401  (chapter 03's, kept here by name)
     LayerNorm,
-    layer_norm_backward,
-    layer_norm_forward,
-    rows_of,
+    layer_norm_backward_op,
+    layer_norm_forward_op,
 )
-from stepkernels.runtime.arguments import layer_norm_arguments
-from stepkernels.runtime.core import refuse_double_backward
-import torch
-from torch import Tensor
-from torch.library import triton_op
+from stepkernels.ops.layer_norm import layer_norm as traced_layer_norm  # noqa: F401
+
+# Chapter 03's LayerNorm calls the operators itself while compiled: the old name stays.
+TracedLayerNorm = LayerNorm
 
 
-@triton_op("stepkernels::layer_norm_forward", mutates_args={})
-def layer_norm_forward_op(
-    x2d: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float
-) -> tuple[Tensor, Tensor, Tensor]:
-    return layer_norm_forward(x2d, weight, bias, eps)  # y, mean, rstd
+# %%
+def norm_twice(x, norm):
+    return norm(norm(x))
 
 
-@triton_op("stepkernels::layer_norm_backward", mutates_args={})
-def layer_norm_backward_op(
-    dy2d: Tensor,
-    x2d: Tensor,
-    weight: Tensor | None,
-    mean: Tensor,
-    rstd: Tensor,
-    want_dw: bool,
-    want_db: bool,
-) -> tuple[Tensor, Tensor, Tensor]:
-    dx, dw, db = layer_norm_backward(dy2d, x2d, weight, mean, rstd, want_dw, want_db)
-    none = lambda: x2d.new_empty(0)  # an operator returns fresh tensors, never None
-    return dx, none() if dw is None else dw, none() if db is None else db
-
-
-def save_for_backward(ctx, inputs, output):
-    x2d, weight, bias, _ = inputs
-    ctx.save_for_backward(x2d, weight, *output[1:])
-    ctx.has_bias = bias is not None
-    ctx.set_materialize_grads(False)  # mean and rstd get no gradient
-
-
-def backward(ctx, dy, _mean_grad, _rstd_grad):
-    refuse_double_backward("layer_norm", "torch.nn.functional.layer_norm")
-    x2d, weight, mean, rstd = ctx.saved_tensors
-    want_dw = weight is not None and ctx.needs_input_grad[1]
-    want_db = ctx.has_bias and ctx.needs_input_grad[2]
-    grads = layer_norm_backward_op(
-        dy.contiguous(), x2d, weight, mean, rstd, want_dw, want_db
-    )
-    return grads[0], grads[1] if want_dw else None, grads[2] if want_db else None, None
-
-
-layer_norm_forward_op.register_autograd(backward, setup_context=save_for_backward)
-
-
-def traced_layer_norm(x, normalized_shape, weight=None, bias=None, eps=1e-5):
-    """``stepkernels.layer_norm`` as operators that ``torch.compile`` traces into."""
-    shape = layer_norm_arguments(
-        x,
-        normalized_shape,
-        weight,
-        bias,
-        eps,
-        "two-stage",
-        None,
-        SUPPORTED_DTYPES,
-        REDUCTIONS,
-    )
-    x2d = rows_of(x, math.prod(shape))
-    flat = lambda p: None if p is None else p.reshape(-1).contiguous()
-    y, _, _ = layer_norm_forward_op(x2d, flat(weight), flat(bias), float(eps))
-    return y.view(x.shape)
-
-
-class TracedLayerNorm(LayerNorm):
-    """``stepkernels.LayerNorm``, through the operators above while being compiled."""
-
-    def forward(self, x):
-        if torch.compiler.is_compiling():
-            return traced_layer_norm(
-                x, self.normalized_shape, self.weight, self.bias, self.eps
-            )
-        return super().forward(x)
+norm = LayerNorm(64, device=DEVICE)
+explanation = torch._dynamo.explain(norm_twice)(torch.randn(8, 64, device=DEVICE), norm)
+print(
+    f"graphs: {explanation.graph_count}, breaks: {explanation.graph_break_count}, "
+    f"operators: {explanation.op_count}"
+)
 
 
 # %%

@@ -208,6 +208,10 @@ def linear_cross_entropy(
         raise ValueError(f"chunk_tokens must be at least 1, got {chunk_tokens}")
     shape = (x.shape[0], weight.shape[0])  # the logits'
     options = check_target(target, shape, ignore_index, label_smoothing, reduction)
+    if torch.compiler.is_compiling():  # an operator the compiler calls (below)
+        return compiled_linear_cross_entropy(
+            x, weight, bias, target, options, chunk_tokens
+        )
     target = target.contiguous()
     tensors = (x, weight) if bias is None else (x, weight, bias)
     if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
@@ -218,6 +222,116 @@ def linear_cross_entropy(
         x, weight, bias, target, options, (False,) * 3, chunk_tokens
     )
     return reduce_losses(losses, count, reduction).to(loss_dtype(x))
+
+
+# %%
+# ``torch.compile`` sees the layer as an operator of ``torch.library`` (chapter 08): a
+# ``custom_op``, opaque as chapter 09's loss and chapter 04's ``matmul`` that it calls, with a
+# fake implementation for the outputs' shapes and its derivative. For "mean" and "sum" the
+# forward returns the gradients that will be asked for, which the backward scales.
+
+# @save ops/linear_cross_entropy
+from stepkernels.ops.cross_entropy import Options
+from torch import Tensor
+from torch.library import custom_op
+
+
+@custom_op("stepkernels::linear_cross_entropy", mutates_args=())
+def linear_cross_entropy_op(
+    x: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    target: Tensor,
+    ignore_index: int,
+    smoothing: float,
+    reduction: str,
+    chunk_tokens: int | None,
+    needs: list[bool],
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The loss, then (reduced) the gradients of x, weight and bias that ``needs`` asks
+    for, each else empty."""
+    options = Options(ignore_index, smoothing, reduction)
+    count = kept_rows(target, options)
+    early = needs if reduction != "none" else (False, False, False)
+    scale = None if count is None else count.reciprocal()
+    losses, grads = linear_loss_pass(
+        x, weight, bias, target, options, early, chunk_tokens, grad_scale=scale
+    )
+    loss = reduce_losses(losses, count, reduction).to(loss_dtype(x))
+    return loss, *(x.new_empty(0) if g is None else g for g in grads)
+
+
+def gradient_shapes(x, weight, wanted):
+    """Empty tensors shaped as the gradients of x, weight and bias where ``wanted``."""
+    shapes = (x.shape, weight.shape, weight.shape[:1])
+    return tuple(
+        x.new_empty(s if w else (0,)) for s, w in zip(shapes, wanted, strict=True)
+    )
+
+
+@linear_cross_entropy_op.register_fake
+def _(x, weight, bias, target, ignore_index, smoothing, reduction, chunk_tokens, needs):
+    shape = (x.shape[0],) if reduction == "none" else ()
+    early = needs if reduction != "none" else (False, False, False)
+    return x.new_empty(shape, dtype=loss_dtype(x)), *gradient_shapes(x, weight, early)
+
+
+@custom_op("stepkernels::linear_cross_entropy_backward", mutates_args=())
+def linear_cross_entropy_backward_op(
+    x: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    target: Tensor,
+    row_scale: Tensor,
+    ignore_index: int,
+    smoothing: float,
+    chunk_tokens: int | None,
+    needs: list[bool],
+) -> tuple[Tensor, Tensor, Tensor]:
+    """The gradients (reduction "none"), each row's times ``row_scale``."""
+    options = Options(ignore_index, smoothing, "none")
+    _, grads = linear_loss_pass(
+        x, weight, bias, target, options, needs, chunk_tokens, row_scale.float()
+    )
+    return tuple(x.new_empty(0) if g is None else g for g in grads)
+
+
+@linear_cross_entropy_backward_op.register_fake
+def _(x, weight, bias, target, row_scale, ignore_index, smoothing, chunk_tokens, needs):
+    return gradient_shapes(x, weight, needs)
+
+
+def linear_cross_entropy_setup(ctx, inputs, output):
+    x, weight, bias, target, *ctx.options, ctx.chunk_tokens, ctx.needs = inputs
+    ctx.save_for_backward(x, weight, bias, target, *output[1:])
+    ctx.set_materialize_grads(False)  # the gradient outputs get none
+
+
+def linear_cross_entropy_backward(ctx, grad_loss, *_grad_grads):
+    refuse_double_backward("linear_cross_entropy", "cross_entropy(F.linear(...))")
+    x, weight, bias, target, *grads = ctx.saved_tensors
+    ignore_index, smoothing, reduction = ctx.options
+    if reduction == "none":
+        scaled = (x, weight, bias, target, grad_loss, ignore_index, smoothing)
+        grads = linear_cross_entropy_backward_op(*scaled, ctx.chunk_tokens, ctx.needs)
+    else:  # computed in the forward
+        grads = [g * grad_loss for g in grads]
+    grads = [g if need else None for g, need in zip(grads, ctx.needs, strict=True)]
+    return *grads, None, None, None, None, None, None
+
+
+linear_cross_entropy_op.register_autograd(
+    linear_cross_entropy_backward, setup_context=linear_cross_entropy_setup
+)
+
+
+def compiled_linear_cross_entropy(x, weight, bias, target, options, chunk_tokens):
+    tensors = (x, weight, bias)
+    grads = torch.is_grad_enabled()
+    needs = [grads and t is not None and t.requires_grad for t in tensors]
+    chosen = (options.ignore_index, options.smoothing, options.reduction)
+    args = (x, weight, bias, target.contiguous(), *chosen, chunk_tokens, needs)
+    return linear_cross_entropy_op(*args)[0]
 
 
 # %%

@@ -497,6 +497,60 @@ def attention(q, k, v, causal=False, sm_scale=None):
     scale = q.shape[3] ** -0.5 if sm_scale is None else float(sm_scale)
     if q.numel() == 0:  # nothing to attend: SDPA's result, an empty or zero tensor
         return q.new_zeros(q.shape) + 0 * (q.sum() + k.sum() + v.sum())
+    if torch.compiler.is_compiling():  # an operator the compiler calls (below)
+        return attention_op(q, k, v, causal, scale)[0]
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
         return AttentionFunction.apply(q, k, v, causal, scale)
     return attention_forward(ready(q), ready(k), ready(v), causal, scale)[0]
+
+
+from torch import Tensor
+from torch.library import custom_op
+
+
+@custom_op("stepkernels::attention", mutates_args=())
+def attention_op(
+    q: Tensor, k: Tensor, v: Tensor, causal: bool, sm_scale: float
+) -> tuple[Tensor, Tensor]:
+    return attention_forward(ready(q), ready(k), ready(v), causal, sm_scale)  # o, lse
+
+
+@attention_op.register_fake
+def _(q, k, v, causal, sm_scale):
+    lse = q.new_empty((q.shape[0] * q.shape[1], q.shape[2]), dtype=torch.float32)
+    return empty_heads(q.shape, q.dtype, q.device, like=q), lse
+
+
+@custom_op("stepkernels::attention_backward", mutates_args=())
+def attention_backward_op(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    o: Tensor,
+    lse: Tensor,
+    do: Tensor,
+    causal: bool,
+    sm_scale: float,
+) -> tuple[Tensor, Tensor, Tensor]:
+    q, k, v, o, do = (ready(t) for t in (q, k, v, o, do))
+    return attention_backward(q, k, v, o, lse, do, causal, sm_scale)
+
+
+@attention_backward_op.register_fake
+def _(q, k, v, o, lse, do, causal, sm_scale):
+    return tuple(empty_heads(t.shape, t.dtype, t.device) for t in (q, k, v))
+
+
+def attention_setup(ctx, inputs, output):
+    q, k, v, ctx.causal, ctx.sm_scale = inputs
+    ctx.save_for_backward(q, k, v, *output)
+    ctx.set_materialize_grads(False)  # lse gets no gradient
+
+
+def attention_op_backward(ctx, do, _lse_grad):
+    refuse_double_backward("attention", "F.scaled_dot_product_attention")
+    grads = attention_backward_op(*ctx.saved_tensors, do, ctx.causal, ctx.sm_scale)
+    return *grads, None, None
+
+
+attention_op.register_autograd(attention_op_backward, setup_context=attention_setup)

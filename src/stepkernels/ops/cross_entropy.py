@@ -405,7 +405,79 @@ def cross_entropy(
     logits, target = as_rows(logits), target.contiguous()
     if logits.stride(0) < logits.shape[1]:  # rows share memory: so would the gradient's
         logits = logits.contiguous()
+    if torch.compiler.is_compiling():  # an operator the compiler calls (below)
+        want_grad = logits.requires_grad and torch.is_grad_enabled()
+        chosen = (options.ignore_index, options.smoothing, reduction, want_grad)
+        return cross_entropy_op(logits, target, *chosen)[0]
     if logits.requires_grad and torch.is_grad_enabled():
         return CrossEntropyFunction.apply(logits, target, options)
     losses, count = loss_rows(logits, target, options), kept_rows(target, options)
     return reduce_losses(losses, count, reduction).to(loss_dtype(logits))
+
+
+from torch import Tensor
+from torch.library import custom_op
+
+
+@custom_op("stepkernels::cross_entropy", mutates_args=())
+def cross_entropy_op(
+    logits: Tensor,
+    target: Tensor,
+    ignore_index: int,
+    smoothing: float,
+    reduction: str,
+    want_grad: bool,
+) -> tuple[Tensor, Tensor]:
+    """The loss, and d loss / d logits if ``want_grad`` and reduced, else empty."""
+    options = Options(ignore_index, smoothing, reduction)
+    count = kept_rows(target, options)
+    with_grad = want_grad and reduction != "none"
+    grad = empty_rows_like(logits) if with_grad else logits.new_empty(0)
+    scale = None if count is None else count.reciprocal()
+    losses = loss_rows(logits, target, options, grad if with_grad else None, scale)
+    return reduce_losses(losses, count, reduction).to(loss_dtype(logits)), grad
+
+
+@cross_entropy_op.register_fake
+def _(logits, target, ignore_index, smoothing, reduction, want_grad):
+    shape = (logits.shape[0],) if reduction == "none" else ()
+    loss = logits.new_empty(shape, dtype=loss_dtype(logits))
+    with_grad = want_grad and reduction != "none"
+    grad = logits.new_empty_strided(logits.shape, logits.stride())
+    return loss, grad if with_grad else logits.new_empty(0)
+
+
+@custom_op("stepkernels::cross_entropy_backward", mutates_args=())
+def cross_entropy_backward_op(
+    logits: Tensor, target: Tensor, scale: Tensor, ignore_index: int, smoothing: float
+) -> Tensor:
+    """d loss / d logits times ``scale``, one value a row (reduction "none")."""
+    grad = empty_rows_like(logits)
+    options = Options(ignore_index, smoothing, "none")
+    loss_rows(logits, target, options, grad, scale.float())
+    return grad
+
+
+@cross_entropy_backward_op.register_fake
+def _(logits, target, scale, ignore_index, smoothing):
+    return logits.new_empty_strided(logits.shape, logits.stride())
+
+
+def cross_entropy_setup(ctx, inputs, output):
+    logits, target, ctx.ignore_index, ctx.smoothing, ctx.reduction, _ = inputs
+    ctx.save_for_backward(logits, target, output[1])
+    ctx.set_materialize_grads(False)  # the gradient output gets none
+
+
+def cross_entropy_backward(ctx, grad_loss, _grad_grad):
+    refuse_double_backward("cross_entropy", "torch.nn.functional.cross_entropy")
+    logits, target, grad = ctx.saved_tensors
+    if ctx.reduction != "none":  # computed in the forward
+        return grad * grad_loss, None, None, None, None, None
+    rows = (logits, target, grad_loss, ctx.ignore_index, ctx.smoothing)
+    return cross_entropy_backward_op(*rows), None, None, None, None, None
+
+
+cross_entropy_op.register_autograd(
+    cross_entropy_backward, setup_context=cross_entropy_setup
+)

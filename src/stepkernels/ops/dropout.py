@@ -7,7 +7,11 @@ layer."""
 import functools
 import math
 
-from stepkernels.runtime import activations, core
+from stepkernels.runtime import core
+
+# Device functions by name: torch.compile copies a kernel's source with the @triton.jit
+# functions it names, not a module it reads them from (``activations.apply_activation``).
+from stepkernels.runtime.activations import activation_derivative, apply_activation
 from stepkernels.runtime.arguments import (
     activation_argument,
     dropout_bias,
@@ -113,6 +117,9 @@ def dropout(x, p: float, seed, training: bool = True, inplace: bool = False):
     flag_argument("inplace", inplace)
     if not training or p == 0.0:
         return x
+    if torch.compiler.is_compiling():  # an operator the compiler traces (below)
+        out = dropout_op(x, p, seed_tensor(seed, x))
+        return x.copy_(out) if inplace else out
     if not (torch.is_grad_enabled() and x.requires_grad):  # nothing for autograd
         out = launch_dropout(x, p, seed, inplace)
         if out is x:  # written in place: autograd's saved copies of x are now stale
@@ -207,7 +214,7 @@ def bias_act_dropout_kernel(
         counters, offsets, in_bounds = tile
         x = tl.load(x_ptr + offsets, mask=in_bounds).to(tl.float32)
         out_type = out_ptr.dtype.element_ty
-        activated = activations.apply_activation(x + bias, ACTIVATION, out_type)
+        activated = apply_activation(x + bias, ACTIVATION, out_type)
         keep = keep_eight(seed, threshold, counters)
         out = tl.where(keep, activated * scale, 0.0)
         tl.store(out_ptr + offsets, out.to(out_ptr.dtype.element_ty), mask=in_bounds)
@@ -246,11 +253,12 @@ def bias_act_dropout_backward_kernel(
         counters, offsets, in_bounds = tile
         grad = tl.load(grad_out_ptr + offsets, mask=in_bounds).to(tl.float32)
         keep = keep_eight(seed, threshold, counters)
-        grad = tl.where(keep, grad * scale, 0.0)
+        # fp32: torch.compile passes the float scale as fp64, which the sums must not take
+        grad = tl.where(keep, (grad * scale).to(tl.float32), 0.0)
         if ACTIVATION is not None:  # recompute z = x + b: read x, store nothing
             x = tl.load(x_ptr + offsets, mask=in_bounds).to(tl.float32)
             out_type = grad_in_ptr.dtype.element_ty
-            grad *= activations.activation_derivative(x + bias, ACTIVATION, out_type)
+            grad *= activation_derivative(x + bias, ACTIVATION, out_type)
         grad = tl.where(in_bounds, grad, 0.0)
         grad_in = grad.to(grad_in_ptr.dtype.element_ty)
         tl.store(grad_in_ptr + offsets, grad_in, mask=in_bounds)
@@ -312,41 +320,47 @@ class BiasActDropout(torch.autograd.Function):
         ctx.save_for_backward(x.view(-1) if activation is not None else None, bias)
         seed = seed.clone() if torch.is_tensor(seed) else seed  # callers may advance it
         ctx.p, ctx.activation, ctx.seed = p, activation, seed
-        ctx.shape2d = (math.prod(x.shape[:-1]), x.shape[-1])
         return bias_act_dropout(x, bias, p, activation, seed)
 
     @staticmethod
     def backward(ctx, grad_out):
         core.refuse_double_backward("dropout_bias_act", "PyTorch's dropout(act(x + b))")
         x, bias = ctx.saved_tensors
-        x2d = None if x is None else x.view(ctx.shape2d)
-        grad_2d = grad_out.contiguous().view(ctx.shape2d)
-        if not grad_out.numel():  # no rows, or no features: nothing to launch
-            return torch.empty_like(grad_out), torch.zeros_like(bias), None, None, None
-        grad_in, grad_bias = torch.empty_like(grad_2d), torch.empty_like(bias)
-        block_cols, rows_per_program, grid = fused_launch(*ctx.shape2d, backward=True)
         deterministic = torch.are_deterministic_algorithms_enabled()
-        if deterministic:  # partial sums, added by PyTorch: the same bits every run
-            sums = counters = torch.empty(grid[0], ctx.shape2d[1], device=bias.device)
-        else:  # scratch that the kernel leaves zeroed
-            sums = core.zeroed(bias.device, ctx.shape2d[1], torch.float32)
-            counters = core.zeroed(bias.device, grid[1])
-        tensors = (grad_2d, x2d, bias, grad_in, sums, counters, grad_bias)
-        dropping = (round(ctx.p * 2**16), scale_for(ctx.p), ctx.seed)
-        bias_act_dropout_backward_kernel[grid](
-            *tensors,
-            *ctx.shape2d,
-            rows_per_program,
-            *dropping,
-            ACTIVATION=ctx.activation,
-            BLOCK_COLS=block_cols,
-            DETERMINISTIC=deterministic,
-            NUM_STAGES=BACKWARD_STAGES[grad_2d.element_size()],
-            num_warps=4,
-        )
-        if deterministic:
-            grad_bias = sums.sum(0).to(bias.dtype)
-        return grad_in.view(grad_out.shape), grad_bias, None, None, None
+        grads = (grad_out, x, bias, ctx.p, ctx.activation, ctx.seed, deterministic)
+        return *bias_act_dropout_backward(*grads), None, None, None
+
+
+def bias_act_dropout_backward(grad_out, x, bias, p, activation, seed, deterministic):
+    """dx, db; x (read only with an activation) of any shape with grad_out's rows."""
+    shape2d = (math.prod(grad_out.shape[:-1]), grad_out.shape[-1])
+    x2d = None if activation is None else x.view(shape2d)
+    grad_2d = grad_out.contiguous().view(shape2d)
+    if not grad_out.numel():  # no rows, or no features: nothing to launch
+        return torch.empty_like(grad_out), torch.zeros_like(bias)
+    grad_in, grad_bias = torch.empty_like(grad_2d), torch.empty_like(bias)
+    block_cols, rows_per_program, grid = fused_launch(*shape2d, backward=True)
+    if deterministic:  # partial sums, added by PyTorch: the same bits every run
+        sums = counters = torch.empty(grid[0], shape2d[1], device=bias.device)
+    else:  # scratch that the kernel leaves zeroed
+        sums = core.zeroed(bias.device, shape2d[1], torch.float32)
+        counters = core.zeroed(bias.device, grid[1])
+    tensors = (grad_2d, x2d, bias, grad_in, sums, counters, grad_bias)
+    dropping = (round(p * 2**16), scale_for(p), seed)
+    bias_act_dropout_backward_kernel[grid](
+        *tensors,
+        *shape2d,
+        rows_per_program,
+        *dropping,
+        ACTIVATION=activation,
+        BLOCK_COLS=block_cols,
+        DETERMINISTIC=deterministic,
+        NUM_STAGES=BACKWARD_STAGES[grad_2d.element_size()],
+        num_warps=4,
+    )
+    if deterministic:
+        grad_bias = sums.sum(0).to(bias.dtype)
+    return grad_in.view(grad_out.shape), grad_bias
 
 
 def dropout_bias_act(x, bias, p: float, activation, seed, training: bool = True):
@@ -362,6 +376,74 @@ def dropout_bias_act(x, bias, p: float, activation, seed, training: bool = True)
     # The p the mask draws, which the scale 1 / (1 - p) must match
     p = round(p * 2**16) / 2**16 if training else 0.0
     x, bias = x.contiguous(), bias.contiguous()
+    if torch.compiler.is_compiling():  # an operator the compiler traces (below)
+        return dropout_bias_act_op(x, bias, p, activation, seed_tensor(seed, x))
     if torch.is_grad_enabled() and (x.requires_grad or bias.requires_grad):
         return BiasActDropout.apply(x, bias, p, activation, seed)
     return bias_act_dropout(x, bias, p, activation, seed)  # nothing for autograd
+
+
+from torch import Tensor
+from torch.library import triton_op
+
+
+def seed_tensor(seed, x):
+    """A seed as the operators take it: a copy (callers may advance theirs), on x's
+    device."""
+    if torch.is_tensor(seed):
+        return seed.clone()
+    return torch.full((), seed, dtype=torch.int64, device=x.device)
+
+
+@triton_op("stepkernels::dropout", mutates_args={})
+def dropout_op(x: Tensor, p: float, seed: Tensor) -> Tensor:
+    return launch_dropout(x, p, seed)
+
+
+def dropout_setup(ctx, inputs, output):
+    ctx.p = inputs[1]
+    ctx.save_for_backward(inputs[2])
+
+
+def dropout_backward(ctx, grad_out):
+    core.refuse_double_backward("dropout", "torch.nn.functional.dropout")
+    return dropout_op(grad_out, ctx.p, *ctx.saved_tensors), None, None
+
+
+dropout_op.register_autograd(dropout_backward, setup_context=dropout_setup)
+
+
+@triton_op("stepkernels::dropout_bias_act", mutates_args={})
+def dropout_bias_act_op(
+    x: Tensor, bias: Tensor, p: float, activation: str | None, seed: Tensor
+) -> Tensor:
+    return bias_act_dropout(x, bias, p, activation, seed)
+
+
+@triton_op("stepkernels::dropout_bias_act_backward", mutates_args={})
+def dropout_bias_act_backward_op(
+    grad_out: Tensor,
+    x: Tensor,
+    bias: Tensor,
+    p: float,
+    activation: str | None,
+    seed: Tensor,
+) -> tuple[Tensor, Tensor]:
+    return bias_act_dropout_backward(grad_out, x, bias, p, activation, seed, True)
+
+
+def dropout_bias_act_setup(ctx, inputs, output):
+    x, bias, ctx.p, ctx.activation, seed = inputs
+    ctx.save_for_backward(x, bias, seed)
+
+
+def dropout_bias_act_backward(ctx, grad_out):
+    core.refuse_double_backward("dropout_bias_act", "PyTorch's dropout(act(x + b))")
+    x, bias, seed = ctx.saved_tensors
+    grads = dropout_bias_act_backward_op(grad_out, x, bias, ctx.p, ctx.activation, seed)
+    return *grads, None, None, None
+
+
+dropout_bias_act_op.register_autograd(
+    dropout_bias_act_backward, setup_context=dropout_bias_act_setup
+)

@@ -406,6 +406,8 @@ def layer_norm(
     given = (x, normalized_shape, weight, bias, eps, reduction, block_size)
     shape = layer_norm_arguments(*given, SUPPORTED_DTYPES, REDUCTIONS)  # or raises
     args = (x, weight, bias, shape, float(eps), reduction, block_size)
+    if torch.compiler.is_compiling():  # operators the compiler traces (below)
+        return traced_layer_norm(*args)
     grads = any(t is not None and t.requires_grad for t in (x, weight, bias))
     if grads and torch.is_grad_enabled():
         return LayerNormFunction.apply(*args)
@@ -427,3 +429,61 @@ class LayerNorm(torch.nn.LayerNorm):
 
     def extra_repr(self):
         return f"{super().extra_repr()}, reduction={self.reduction!r}"
+
+
+from stepkernels.runtime.launch import concrete  # a kernel per shape, as in eager calls
+from torch import Tensor
+from torch.library import triton_op
+
+
+@triton_op("stepkernels::layer_norm_forward", mutates_args={})
+def layer_norm_forward_op(
+    x2d: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float
+) -> tuple[Tensor, Tensor, Tensor]:
+    return layer_norm_forward(concrete(x2d), weight, bias, eps)  # y, mean, rstd
+
+
+@triton_op("stepkernels::layer_norm_backward", mutates_args={})
+def layer_norm_backward_op(
+    dy2d: Tensor,
+    x2d: Tensor,
+    weight: Tensor | None,
+    mean: Tensor,
+    rstd: Tensor,
+    want_dw: bool,
+    want_db: bool,
+) -> tuple[Tensor, Tensor, Tensor]:
+    rows = (concrete(dy2d), concrete(x2d))
+    dx, dw, db = layer_norm_backward(*rows, weight, mean, rstd, want_dw, want_db)
+    none = lambda: x2d.new_empty(0)  # an operator returns fresh tensors, never None
+    return dx, none() if dw is None else dw, none() if db is None else db
+
+
+def save_for_backward(ctx, inputs, output):
+    x2d, weight, bias, _ = inputs
+    ctx.save_for_backward(x2d, weight, *output[1:])
+    ctx.has_bias = bias is not None
+    ctx.set_materialize_grads(False)  # mean and rstd get no gradient
+
+
+def backward(ctx, dy, _mean_grad, _rstd_grad):
+    refuse_double_backward("layer_norm", "torch.nn.functional.layer_norm")
+    x2d, weight, mean, rstd = ctx.saved_tensors
+    want_dw = weight is not None and ctx.needs_input_grad[1]
+    want_db = ctx.has_bias and ctx.needs_input_grad[2]
+    grads = layer_norm_backward_op(
+        dy.contiguous(), x2d, weight, mean, rstd, want_dw, want_db
+    )
+    return grads[0], grads[1] if want_dw else None, grads[2] if want_db else None, None
+
+
+layer_norm_forward_op.register_autograd(backward, setup_context=save_for_backward)
+
+
+def traced_layer_norm(x, weight, bias, shape, eps, reduction=None, block_size=None):
+    """``layer_norm``, its arguments checked, through the operators above: the launch
+    rule's block size, and dW, dB added in two stages (the same bits every run)."""
+    x2d = rows_of(x, math.prod(shape))
+    flat = lambda p: None if p is None else p.reshape(-1).contiguous()
+    y, _, _ = layer_norm_forward_op(x2d, flat(weight), flat(bias), eps)
+    return y.view(x.shape)

@@ -269,8 +269,11 @@ def classes_in_range(indices, n_classes, name, ignore_index=None) -> None:
     """Every value of ``indices`` a class in [0, n_classes) (or ``ignore_index``), checked
     here for CPU tensors (the interpreter's), where it costs one pass over them. On a GPU the
     kernel checks a target (a device-side assert, as PyTorch's loss and embedding do):
-    reading the values here would make the CPU wait for the GPU."""
+    reading the values here would make the CPU wait for the GPU. Not while compiled: a
+    graph cannot branch on values."""
     if indices.device.type != "cpu" or indices.numel() == 0:
+        return
+    if torch.compiler.is_compiling():
         return
     values = indices.long()  # an ignore_index past int32 compared without wrapping
     outside = (values < 0) | (values >= n_classes)

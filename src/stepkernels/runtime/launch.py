@@ -121,19 +121,39 @@ class LeanKernel:
         return getattr(self.kernel, name)
 
     def __getitem__(self, grid):
-        if self.always_slow or not ENABLED[0]:
-            return self.kernel[grid]
-        if torch.compiler.is_compiling():  # the compiler traces the kernel itself
+        if torch.compiler.is_compiling() and not INTERPRET:  # the compiler traces it
             return torch.library.wrap_triton(self.kernel)[grid]
+        if self.always_slow or not ENABLED[0]:
+            return lambda *args, **meta: self.slow_launch(grid, args, meta)
         return lambda *args, **meta: self.launch(grid, args, meta)
+
+    def slow_launch(self, grid, args: tuple, meta: dict):
+        """Triton's own launch; for the tensors without data that a ``triton_op`` is traced
+        with for ``torch.compile``, the kernel as the compiler sees it."""
+        traced = [a for a in args if isinstance(a, torch.Tensor) and not has_data(a)]
+        if not traced:
+            return self.kernel[grid](*args, **meta)
+        if not INTERPRET:
+            return torch.library.wrap_triton(self.kernel)[grid](*args, **meta)
+        # Under the interpreter wrap_triton hands the kernel back as it is: fake tensors
+        # (shape propagation) need no launch, but no graph can hold the kernel.
+        functional = torch._subclasses.functional_tensor.FunctionalTensor
+        if any(isinstance(a, functional) for a in traced):
+            raise RuntimeError(
+                "torch.compile cannot trace an interpreted Triton kernel into its graph "
+                "(TRITON_INTERPRET=1): compile on a GPU, or keep our operators opaque "
+                "with torch._functorch.config.patch(decompose_custom_triton_ops=False)"
+            )
+        return None
 
     def key(self, args: tuple, meta: dict, device: int) -> tuple:
         # Integers, None, bools and floats as they are (a float is never specialized on,
         # so keying on its value costs only cache entries).
+        # A fake tensor's address reads 0: no_data raises for it (a triton_op traced).
         spec = [
             a
             if type(a) in PLAIN  # most arguments: no isinstance calls
-            else (a.dtype, a.data_ptr() & 15 == 0)
+            else (a.dtype, (a.data_ptr() or no_data(a)) & 15 == 0)
             if isinstance(a, torch.Tensor)
             else self.described(a)
             if isinstance(a, self.descriptor)
@@ -234,6 +254,29 @@ class LeanKernel:
         except _TensorRead:
             return None
         return {name: named[name] for name in self.heuristics}
+
+
+def has_data(tensor: torch.Tensor) -> bool:
+    """Does ``tensor`` hold memory a kernel can read (not a fake or functional tensor)?"""
+    from torch._subclasses.fake_tensor import is_fake
+
+    return not is_fake(tensor) and not torch._is_functional_tensor(tensor)
+
+
+def concrete(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` viewed with int sizes. A ``triton_op`` traced with symbolic shapes
+    (``dynamic=True``) then specializes on them: its launch rules, cached by shape, choose a
+    kernel per shape as in eager calls."""
+    if all(type(n) is int for n in tensor.shape):
+        return tensor
+    return tensor.view(*(int(n) for n in tensor.shape))
+
+
+def no_data(tensor: torch.Tensor) -> int:
+    """The address 0 of an empty tensor; for a fake one (traced), a RuntimeError."""
+    if has_data(tensor):
+        return 0
+    raise RuntimeError("a tensor without data: traced, not launched")
 
 
 class _TensorRead(Exception):
