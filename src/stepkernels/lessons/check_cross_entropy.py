@@ -25,8 +25,9 @@ def targets(
 def check(cross_entropy, logits, target, grad_scale=0.7, grad_atol=None, **options):
     """``cross_entropy(logits, target, **options)`` and its gradient (for a ``grad_loss`` of
     ``grad_scale``, not 1: the scaling path too) against ``F.cross_entropy`` in fp64, within a
-    rounding of the logits' dtype (relative to the gradient's largest value for the gradient,
-    unless ``grad_atol`` says otherwise). NaN must be where PyTorch's is. Returns our loss and
+    rounding of the logits' dtype (for the gradient relative to its largest value, or to
+    ``grad_scale`` over the rows kept where that is larger, unless ``grad_atol`` says
+    otherwise). NaN must be where PyTorch's is. Returns our loss and
     gradient."""
     logits = logits.detach().requires_grad_()  # detach keeps the strides
     loss = cross_entropy(logits, target, **options)
@@ -42,7 +43,13 @@ def check(cross_entropy, logits, target, grad_scale=0.7, grad_atol=None, **optio
     (want_grad,) = torch.autograd.grad(want, x64, grad_loss)
     assert grad.dtype == logits.dtype and grad.shape == logits.shape
     largest = want_grad.abs().nan_to_num(0.0).max().item() if want_grad.numel() else 0.0
-    atol = tolerance * largest if grad_atol is None else grad_atol
+    # A gradient is (p - y) times grad_scale over the rows kept (for "mean"): p rounds
+    # relative to 1, so where every row's p is near 0 or 1 (the largest gradient tiny) its
+    # error is still a rounding of grad_scale / rows, not of the largest value.
+    kept = target != options.get("ignore_index", -100)
+    rows = int(kept.sum()) if options.get("reduction", "mean") == "mean" else 1
+    scale = max(largest, abs(grad_scale) / max(rows, 1))
+    atol = tolerance * scale if grad_atol is None else grad_atol
     torch.testing.assert_close(
         grad.double(), want_grad, rtol=tolerance, atol=atol, equal_nan=True
     )
