@@ -2,7 +2,14 @@ import matplotlib.pyplot as plt
 import pytest
 import stepkernels  # noqa: F401  (first: without a GPU it selects Triton's interpreter)
 from stepkernels.runtime.core import DEVICE
+from stepkernels.runtime.device import describe
 import torch
+
+
+def pytest_report_header(config):
+    # STEPKERNELS_DEVICE_PROFILE=sm80 (sm86, sm89, sm90) makes the launch rules choose as
+    # on that GPU: on the H100, the suite then runs what an A100 (A10, L4) would launch.
+    return f"stepkernels launch rules choose for: {describe()}"
 
 
 def random_tensor(shape, dtype=torch.float32, seed=0, scale=1.0, shift=0.0):
