@@ -9,6 +9,11 @@ RECORDED_EXPERIMENTS ?= $(if $(filter command line,$(origin CHAPTERS)),,$(addpre
 	softmax_steps.py softmax_long_rows.py softmax_cpu_per_call.py layer_norm_group_size.py))
 SPHINXOPTS ?=
 SPHINX := $(PY) -m sphinx -c . -W --keep-going $(SPHINXOPTS)
+# make test: pytest and the notebooks in one pytest-xdist session, a process per core, each
+# with one torch thread (more only contend for the same cores); tests/conftest.py keeps each
+# notebook whole on one process.
+JOBS ?= $(shell nproc 2>/dev/null || echo 2)
+PYTEST := OMP_NUM_THREADS=1 $(PY) -m pytest -n $(JOBS)
 RESULTS := $(CURDIR)/src/stepkernels/results
 
 export MPLBACKEND := agg
@@ -19,9 +24,11 @@ SHAKESPEARE := $(STEPKERNELS_DATA)/shakespeare/meta.json
 
 .PHONY: help html notebooks test lint export data wheel bench results-table clean distclean
 help:
-	@echo "make html           build the gallery into build/html, executing every chapter"
-	@echo "make test           run every check: ruff, the package against its chapters, pytest,"
-	@echo "                    nbval on every notebook, the gallery build"
+	@echo "make html           build the gallery into build/html, executing every chapter, with"
+	@echo "                    the package's wheel beside its notebooks"
+	@echo "make test           run every check: ruff, the package against its chapters, pytest"
+	@echo "                    and nbval on every notebook (each chapter runs once, JOBS=N"
+	@echo "                    processes), the gallery build (not executing the chapters again)"
 	@echo "make export         write the package's modules (src/stepkernels) from the chapters"
 	@echo "make data           download and prepare the GPT's training data (Shakespeare) into"
 	@echo "                    data/, once; html, notebooks, test and bench do it first"
@@ -55,7 +62,8 @@ data: $(SHAKESPEARE)
 $(SHAKESPEARE): | $(VENV)/.package
 	$(PY) -m stepkernels.data --dir $(STEPKERNELS_DATA)
 
-html: $(VENV)/.docs $(SHAKESPEARE)
+# The wheel first: the build ships it beside the notebooks (conf.py, ship_the_wheel).
+html: $(VENV)/.docs $(SHAKESPEARE) wheel
 	$(SPHINX) -b html docs build/html
 	@echo "Gallery: build/html/index.html"
 
@@ -69,13 +77,16 @@ lint: $(VENV)/.tests
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
 
+# Each chapter runs once, as a notebook under nbval (the notebooks first: they are the longest
+# pieces of work); the gallery is then built from the same sources without running them.
 test: lint notebooks $(SHAKESPEARE)
 	$(PY) tools/export.py --check
-	$(PY) -m pytest tests
-	$(PY) -m pytest --nbval-lax --nbval-current-env build/notebooks
-	$(SPHINX) -b html docs build/html
+	$(PYTEST) --nbval-lax --nbval-current-env build/notebooks tests
+	$(SPHINX) -D plot_gallery=0 -b html docs build/html
 
+# setuptools builds in build/lib: emptied first, so no module removed from src/ comes along.
 wheel: $(VENV)/.runtime
+	rm -rf build/lib build/bdist.*
 	$(PY) -m pip wheel --quiet --no-deps --no-build-isolation -w dist .
 
 bench: $(VENV)/.package $(SHAKESPEARE)

@@ -20,15 +20,18 @@ from stepkernels.lessons import bench
 import torch
 import triton
 
-x = torch.randn(4096, 512, device="cuda")
-xg = torch.randn(4096, 4096, device="cuda", dtype=torch.float16, requires_grad=True)
-dy = torch.randn_like(xg)
-cases = {
-    "fwd fp32 N=512 triton": (lambda: softmax(x), 2 * x.numel() * 4),
-    "fwd fp32 N=512 torch": (lambda: torch.softmax(x, -1), 2 * x.numel() * 4),
-    "fwd+bwd fp16 N=4096 triton": (lambda: torch.autograd.grad(softmax(xg), xg, dy), 5 * xg.numel() * 2),
-    "fwd+bwd fp16 N=4096 torch": (lambda: torch.autograd.grad(torch.softmax(xg, -1), xg, dy), 5 * xg.numel() * 2),
-}
+
+def make_cases():
+    """The timed calls: {name: (call, bytes it moves)}."""
+    x = torch.randn(4096, 512, device="cuda")
+    xg = torch.randn(4096, 4096, device="cuda", dtype=torch.float16, requires_grad=True)
+    dy = torch.randn_like(xg)
+    return {
+        "fwd fp32 N=512 triton": (lambda: softmax(x), 2 * x.numel() * 4),
+        "fwd fp32 N=512 torch": (lambda: torch.softmax(x, -1), 2 * x.numel() * 4),
+        "fwd+bwd fp16 N=4096 triton": (lambda: torch.autograd.grad(softmax(xg), xg, dy), 5 * xg.numel() * 2),
+        "fwd+bwd fp16 N=4096 torch": (lambda: torch.autograd.grad(torch.softmax(xg, -1), xg, dy), 5 * xg.numel() * 2),
+    }
 
 
 def children():
@@ -43,9 +46,9 @@ def children():
     return count
 
 
-def measure(label, names=tuple(cases)):
+def measure(cases, label, names=None):
     parts = []
-    for name in names:
+    for name in names or cases:
         fn, nbytes = cases[name]
         fn()
         parts.append(f"{name} {nbytes / triton.testing.do_bench(fn) / 1e6:6.0f}")
@@ -53,14 +56,20 @@ def measure(label, names=tuple(cases)):
     print(f"{label:<22} load {load:5.1f} children {children():3}  " + "  ".join(parts), flush=True)
 
 
-print("TORCHINDUCTOR_COMPILE_THREADS =", os.environ.get("TORCHINDUCTOR_COMPILE_THREADS"), "(GB/s)")
-measure("before any compile")
-for n_cols in (700,):
-    compiled = bench.compile_static(lambda t: torch.softmax(t, -1))
-    start = time.time()
-    compiled(torch.randn(4096, n_cols, device="cuda"))
-    print(f"compiled N={n_cols} in {time.time() - start:.1f} s")
-    measure("right after")
-    for delay in (2, 5, 10):
-        time.sleep(delay - (time.time() - start) if delay > time.time() - start else 0)
-        measure(f"{delay:>3} s after", names=("fwd fp32 N=512 triton", "fwd+bwd fp16 N=4096 triton"))
+def main():
+    cases = make_cases()
+    print("TORCHINDUCTOR_COMPILE_THREADS =", os.environ.get("TORCHINDUCTOR_COMPILE_THREADS"), "(GB/s)")
+    measure(cases, "before any compile")
+    for n_cols in (700,):
+        compiled = bench.compile_static(lambda t: torch.softmax(t, -1))
+        start = time.time()
+        compiled(torch.randn(4096, n_cols, device="cuda"))
+        print(f"compiled N={n_cols} in {time.time() - start:.1f} s")
+        measure(cases, "right after")
+        for delay in (2, 5, 10):
+            time.sleep(delay - (time.time() - start) if delay > time.time() - start else 0)
+            measure(cases, f"{delay:>3} s after", names=("fwd fp32 N=512 triton", "fwd+bwd fp16 N=4096 triton"))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,4 +1,4 @@
-"""Launches for chapter 11's attention (stepkernels.attention) on a GPU: TFLOP/s of the
+"""Launches for chapter 11's attention (stepkernels.ops.attention) on a GPU: TFLOP/s of the
 forward by launch, with and without warp specialization, next to the pointer-loading forward
 of the first draft (attention_draft.py); of the backward (the delta, key-gradient and
 query-gradient kernels together) varying the key-gradient launch with the first
@@ -14,19 +14,15 @@ when compiled for sm_90a (Triton 3.9, ptxas -v) are left out."""
 
 import contextlib
 import itertools
-from pathlib import Path
-import sys
 import time
 
-sys.path.insert(0, str(Path(__file__).parent))
-import attention_draft as draft  # noqa: E402
-import stepkernels  # noqa: E402, F401  (chooses the interpreter where there is no GPU)
-import torch  # noqa: E402
-from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-import triton  # noqa: E402
+import attention_draft as draft
+from stepkernels.ops import attention as attn
+import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+import torch.nn.functional as F
+import triton
 
-attn = sys.modules["stepkernels.ops.attention"]
 L = attn.Launch
 FORWARD = {
     64: [L(128, 64, 4, 3), L(128, 64, 8, 3), L(64, 64, 4, 3), L(64, 64, 4, 4), L(128, 128, 8, 3), L(128, 32, 4, 3)],

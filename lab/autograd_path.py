@@ -117,21 +117,26 @@ def launch_paths():
             print(f"  {name:<44} failed: {type(error).__name__}: {str(error)[:100]}")
 
 
-print(f"python {sys.version.split()[0]}, switch interval {sys.getswitchinterval()} s")
-print("threads:", [t.name for t in threading.enumerate()])
-short_rows(torch.float32, 512)
-short_rows(torch.float16, 4096)
-for dtype in (torch.float16, torch.float32):
-    forward_backward(dtype, 4096)
-launch_paths()
-print("threads now:", [t.name for t in threading.enumerate()])
+def main():
+    print(f"python {sys.version.split()[0]}, switch interval {sys.getswitchinterval()} s")
+    print("threads:", [t.name for t in threading.enumerate()])
+    short_rows(torch.float32, 512)
+    short_rows(torch.float16, 4096)
+    for dtype in (torch.float16, torch.float32):
+        forward_backward(dtype, 4096)
+    launch_paths()
+    print("threads now:", [t.name for t in threading.enumerate()])
 
-with torch.profiler.profile(
-    activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
-) as prof:
-    x = torch.randn(4096, 4096, device="cuda", dtype=torch.float16, requires_grad=True)
-    dy = torch.randn_like(x)
-    for _ in range(20):
-        torch.autograd.grad(softmax(x), x, dy)
-    torch.cuda.synchronize()
-print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=25))
+    with torch.profiler.profile(
+        activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    ) as prof:
+        x = torch.randn(4096, 4096, device="cuda", dtype=torch.float16, requires_grad=True)
+        dy = torch.randn_like(x)
+        for _ in range(20):
+            torch.autograd.grad(softmax(x), x, dy)
+        torch.cuda.synchronize()
+    print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=25))
+
+
+if __name__ == "__main__":
+    main()

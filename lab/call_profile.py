@@ -16,14 +16,13 @@ import sys
 
 from stepkernels import dropout, layer_norm, linear, matmul, softmax
 from stepkernels.lessons import bench
+from stepkernels.ops import layer_norm as layer_norm_module
+from stepkernels.ops import matmul as matmul_module
+from stepkernels.ops import softmax as softmax_module
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
-
-# ``import stepkernels.softmax as m`` gives the function the package exports under that name.
-softmax_module = sys.modules["stepkernels.ops.softmax"]
-layer_norm_module = sys.modules["stepkernels.ops.layer_norm"]
 
 
 def line(label, fn):
@@ -159,8 +158,7 @@ def matmul_calls(size=1024, dtype=torch.float16):
     print(f"matmul {size}³ fp16")
     line("torch.mm", lambda: torch.mm(a, bm))
     line("matmul(a, b)", lambda: matmul(a, bm))
-    mm = sys.modules["stepkernels.ops.matmul"]
-    line("launch_portable (autotuned kernel)", lambda: mm.launch_portable(a, bm, None, None, False))
+    line("launch_portable (autotuned kernel)", lambda: matmul_module.launch_portable(a, bm, None, None, False))
     x = torch.randn(4096, size, device="cuda", dtype=dtype, requires_grad=True)
     w = torch.randn(size, size, device="cuda", dtype=dtype, requires_grad=True)
     bias = torch.randn(size, device="cuda", dtype=dtype, requires_grad=True)

@@ -12,10 +12,8 @@ from pathlib import Path
 import statistics
 import sys
 
+from performance_standing import counted
 from stepkernels.lessons import bench
-
-sys.path.insert(0, str(Path(__file__).parent))
-from performance_standing import counted  # noqa: E402
 
 
 def points(path: Path) -> dict:

@@ -33,18 +33,23 @@ def report(state):
               f"torch {torch_cpu:.0f} us; our call {call * 1e3:.0f} us", flush=True)  # fmt: skip
 
 
-report("fresh process")
-for n_cols in (16_384, 32_768, 50_257, 65_536, 131_072):
-    for dtype in (torch.bfloat16, torch.float32):
-        logits = torch.randn(TOKENS, n_cols, device="cuda", dtype=dtype, requires_grad=True)
-        target = torch.randint(0, n_cols, (TOKENS,), device="cuda")
-        compiled = bench.compile_static(F.cross_entropy)
-        torch.autograd.grad(compiled(logits, target), logits)
-report("after torch.compile")
-gc.collect()
-gc.freeze()
-report("after gc.freeze")
-gc.unfreeze()
-gc.disable()
-report("gc disabled")
-gc.enable()
+def main():
+    report("fresh process")
+    for n_cols in (16_384, 32_768, 50_257, 65_536, 131_072):
+        for dtype in (torch.bfloat16, torch.float32):
+            logits = torch.randn(TOKENS, n_cols, device="cuda", dtype=dtype, requires_grad=True)
+            target = torch.randint(0, n_cols, (TOKENS,), device="cuda")
+            compiled = bench.compile_static(F.cross_entropy)
+            torch.autograd.grad(compiled(logits, target), logits)
+    report("after torch.compile")
+    gc.collect()
+    gc.freeze()
+    report("after gc.freeze")
+    gc.unfreeze()
+    gc.disable()
+    report("gc disabled")
+    gc.enable()
+
+
+if __name__ == "__main__":
+    main()

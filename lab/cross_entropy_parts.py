@@ -7,15 +7,13 @@ kernel alone (``loss_rows``, do_bench with the L2 flushed), fastest first, for t
 vocabularies of the chapter's benchmark; and checks every launch against torch in fp32. Chose
 ``default_launch``. The log beside it (cross_entropy_parts.log) holds the runs so far."""
 
-import importlib
 import itertools
 
-import stepkernels  # noqa: F401  (first: it picks the interpreter where there is no GPU)
+from stepkernels.ops import cross_entropy as module  # the module, not the function
 import torch
 import torch.nn.functional as F
 import triton
 
-module = importlib.import_module("stepkernels.ops.cross_entropy")  # the module, not the function
 TOKENS = 8192
 LAUNCHES = [(4096, 4), (8192, 4), (8192, 8), (16384, 8), (16384, 16), (32768, 16), (32768, 32)]
 LAUNCHES += [(4096, 4, 64), (8192, 8, 64), (16384, 16, 64)]  # (values, warps, registers)
@@ -75,7 +73,12 @@ def sweep(write_grad, dtype, n_cols):
         print("  WRONG " + "; ".join(wrong), flush=True)
 
 
-for write_grad, dtype in itertools.product((True, False), (torch.bfloat16, torch.float32)):
-    for n_cols in (16_384, 32_768, 50_257, 65_536, 131_072):
-        sweep(write_grad, dtype, n_cols)
-        torch.cuda.empty_cache()
+def main():
+    for write_grad, dtype in itertools.product((True, False), (torch.bfloat16, torch.float32)):
+        for n_cols in (16_384, 32_768, 50_257, 65_536, 131_072):
+            sweep(write_grad, dtype, n_cols)
+            torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()

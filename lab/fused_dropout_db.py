@@ -31,17 +31,14 @@ atomic way as ``atomic``.
 
 import itertools
 import re
-import sys
 
-sys.path.insert(0, __import__("os").path.dirname(__file__))  # sm90, beside this script
-
-from fused_dropout_cheaper import launch_rule  # noqa: E402
-import sm90  # noqa: E402
-from stepkernels.lessons import bench  # noqa: E402
-from stepkernels.ops.dropout import BACKWARD_STAGES, bias_act_dropout_backward_kernel, fused_launch, scale_for  # noqa: E402
-from stepkernels.runtime import core  # noqa: E402
-import torch  # noqa: E402
-import triton  # noqa: E402
+from fused_dropout_cheaper import launch_rule
+import sm90
+from stepkernels.lessons import bench
+from stepkernels.ops.dropout import BACKWARD_STAGES, bias_act_dropout_backward_kernel, fused_launch, scale_for
+from stepkernels.runtime import core
+import torch
+import triton
 
 P, SEED = round(0.1 * 2**16) / 2**16, 1234  # a p the 16-bit mask draws exactly
 TREES = ((16, 4), (12, 6), (16, 8))  # (strips a group, loads issued at once)

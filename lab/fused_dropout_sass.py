@@ -18,15 +18,15 @@ draws a call and libdevice's ``erf`` (the kernels before), and each half of that
 """
 
 import os
-import sys
 
-sys.path.insert(0, os.path.dirname(__file__))  # fused_dropout_cheaper and sm90, beside this script
-os.environ.setdefault("TRITON_INTERPRET", "0")  # compiled, not interpreted
+# Compiled for sm_90, not interpreted: set before triton is imported, when run (not imported).
+if __name__ == "__main__":
+    os.environ.setdefault("TRITON_INTERPRET", "0")
 
-import fused_dropout_cheaper  # noqa: E402
-import fused_dropout_philox  # noqa: E402
-import sm90  # noqa: E402
-from stepkernels.ops.dropout import (  # noqa: E402
+import fused_dropout_cheaper
+import fused_dropout_philox
+import sm90
+from stepkernels.ops.dropout import (
     BACKWARD_STAGES,
     FUSED_COLS,
     bias_act_dropout_backward_kernel,

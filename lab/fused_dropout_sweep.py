@@ -1,9 +1,9 @@
 """Where does chapter 06's fused bias + activation + dropout forward spend its time?
 
-The log (src/stepkernels/results/nvidia-h100-80gb-hbm3/experiments/fused_dropout_sweep.log)
-was written at commit 8b8530e, when the chapter's fused forward used 3-D tiles [rows, groups,
-4], 128 columns wide: on the H100 it ran at 1.1 to 1.3 TB/s in fp32 with GELU, p = 0.1 and
-rows of 4,096, where plain seeded dropout ran at 2.95. The package now ships the row-tile
+The log beside this script (fused_dropout_sweep.log) was written at commit 8b8530e, when the
+chapter's fused forward used 3-D tiles [rows, groups, 4], 128 columns wide: on the H100 it ran
+at 1.1 to 1.3 TB/s in fp32 with GELU, p = 0.1 and rows of 4,096, where plain seeded dropout
+ran at 2.95. The package now ships the row-tile
 kernel that this sweep led to; run today, "package" below is that kernel. On the same
 (N / 4096) x 4096 inputs the script times:
 

@@ -20,24 +20,18 @@ The log's first run was made before the change, with the script's first version:
 """
 
 import functools
-import importlib
-import os
-import sys
 from unittest import mock
 
-sys.path.insert(0, os.path.dirname(__file__))  # sm90, beside this script
-
-from fused_dropout_cheaper import erf_activation  # noqa: E402
-import sm90  # noqa: E402
-from stepkernels.lessons import bench  # noqa: E402
-from stepkernels.ops.matmul_tuning import tma_autotuned  # noqa: E402
-from stepkernels.runtime import core  # noqa: E402
-import torch  # noqa: E402
-import triton  # noqa: E402
-import triton.language as tl  # noqa: E402
-
-hopper = importlib.import_module("stepkernels.ops.matmul_hopper")
-linear = importlib.import_module("stepkernels.ops.linear")
+from fused_dropout_cheaper import erf_activation
+import sm90
+from stepkernels.lessons import bench
+from stepkernels.ops import linear
+from stepkernels.ops import matmul_hopper as hopper
+from stepkernels.ops.matmul_tuning import tma_autotuned
+from stepkernels.runtime import core
+import torch
+import triton
+import triton.language as tl
 
 
 @triton.jit
@@ -53,7 +47,7 @@ def erf_derivative(z, ACTIVATION: tl.constexpr):
 finish_erf = sm90.kernel_variant(
     hopper.finish_columns,
     "finish_erf",
-    [("apply_activation(acc, ACTIVATION, c_desc.dtype)", "erf_out(acc, ACTIVATION)", 1)],
+    [("apply_activation(acc, EPILOGUE.ACTIVATION, c_desc.dtype)", "erf_out(acc, EPILOGUE.ACTIVATION)", 1)],
     {"erf_out": erf_out},
 )
 matmul_erf = sm90.kernel_variant(

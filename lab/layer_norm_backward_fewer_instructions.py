@@ -27,19 +27,17 @@ import itertools
 import os
 import sys
 
-if "--sass" in sys.argv:
-    os.environ["TRITON_INTERPRET"] = "0"  # compiled for sm_90, not interpreted
+# Compiled for sm_90, not interpreted: set before triton is imported, when run (not imported).
+if __name__ == "__main__" and "--sass" in sys.argv:
+    os.environ["TRITON_INTERPRET"] = "0"
 
-sys.path.insert(0, os.path.dirname(__file__))  # sm90 and the rows-at-once script, beside this one
-
-from layer_norm_backward_launch import alternating, shares  # noqa: E402
-import layer_norm_backward_rows_at_once as rows_at_once  # noqa: E402
-import sm90  # noqa: E402
-from stepkernels.lessons import bench  # noqa: E402
-from stepkernels.runtime import core  # noqa: E402
-import torch  # noqa: E402
-
-package, inputs = rows_at_once.package, rows_at_once.inputs  # stepkernels.layer_norm
+from layer_norm_backward_launch import alternating, inputs, shares
+import layer_norm_backward_rows_at_once as rows_at_once
+import sm90
+from stepkernels.lessons import bench
+from stepkernels.ops import layer_norm as package
+from stepkernels.runtime import core
+import torch
 
 MASK = (
     "        mask, row64 = cols < tl.where(row < M, N, 0), row.to(tl.int64)\n",

@@ -25,23 +25,18 @@ zeroing every replay repeats), and the package without dW and dB (``dx only``).
 """
 
 import itertools
-import os
-import sys
 
-sys.path.insert(0, os.path.dirname(__file__))  # the other experiments, beside this one
+from layer_norm_backward_launch import alternating, inputs, shares
+from layer_norm_backward_parts import FLUSH, SIGNATURE, WITH_SUMS
+import sm90
+from stepkernels.lessons import bench
+from stepkernels.ops import layer_norm as package
+from stepkernels.runtime import core
+from stepkernels.runtime.waiting import MAX_POLLS
+import torch
+import triton
+import triton.language as tl
 
-from layer_norm_backward_launch import alternating, inputs, shares  # noqa: E402
-from layer_norm_backward_parts import FLUSH  # noqa: E402
-import sm90  # noqa: E402
-from stepkernels import layer_norm as _unused  # noqa: E402, F401  (the module, below)
-from stepkernels.lessons import bench  # noqa: E402
-from stepkernels.runtime import core  # noqa: E402
-from stepkernels.runtime.waiting import MAX_POLLS  # noqa: E402
-import torch  # noqa: E402
-import triton  # noqa: E402
-import triton.language as tl  # noqa: E402
-
-package = sys.modules["stepkernels.ops.layer_norm"]
 FINISH = """        finish_sums(partial_ptr, dw_ptr, db_ptr, lock_ptr, N, SLICE, BLOCK_P, PROGRAMS_POW2,
                     MAX_POLLS)  # fmt: skip
 """
@@ -113,8 +108,8 @@ backward_one_kernel = sm90.kernel_variant(
     "layer_norm_one_kernel",
     [
         (FLUSH, FLUSH + FINISH, 1),
-        ("partial_ptr, lock_ptr, x_row_stride", "partial_ptr, lock_ptr, dw_ptr, db_ptr, x_row_stride", 1),
-        ("NUM_STAGES: tl.constexpr):", "NUM_STAGES: tl.constexpr, " + CONSTANTS + "):", 1),
+        (SIGNATURE, WITH_SUMS, 1),
+        ("    NUM_STAGES: tl.constexpr,\n):", "    NUM_STAGES: tl.constexpr,\n    " + CONSTANTS + ",\n):", 1),
     ],
     names={"finish_sums": finish_sums},
 )

@@ -12,7 +12,7 @@ rows, twice the bytes): per element, not per byte, the row's chain of dependent 
 set the pace. Here a step takes ``ROWS_AT_ONCE`` rows as one [R, BLOCK_N] tile, so that R rows'
 sums share one chain; dW and dB stay [R, BLOCK_N] in registers and are summed over R at the end.
 
-The variant replaces the package's kernel in ``stepkernels.layer_norm`` for the duration of a
+The variant replaces the package's kernel in ``stepkernels.ops.layer_norm`` for the duration of a
 call (an experiment only), so partials and ``sum_partials_kernel`` are the package's. On a GPU
 it times M = 4,096 rows of N = 4,096 and 8,192 in fp16 and fp32, over R (1, 2, 4), warps and
 stages, 32 rows a program, alternating with the package, in GB/s of the compulsory bytes (x and
@@ -25,23 +25,20 @@ import itertools
 import os
 import sys
 
-if {"--registers", "--sass"} & set(sys.argv):
-    os.environ["TRITON_INTERPRET"] = "0"  # compiled for sm_90, not interpreted
+# Compiled for sm_90, not interpreted: set before triton is imported, when run (not imported).
+if __name__ == "__main__" and {"--registers", "--sass"} & set(sys.argv):
+    os.environ["TRITON_INTERPRET"] = "0"
 
-sys.path.insert(0, os.path.dirname(__file__))  # sm90 and the launch script, beside this one
+import re
 
-import re  # noqa: E402
-
-from layer_norm_backward_launch import alternating, inputs, shares  # noqa: E402
-import sm90  # noqa: E402
-from stepkernels import layer_norm as _unused  # noqa: E402, F401  (the module, below)
-from stepkernels.lessons import bench  # noqa: E402
-from stepkernels.runtime import core  # noqa: E402
-import torch  # noqa: E402
-import triton  # noqa: E402
-import triton.language as tl  # noqa: E402
-
-package = sys.modules["stepkernels.ops.layer_norm"]
+from layer_norm_backward_launch import alternating, inputs, shares
+import sm90
+from stepkernels.lessons import bench
+from stepkernels.ops import layer_norm as package
+from stepkernels.runtime import core
+import torch
+import triton
+import triton.language as tl
 
 
 @triton.jit

@@ -11,18 +11,12 @@ bytes (M = 4,096, calls alternated, mean of 3)::
     python lab/layer_norm_forward_32kb_rows.py   # GPU: time; CPU: check
 """
 
-import importlib
-import sys
-
-sys.path.insert(0, __import__("os").path.dirname(__file__))  # beside this script
-
-from layer_norm_backward_launch import alternating, shares  # noqa: E402
-from stepkernels.lessons import bench  # noqa: E402
-from stepkernels.runtime import core  # noqa: E402
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-
-layer_norm = importlib.import_module("stepkernels.ops.layer_norm")
+from layer_norm_backward_launch import alternating, shares
+from stepkernels.lessons import bench
+from stepkernels.ops import layer_norm
+from stepkernels.runtime import core
+import torch
+import torch.nn.functional as F
 
 
 def launches(n_cols, n_rows, itemsize):

@@ -21,18 +21,24 @@ import torch.nn.functional as F
 POINTS = [(torch.float16, 16384), (torch.float16, 32768), (torch.float32, 8192),
           (torch.float32, 32768)]  # fmt: skip
 
-compiled = torch.compile(F.layer_norm, dynamic=False)  # a graph per shape (4, under the limit)
-calls = []
-for dtype, n_cols in POINTS:
-    x = torch.randn(4096, n_cols, device="cuda", dtype=dtype)
-    w, b = (torch.rand(n_cols, device="cuda", dtype=dtype) for _ in "wb")
-    for fn in (layer_norm, compiled):
-        call = functools.partial(fn, x, (n_cols,), w, b)
-        call()  # compiles, autotunes
-        calls.append(call)
-torch.cuda.synchronize()
-torch.cuda.profiler.start()
-for call in calls:  # ours, then torch.compile's, at each point in turn
-    call()
-torch.cuda.synchronize()
-torch.cuda.profiler.stop()
+
+def main():
+    compiled = torch.compile(F.layer_norm, dynamic=False)  # a graph per shape (4, under the limit)
+    calls = []
+    for dtype, n_cols in POINTS:
+        x = torch.randn(4096, n_cols, device="cuda", dtype=dtype)
+        w, b = (torch.rand(n_cols, device="cuda", dtype=dtype) for _ in "wb")
+        for fn in (layer_norm, compiled):
+            call = functools.partial(fn, x, (n_cols,), w, b)
+            call()  # compiles, autotunes
+            calls.append(call)
+    torch.cuda.synchronize()
+    torch.cuda.profiler.start()
+    for call in calls:  # ours, then torch.compile's, at each point in turn
+        call()
+    torch.cuda.synchronize()
+    torch.cuda.profiler.stop()
+
+
+if __name__ == "__main__":
+    main()

@@ -11,21 +11,17 @@ and a copy of the same bytes beside (M = 4,096, calls alternated, mean of 3)::
     python lab/layer_norm_forward_occupancy.py   # GPU only
 """
 
-import importlib
 import sys
 
-sys.path.insert(0, __import__("os").path.dirname(__file__))  # beside this script
+from layer_norm_backward_launch import alternating, shares
+import sm90
+from stepkernels.lessons import bench
+from stepkernels.ops import layer_norm
+from stepkernels.runtime import core
+import torch
+import torch.nn.functional as F
+import triton
 
-from layer_norm_backward_launch import alternating, shares  # noqa: E402
-import sm90  # noqa: E402
-from stepkernels.lessons import bench  # noqa: E402
-from stepkernels.runtime import core  # noqa: E402
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-import triton  # noqa: E402
-
-layer_norm = importlib.import_module("stepkernels.ops.layer_norm")
-kernel = sm90.jit_function(layer_norm.layer_norm_forward_kernel)  # Triton's path: maxnreg
 POINTS = [(torch.float16, 16384), (torch.float16, 32768), (torch.float32, 8192),
           (torch.float32, 16384), (torch.float32, 32768)]  # fmt: skip
 
@@ -39,6 +35,7 @@ def forward(x, w, b, config, maxnreg=None):
     grid = triton.cdiv(n_rows, config["ROWS_PER_PROGRAM"])
     grid = min(grid, config.pop("programs", None) or grid)
     options = {"maxnreg": maxnreg} if maxnreg else {}
+    kernel = sm90.jit_function(layer_norm.layer_norm_forward_kernel)  # Triton's path: maxnreg
     compiled = kernel[(grid,)](x, y, w, b, mean, rstd, x.stride(0), y.stride(0), n_rows, n_cols,
                                1e-5, HAS_WEIGHT=True, HAS_BIAS=True, **config, **options)  # fmt: skip
     return y, compiled

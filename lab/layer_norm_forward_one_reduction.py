@@ -18,20 +18,14 @@ alternated (mean of 3); the check first prints each one's error on rows led by a
     python lab/layer_norm_forward_one_reduction.py   # GPU: time; CPU: check
 """
 
-import importlib
-import sys
-
-sys.path.insert(0, __import__("os").path.dirname(__file__))  # sm90, beside this script
-
-from layer_norm_backward_launch import alternating, shares  # noqa: E402
-import sm90  # noqa: E402
-from stepkernels.lessons import bench  # noqa: E402
-from stepkernels.runtime import core  # noqa: E402
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-import triton.language as tl  # noqa: E402
-
-layer_norm = importlib.import_module("stepkernels.ops.layer_norm")
+from layer_norm_backward_launch import alternating, shares
+import sm90
+from stepkernels.lessons import bench
+from stepkernels.ops import layer_norm
+from stepkernels.runtime import core
+import torch
+import torch.nn.functional as F
+import triton.language as tl
 
 STATISTICS = """        x = tl.load(x_ptrs, mask=mask, other=0.0).to(tl.float32)
         mean = tl.sum(x, axis=1) / N

@@ -10,11 +10,17 @@ the generated kernels with their launch settings, to compare with ours:
 
 import torch
 
-for dtype, n_cols in ((torch.float16, 16384), (torch.float32, 8192)):
-    torch._dynamo.reset()
-    x = torch.randn(4096, n_cols, device="cuda", dtype=dtype)
-    w, b = torch.rand(n_cols, device="cuda", dtype=dtype), torch.randn(n_cols, device="cuda", dtype=dtype)
-    compiled = torch.compile(torch.nn.functional.layer_norm)
-    compiled(x, (n_cols,), w, b)
-    torch.cuda.synchronize()
-    print(f"== compiled for {dtype}, N = {n_cols}", flush=True)
+
+def main():
+    for dtype, n_cols in ((torch.float16, 16384), (torch.float32, 8192)):
+        torch._dynamo.reset()
+        x = torch.randn(4096, n_cols, device="cuda", dtype=dtype)
+        w, b = torch.rand(n_cols, device="cuda", dtype=dtype), torch.randn(n_cols, device="cuda", dtype=dtype)
+        compiled = torch.compile(torch.nn.functional.layer_norm)
+        compiled(x, (n_cols,), w, b)
+        torch.cuda.synchronize()
+        print(f"== compiled for {dtype}, N = {n_cols}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -32,8 +32,6 @@ from stepkernels.runtime.core import ON_GPU, dtype_name, sm_count
 import torch
 import triton
 
-seconds = [float(arg) for arg in sys.argv[1:] if not arg.startswith("--")]
-deadline = time.time() + (seconds[0] if seconds else 600)
 ROWS = 4096
 SMS = sm_count()
 failures = set()
@@ -160,24 +158,31 @@ def single_block_backward(dtype, n_cols=16384):
     print(f"bwd one block {dtype_name(dtype):8} N={n_cols}: default (walks) {default:5.0f} | {best(rated, 6)}")
 
 
-if not ON_GPU:
-    sys.exit("GPU only: this script times launches")
-print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}")
-with bench.side_stream():
-    if "--long" in sys.argv:
-        for dtype in (torch.float16, torch.float32):
-            single_block_backward(dtype)
-        sys.exit()
-    for dtype, n_cols in itertools.product((torch.float16, torch.float32), (1024, 4096, 16384, 2048, 8192)):
-        if time.time() > deadline:
-            print("time up")
-            break
-        x = torch.randn(ROWS, n_cols, device="cuda", dtype=dtype)
-        dy = torch.randn_like(x)
-        weight = torch.rand(n_cols, device="cuda", dtype=dtype) + 0.5
-        bias = torch.randn(n_cols, device="cuda", dtype=dtype)
-        print(f"-- {dtype_name(dtype)} N={n_cols}: fwd {copy_ceiling(2 * x.numel() * x.element_size())}")
-        print(f"   bwd {copy_ceiling(3 * x.numel() * x.element_size())}", flush=True)
-        sweep_forward(x, weight, bias)
-        _, mean, rstd = layer_norm_forward(x, weight, bias, 1e-5)
-        sweep_backward(x, dy, weight, mean, rstd)
+def main():
+    if not ON_GPU:
+        sys.exit("GPU only: this script times launches")
+    seconds = [float(arg) for arg in sys.argv[1:] if not arg.startswith("--")]
+    deadline = time.time() + (seconds[0] if seconds else 600)
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}")
+    with bench.side_stream():
+        if "--long" in sys.argv:
+            for dtype in (torch.float16, torch.float32):
+                single_block_backward(dtype)
+            return
+        for dtype, n_cols in itertools.product((torch.float16, torch.float32), (1024, 4096, 16384, 2048, 8192)):
+            if time.time() > deadline:
+                print("time up")
+                break
+            x = torch.randn(ROWS, n_cols, device="cuda", dtype=dtype)
+            dy = torch.randn_like(x)
+            weight = torch.rand(n_cols, device="cuda", dtype=dtype) + 0.5
+            bias = torch.randn(n_cols, device="cuda", dtype=dtype)
+            print(f"-- {dtype_name(dtype)} N={n_cols}: fwd {copy_ceiling(2 * x.numel() * x.element_size())}")
+            print(f"   bwd {copy_ceiling(3 * x.numel() * x.element_size())}", flush=True)
+            sweep_forward(x, weight, bias)
+            _, mean, rstd = layer_norm_forward(x, weight, bias, 1e-5)
+            sweep_backward(x, dy, weight, mean, rstd)
+
+
+if __name__ == "__main__":
+    main()

@@ -16,7 +16,6 @@ rows split over programs, chapter 13) and were re-recorded, so there is no longe
 """
 
 import ast
-import importlib
 import importlib.util
 import itertools
 import os
@@ -26,14 +25,16 @@ import subprocess
 import sys
 import tempfile
 
-os.environ["TRITON_INTERPRET"] = "0"  # compile, never interpret (before triton is imported)
+# Compiled for sm_90, not interpreted: set before triton is imported, when run (not imported).
+if __name__ == "__main__":
+    os.environ["TRITON_INTERPRET"] = "0"
 
-import triton  # noqa: E402
-from triton.backends.compiler import GPUTarget  # noqa: E402
-from triton.compiler import ASTSource  # noqa: E402
+from stepkernels.ops import layer_norm as package  # the module, not the function
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
 
-package = importlib.import_module("stepkernels.ops.layer_norm")  # the module, not the function
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 KERNELS = ("normalize_rows", "layer_norm_forward_kernel", "flush_partials", "layer_norm_backward_kernel")
 BACKWARD = dict(x_ptr="*fp16", dy_ptr="*fp16", dx_ptr="*fp16", weight_ptr="*fp16", mean_ptr="*fp32",
                 rstd_ptr="*fp32", partial_ptr="*fp32", lock_ptr="*i32", x_row_stride="i32",

@@ -18,30 +18,25 @@ same bytes, at the package's launch and with BATCH = 8.
 """
 
 import functools
-import importlib
 import os
 import sys
 
-REGISTERS = "--registers" in sys.argv
-if REGISTERS:
-    os.environ["TRITON_INTERPRET"] = "0"  # compiled for sm_90, not interpreted
+# Compiled for sm_90, not interpreted: set before triton is imported, when run (not imported).
+if __name__ == "__main__" and "--registers" in sys.argv:
+    os.environ["TRITON_INTERPRET"] = "0"
 
-sys.path.insert(0, os.path.dirname(__file__))
-
-from register_caps import LAYER_NORM_BACKWARD_ARGUMENTS  # noqa: E402
-from softmax_split_way_out import programs_per_sm, registers  # noqa: E402
-from stepkernels.lessons import bench  # noqa: E402
-from stepkernels.ops import long_rows  # noqa: E402
-from stepkernels.ops.layer_norm import sum_partials_kernel  # noqa: E402
-from stepkernels.ops.long_rows import load_rows  # noqa: E402
-from stepkernels.runtime.core import DEVICE, ON_GPU, dtype_name  # noqa: E402
-from stepkernels.runtime.partials import flush_partials  # noqa: E402
-from stepkernels.runtime.waiting import MAX_POLLS, publish, wait_for  # noqa: E402
-import torch  # noqa: E402
-import triton  # noqa: E402
-import triton.language as tl  # noqa: E402
-
-layer_norm = importlib.import_module("stepkernels.ops.layer_norm")
+from register_caps import LAYER_NORM_BACKWARD_ARGUMENTS
+from softmax_split_way_out import programs_per_sm, registers
+from stepkernels.lessons import bench
+from stepkernels.ops import layer_norm, long_rows
+from stepkernels.ops.layer_norm import sum_partials_kernel
+from stepkernels.ops.long_rows import load_rows
+from stepkernels.runtime.core import DEVICE, ON_GPU, dtype_name
+from stepkernels.runtime.partials import flush_partials
+from stepkernels.runtime.waiting import MAX_POLLS, publish, wait_for
+import torch
+import triton
+import triton.language as tl
 
 
 @triton.jit
@@ -202,4 +197,4 @@ def check_and_time():
 
 
 if __name__ == "__main__":
-    count_registers() if REGISTERS else check_and_time()
+    count_registers() if "--registers" in sys.argv else check_and_time()

@@ -12,10 +12,16 @@ throughput, occupancy, or warps stalled (on the wait's atomics, or on loads)?
 from stepkernels import layer_norm
 import torch
 
-for dtype in (torch.float16, torch.float32):
-    x = torch.randn(4096, 65536, device="cuda", dtype=dtype, requires_grad=True)
-    w = torch.rand(65536, device="cuda", dtype=dtype, requires_grad=True)
-    b = torch.randn(65536, device="cuda", dtype=dtype, requires_grad=True)
-    y = layer_norm(x, (65536,), w, b)
-    torch.autograd.grad(y, (x, w, b), torch.randn_like(y))
-torch.cuda.synchronize()
+
+def main():
+    for dtype in (torch.float16, torch.float32):
+        x = torch.randn(4096, 65536, device="cuda", dtype=dtype, requires_grad=True)
+        w = torch.rand(65536, device="cuda", dtype=dtype, requires_grad=True)
+        b = torch.randn(65536, device="cuda", dtype=dtype, requires_grad=True)
+        y = layer_norm(x, (65536,), w, b)
+        torch.autograd.grad(y, (x, w, b), torch.randn_like(y))
+    torch.cuda.synchronize()
+
+
+if __name__ == "__main__":
+    main()

@@ -9,14 +9,12 @@ M = N = 4,096 in fp16 and fp32 over block shapes and warps, the package's launch
 GB/s of those compulsory bytes, against a copy of as many bytes.
 """
 
-import importlib
 from unittest import mock
 
 from stepkernels.lessons import bench
+from stepkernels.ops import linear  # the module, not the function
 from stepkernels.runtime import core
 import torch
-
-linear = importlib.import_module("stepkernels.ops.linear")  # the module, not the function
 
 LAUNCHES = [(64, 64, 4), (32, 128, 4), (16, 256, 4), (8, 512, 4), (32, 256, 8), (64, 128, 8), (16, 512, 8)]
 

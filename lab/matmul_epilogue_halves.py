@@ -23,44 +23,31 @@ without ``SPLIT_TAIL``.
 """
 
 import functools
-import importlib
 import itertools
 import os
 import re
 import sys
 from unittest import mock
 
-COMPILE = "--compile" in sys.argv
-if COMPILE:
+# Compiled for sm_90, not interpreted: set before triton is imported, when run (not imported).
+if __name__ == "__main__" and "--compile" in sys.argv:
     os.environ["TRITON_INTERPRET"] = "0"
 
-sys.path.insert(0, os.path.dirname(__file__))  # sm90, beside this script
-
-import sm90  # noqa: E402
-from stepkernels.lessons import bench  # noqa: E402
-from stepkernels.ops.matmul_tuning import tma_autotuned  # noqa: E402
-from stepkernels.runtime.core import DEVICE, ON_GPU, dtype_name  # noqa: E402
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-
-hopper = importlib.import_module("stepkernels.ops.matmul_hopper")
+import sm90
+from stepkernels.lessons import bench
+from stepkernels.ops import matmul_hopper as hopper
+from stepkernels.ops.matmul_tuning import tma_autotuned
+from stepkernels.runtime.core import DEVICE, ON_GPU, dtype_name
+import torch
+import torch.nn.functional as F
 
 HALVES = """        if finish:  # two halves of the columns in turn: fewer registers live at once
             left, right = acc.reshape(BLOCK_M, 2, BLOCK_N // 2).permute(0, 2, 1).split()
-            finish_columns(
-                left, c_desc, pre_desc, off_m, off_n, bias_ptr, N, stride_bias,
-                ACTIVATION, HAS_BIAS, STORE_PREACTIVATION, ACCUMULATE,
-            )  # fmt: skip
-            finish_columns(
-                right, c_desc, pre_desc, off_m, off_n + BLOCK_N // 2, bias_ptr, N,
-                stride_bias, ACTIVATION, HAS_BIAS, STORE_PREACTIVATION, ACCUMULATE,
-            )  # fmt: skip
+            finish_columns(left, outputs, off_m, off_n, bias, EPILOGUE)
+            finish_columns(right, outputs, off_m, off_n + BLOCK_N // 2, bias, EPILOGUE)
 """
 WHOLE = """        if finish:
-            finish_columns(
-                acc, c_desc, pre_desc, off_m, off_n, bias_ptr, N, stride_bias,
-                ACTIVATION, HAS_BIAS, STORE_PREACTIVATION, ACCUMULATE,
-            )  # fmt: skip
+            finish_columns(acc, outputs, off_m, off_n, bias, EPILOGUE)
 """
 # Whole tiles where the last wave is split (those binaries only), halves elsewhere.
 MIXED = (
@@ -171,7 +158,7 @@ def sweep():
 
 
 if __name__ == "__main__":
-    if COMPILE:
+    if "--compile" in sys.argv:
         compile_report()
     else:
         check()

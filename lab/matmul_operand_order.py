@@ -68,13 +68,18 @@ def sweep(dtype):
         print(f"  {name}: {rates(a, b)}", flush=True)
 
 
-check()
-if ON_GPU:
-    precision = torch.get_float32_matmul_precision()
-    torch.set_float32_matmul_precision("high")  # tf32 for matmul and torch alike
-    try:
-        with bench.side_stream():  # as bench.measure does
-            for dtype in (torch.float32, torch.float16):
-                sweep(dtype)
-    finally:
-        torch.set_float32_matmul_precision(precision)
+def main():
+    check()
+    if ON_GPU:
+        precision = torch.get_float32_matmul_precision()
+        torch.set_float32_matmul_precision("high")  # tf32 for matmul and torch alike
+        try:
+            with bench.side_stream():  # as bench.measure does
+                for dtype in (torch.float32, torch.float16):
+                    sweep(dtype)
+        finally:
+            torch.set_float32_matmul_precision(precision)
+
+
+if __name__ == "__main__":
+    main()

@@ -22,17 +22,16 @@ values) that fit an SM twice, where the package has no two-per-SM config yet.
 """
 
 import functools
-import importlib
 import itertools
 import sys
 from unittest import mock
 
 from stepkernels.lessons import bench
+from stepkernels.ops import matmul_hopper as hopper
 from stepkernels.runtime.core import DEVICE, ON_GPU, sm_count
 import torch
 import torch.nn.functional as F
 
-hopper = importlib.import_module("stepkernels.ops.matmul_hopper")
 # (BLOCK_M, BLOCK_N, BLOCK_K, stages, warps): shared memory for two programs an SM, at most
 # 2 x ~113 KB (stages x (BM x BK + BK x BN) x 2 bytes, and half a C tile for the epilogue).
 CONFIGS = [(128, 128, 64, 3, 4), (128, 128, 64, 3, 8), (128, 128, 64, 2, 4), (64, 256, 64, 2, 4),

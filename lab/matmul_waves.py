@@ -10,14 +10,13 @@ with its tile count and the share of the last wave that has work, next to cuBLAS
 """
 
 import functools
-import importlib
 
 from stepkernels.lessons import bench
+from stepkernels.ops import matmul_hopper as hopper
 from stepkernels.runtime.core import DEVICE, ON_GPU, sm_count
 import torch
 import triton
 
-hopper = importlib.import_module("stepkernels.ops.matmul_hopper")
 FP16_CONFIGS = [c for c in hopper.TMA_CONFIGS if c.itemsize == 2]
 
 

@@ -16,32 +16,25 @@ a GPU and without ``--registers`` it checks the capped calls under the interpret
 cap means nothing: the check is of the plumbing).
 """
 
-import importlib
 import itertools
 import os
 import sys
 
-REGISTERS = "--registers" in sys.argv
-if REGISTERS:
-    os.environ["TRITON_INTERPRET"] = "0"  # compiled for sm_90, not interpreted
+# Compiled for sm_90, not interpreted: set before triton is imported, when run (not imported).
+if __name__ == "__main__" and "--registers" in sys.argv:
+    os.environ["TRITON_INTERPRET"] = "0"
 
-sys.path.insert(0, os.path.dirname(__file__))  # softmax_split_way_out, beside this script
-
-from softmax_split_way_out import (  # noqa: E402
+from softmax_split_way_out import (
     BACKWARD_ARGUMENTS,
     FORWARD_ARGUMENTS,
     programs_per_sm,
     registers,
     split_call,
 )
-from stepkernels.lessons import bench  # noqa: E402
-from stepkernels.ops import long_rows  # noqa: E402
-from stepkernels.runtime.core import DEVICE, ON_GPU, dtype_name  # noqa: E402
-import torch  # noqa: E402
-
-# The modules, not the functions the package exports under the same names
-softmax = importlib.import_module("stepkernels.ops.softmax")
-layer_norm = importlib.import_module("stepkernels.ops.layer_norm")
+from stepkernels.lessons import bench
+from stepkernels.ops import layer_norm, long_rows, softmax  # the modules, not the functions
+from stepkernels.runtime.core import DEVICE, ON_GPU, dtype_name
+import torch
 
 # kernel: (package launch's warps, caps to try)
 CAPS = {
@@ -172,7 +165,7 @@ def as_tuple(result):
 
 
 if __name__ == "__main__":
-    if REGISTERS:
+    if "--registers" in sys.argv:
         count_registers()
     else:
         for dtype in (torch.float16, torch.float32):

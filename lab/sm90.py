@@ -9,6 +9,8 @@ allocate otherwise than the H100's: counts made here are leads.
 """
 
 import collections
+import functools
+import hashlib
 import importlib.util
 import inspect
 import os
@@ -22,7 +24,10 @@ def jit_function(kernel):
     import triton
 
     while not isinstance(kernel, triton.runtime.JITFunction):
-        kernel = getattr(kernel, "kernel", None) or kernel.fn
+        inner = getattr(kernel, "kernel", None) or getattr(kernel, "fn", None)
+        if inner is None:  # the interpreter's kernels wrap a plain function
+            raise TypeError(f"{kernel!r} is not compiled by Triton: set TRITON_INTERPRET=0 before triton is imported")
+        kernel = inner
     return kernel
 
 
@@ -58,10 +63,16 @@ def nvidia_tool(name: str, *arguments) -> str:
     return subprocess.run([tool, *arguments], capture_output=True, text=True, check=True).stdout
 
 
+@functools.cache
+def source_folder() -> tempfile.TemporaryDirectory:
+    return tempfile.TemporaryDirectory(prefix="stepkernels-lab-")  # removed when Python exits
+
+
 def module_from_source(name: str, source: str):
     """``source`` imported as module ``name`` from a file of its own, so that Triton, which
-    reads a kernel's source from its file, can compile the kernels it defines."""
-    path = os.path.join(tempfile.mkdtemp(), f"{name}.py")
+    reads a kernel's source from its file, can compile the kernels it defines. The files go to
+    one folder a process, removed when it exits."""
+    path = os.path.join(source_folder().name, f"{name}_{hashlib.sha256(source.encode()).hexdigest()[:12]}.py")
     with open(path, "w") as f:
         f.write(source)
     spec = importlib.util.spec_from_file_location(name, path)

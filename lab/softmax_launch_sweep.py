@@ -22,8 +22,6 @@ from stepkernels.runtime.core import dtype_name
 import torch
 import triton
 
-deadline = time.time() + (float(sys.argv[1]) if len(sys.argv) > 1 else 600)
-
 
 def gb_per_s(fn, nbytes):
     try:
@@ -40,7 +38,7 @@ def call(launch, x, y, dy, backward, persistent=False):
     return lambda: softmax_forward(x, launch=launch)
 
 
-def sweep_short_rows():
+def sweep_short_rows(deadline):
     for backward, dtype, n in itertools.product(
         (False, True), (torch.float32, torch.float16), [2**i for i in range(8, 16)]
     ):
@@ -75,7 +73,7 @@ def sweep_short_rows():
         )
 
 
-def sweep_long_rows():
+def sweep_long_rows(deadline):
     for dtype, n in itertools.product((torch.float32, torch.float16), (32768, 65536, 262144)):
         if time.time() > deadline:
             continue
@@ -94,5 +92,11 @@ def sweep_long_rows():
         print(f"long bwd {dtype_name(dtype):8} N={n:6} | {best}", flush=True)
 
 
-sweep_short_rows()
-sweep_long_rows()
+def main():
+    deadline = time.time() + (float(sys.argv[1]) if len(sys.argv) > 1 else 600)
+    sweep_short_rows(deadline)
+    sweep_long_rows(deadline)
+
+
+if __name__ == "__main__":
+    main()

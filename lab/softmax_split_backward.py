@@ -107,8 +107,13 @@ def sweep(dtype, n_cols):
     print(line, flush=True)
 
 
-check()
-if ON_GPU:
-    for dtype in (torch.float32, torch.float16):
-        for n_cols in (32_768, 65_536, 131_072, 262_144):
-            sweep(dtype, n_cols)
+def main():
+    check()
+    if ON_GPU:
+        for dtype in (torch.float32, torch.float16):
+            for n_cols in (32_768, 65_536, 131_072, 262_144):
+                sweep(dtype, n_cols)
+
+
+if __name__ == "__main__":
+    main()

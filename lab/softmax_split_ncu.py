@@ -13,8 +13,14 @@ bytes: memory throughput, occupancy, or warps stalled (on the wait's atomics, or
 from stepkernels import softmax
 import torch
 
-for dtype in (torch.float16, torch.float32):
-    x = torch.randn(1024, 65536, device="cuda", dtype=dtype, requires_grad=True)
-    y = softmax(x)
-    torch.autograd.grad(y, x, torch.randn_like(y))
-torch.cuda.synchronize()
+
+def main():
+    for dtype in (torch.float16, torch.float32):
+        x = torch.randn(1024, 65536, device="cuda", dtype=dtype, requires_grad=True)
+        y = softmax(x)
+        torch.autograd.grad(y, x, torch.randn_like(y))
+    torch.cuda.synchronize()
+
+
+if __name__ == "__main__":
+    main()

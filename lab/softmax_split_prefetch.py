@@ -28,26 +28,24 @@ import sys
 
 import numpy as np
 
-REGISTERS = "--registers" in sys.argv
-if REGISTERS:
-    os.environ["TRITON_INTERPRET"] = "0"  # compiled for sm_90, not interpreted
+# Compiled for sm_90, not interpreted: set before triton is imported, when run (not imported).
+if __name__ == "__main__" and "--registers" in sys.argv:
+    os.environ["TRITON_INTERPRET"] = "0"
 
-sys.path.insert(0, os.path.dirname(__file__))  # softmax_split_way_out, beside this script
-
-from softmax_split_way_out import (  # noqa: E402
+from softmax_split_way_out import (
     FORWARD_ARGUMENTS,
     combine_pairs,
     print_rates,
     programs_per_sm,
     registers,
 )
-from stepkernels.lessons import bench  # noqa: E402
-from stepkernels.ops.softmax import WAY_OUT_BLOCK, load_f32, online_max_and_sum, softmax_forward  # noqa: E402
-from stepkernels.runtime.core import DEVICE, ON_GPU  # noqa: E402
-from stepkernels.runtime.waiting import MAX_POLLS, publish, wait_for  # noqa: E402
-import torch  # noqa: E402
-import triton  # noqa: E402
-import triton.language as tl  # noqa: E402
+from stepkernels.lessons import bench
+from stepkernels.ops.softmax import WAY_OUT_BLOCK, load_f32, online_max_and_sum, softmax_forward
+from stepkernels.runtime.core import DEVICE, ON_GPU
+from stepkernels.runtime.waiting import MAX_POLLS, publish, wait_for
+import torch
+import triton
+import triton.language as tl
 
 
 @triton.jit
@@ -155,7 +153,7 @@ def sweep(dtype, n_cols):
 
 
 if __name__ == "__main__":
-    if REGISTERS:
+    if "--registers" in sys.argv:
         count_registers()
     else:
         check()

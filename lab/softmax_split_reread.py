@@ -23,12 +23,7 @@ At M = 2^26 / N this times, next to torch and a copy of the same bytes, in GB/s 
 Without a GPU it checks both kernels here against torch under the interpreter and stops.
 """
 
-import os
-import sys
-
-sys.path.insert(0, os.path.dirname(__file__))  # softmax_split_way_out, beside this script
-
-from softmax_split_way_out import backward_kernel, combine_pairs, print_rates, split_call  # noqa: E402
+from softmax_split_way_out import backward_kernel, combine_pairs, print_rates, split_call
 from stepkernels.lessons import bench
 from stepkernels.ops.softmax import Launch, online_max_and_sum, softmax_backward, softmax_forward
 from stepkernels.runtime.core import DEVICE, ON_GPU

@@ -26,6 +26,11 @@ def sweep(x):
     print(line, flush=True)
 
 
-for dtype in (torch.float32, torch.float16):
-    for n_cols in (65_536, 131_072, 262_144):
-        sweep(torch.randn(2**26 // n_cols, n_cols, device="cuda", dtype=dtype))
+def main():
+    for dtype in (torch.float32, torch.float16):
+        for n_cols in (65_536, 131_072, 262_144):
+            sweep(torch.randn(2**26 // n_cols, n_cols, device="cuda", dtype=dtype))
+
+
+if __name__ == "__main__":
+    main()

@@ -32,13 +32,13 @@ import re
 import subprocess
 import sys
 
-REGISTERS = "--registers" in sys.argv
-if REGISTERS:
-    os.environ["TRITON_INTERPRET"] = "0"  # compiled for sm_90, not interpreted
+# Compiled for sm_90, not interpreted: set before triton is imported, when run (not imported).
+if __name__ == "__main__" and "--registers" in sys.argv:
+    os.environ["TRITON_INTERPRET"] = "0"
 
-import sm90  # noqa: E402 - beside this script
-from stepkernels.lessons import bench  # noqa: E402
-from stepkernels.ops.softmax import (  # noqa: E402
+import sm90
+from stepkernels.lessons import bench
+from stepkernels.ops.softmax import (
     Launch,
     load_f32,
     online_max_and_sum,
@@ -47,11 +47,11 @@ from stepkernels.ops.softmax import (  # noqa: E402
     softmax_forward,
     softmax_split_kernel,
 )
-from stepkernels.runtime.core import DEVICE, ON_GPU, dtype_name  # noqa: E402
-from stepkernels.runtime.waiting import MAX_POLLS, publish_and_wait  # noqa: E402
-import torch  # noqa: E402
-import triton  # noqa: E402
-import triton.language as tl  # noqa: E402
+from stepkernels.runtime.core import DEVICE, ON_GPU, dtype_name
+from stepkernels.runtime.waiting import MAX_POLLS, publish_and_wait
+import torch
+import triton
+import triton.language as tl
 
 
 @triton.jit
@@ -214,10 +214,17 @@ BACKWARD_ARGUMENTS = [("y_ptr", "data"), ("dy_ptr", "data"), ("dx_ptr", "data"),
 WALKED_IN_CHUNKS = "a78c087"  # the last commit whose package walked its way out in chunks
 
 
+# Where the modules that the package's softmax imported before the wings (commit b8fc02f) are now
+MOVED = {"stepkernels._core": "stepkernels.runtime.core", "stepkernels.launch": "stepkernels.runtime.launch"}
+
+
 def package_at(commit: str):
-    """``stepkernels.softmax`` as it was at ``commit`` (read with git), imported as a module."""
+    """``stepkernels.softmax`` as it was at ``commit`` (read with git), imported as a module,
+    its imports pointed at the modules' places today."""
     source = subprocess.run(["git", "show", f"{commit}:src/stepkernels/softmax.py"],
                             capture_output=True, text=True, check=True).stdout  # fmt: skip
+    for old, new in MOVED.items():
+        source = source.replace(f"from {old} import", f"from {new} import")
     return sm90.module_from_source(f"softmax_{commit}", source)
 
 
@@ -327,7 +334,7 @@ def hold_sweep(dtype, n_cols):
 
 
 if __name__ == "__main__":
-    if REGISTERS:
+    if "--registers" in sys.argv:
         count_registers()
     elif "--hold" in sys.argv:
         check()

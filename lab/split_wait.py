@@ -1,7 +1,7 @@
 """The split kernels' wait, made cheaper: poll with plain loads, acquire once.
 
 Chapters 02 and 13 split a row over programs that wait for one another with
-``stepkernels.softmax.wait_for``: it polls the row's counter with ``tl.atomic_add(ptr, 0,
+``stepkernels.runtime.waiting.wait_for``: it polls the row's counter with ``tl.atomic_add(ptr, 0,
 sem="acquire")``. Compiled for sm_90 (``--sass``, without a GPU), each poll is one thread's
 strong load followed by ``CCTL.IVALL`` (the SM's whole L1 invalidated, for the acquire) and two
 ``BAR.SYNC`` of the program's warps (the one thread's result passed on through shared memory).
@@ -27,7 +27,6 @@ and the invalidations it replaces (they also pace the polls). Not taken.
 
 import contextlib
 import functools
-import importlib
 import itertools
 import os
 import re
@@ -35,22 +34,18 @@ import sys
 import types
 from unittest import mock
 
-SASS = "--sass" in sys.argv
-sys.path.insert(0, os.path.dirname(__file__))  # softmax_split_way_out, beside this script
-if SASS:
-    os.environ["TRITON_INTERPRET"] = "0"  # compiled for sm_90, not interpreted
+# Compiled for sm_90, not interpreted: set before triton is imported, when run (not imported).
+if __name__ == "__main__" and "--sass" in sys.argv:
+    os.environ["TRITON_INTERPRET"] = "0"
 
-import sm90  # noqa: E402 - beside this script
-from stepkernels.lessons import bench  # noqa: E402
-from stepkernels.ops import long_rows  # noqa: E402
-from stepkernels.runtime.core import DEVICE, ON_GPU, dtype_name  # noqa: E402
-import torch  # noqa: E402
-import triton  # noqa: E402
-import triton.language as tl  # noqa: E402
-
-# The modules, not the functions the package exports under the same names
-softmax = importlib.import_module("stepkernels.ops.softmax")
-layer_norm = importlib.import_module("stepkernels.ops.layer_norm")
+import sm90
+from stepkernels.lessons import bench
+from stepkernels.ops import layer_norm, long_rows, softmax  # the modules, not the functions
+from stepkernels.runtime import waiting
+from stepkernels.runtime.core import DEVICE, ON_GPU, dtype_name
+import torch
+import triton
+import triton.language as tl
 
 
 @triton.jit
@@ -82,7 +77,7 @@ def rebind(kernel, **replacements):
     return triton.jit(copy)
 
 
-light_publish_and_wait = rebind(softmax.publish_and_wait, wait_for=wait_light)
+light_publish_and_wait = rebind(waiting.publish_and_wait, wait_for=wait_light)
 LIGHT = {  # (module, kernel name): the kernel with the light wait
     (softmax, "softmax_split_kernel"): rebind(softmax.softmax_split_kernel, publish_and_wait=light_publish_and_wait),
     (softmax, "softmax_backward_split_kernel"): rebind(
@@ -176,7 +171,7 @@ def sass_counts(kernel, dtype, num_warps=8):
 
 
 if __name__ == "__main__":
-    if SASS:
+    if "--sass" in sys.argv:
         light_kernel = LIGHT[softmax, "softmax_split_kernel"]
         for name, kernel in (("package", softmax.softmax_split_kernel), ("light wait", light_kernel)):
             counts = sass_counts(kernel, "fp16")

@@ -14,15 +14,15 @@ measurement.
 """
 
 import os
-import sys
 
-os.environ["TRITON_INTERPRET"] = "0"  # compiled for sm_90, not interpreted
-sys.path.insert(0, os.path.dirname(__file__))
+# Compiled for sm_90, not interpreted: set before triton is imported, when run (not imported).
+if __name__ == "__main__":
+    os.environ["TRITON_INTERPRET"] = "0"
 
-import sm90  # noqa: E402
-from stepkernels.runtime.waiting import publish, wait_for  # noqa: E402
-import triton  # noqa: E402
-import triton.language as tl  # noqa: E402
+import sm90
+from stepkernels.runtime.waiting import publish, wait_for
+import triton
+import triton.language as tl
 
 SUSPECTS = {
     0: "nothing between the loads and the stores",

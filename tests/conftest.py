@@ -22,3 +22,23 @@ def random_tensor(shape, dtype=torch.float32, seed=0, scale=1.0, shift=0.0):
 def close_figures():
     yield
     plt.close("all")
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """make test runs the tests and the notebooks (nbval) in one pytest-xdist session (-n):
+    each test goes to whichever process is free, and each notebook goes whole, its cells in
+    order, to one process and its kernel. (xdist's loadgroup would do it with marks, but with
+    pytest 9.2 it does not group: xdist 3.8 renames the items' nodeid where pytest no longer
+    reads it.) Only for xdist's default distribution; --dist asks for another."""
+    if config.getvalue("dist") != "load":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class NotebooksWhole(LoadScopeScheduling):
+        # LoadScopeScheduling hands out the largest units first: the notebooks, then the tests.
+        def _split_scope(self, nodeid):
+            path = nodeid.split("::", 1)[0]
+            return path if path.endswith(".ipynb") else nodeid
+
+    return NotebooksWhole(config, log)

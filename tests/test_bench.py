@@ -650,6 +650,17 @@ def test_a_quick_run_without_a_recording_measures_the_quick_points_and_says_so(m
     plt.close("all")
 
 
+def test_a_quick_run_leaves_torch_compile_to_the_recording(monkeypatch, tmp_path):
+    gpu = FakeGPU(monkeypatch, tmp_path)
+    measured = []
+    monkeypatch.setattr(bench, "measure", lambda b: measured.append(list(b.providers)) or gpu.measure(b))
+    results = bench.run(copy_benchmark(providers=["triton", "torch", "torch.compile"]), draw=False)
+    assert measured == [["triton", "torch"]] and not results.live
+    monkeypatch.setenv("STEPKERNELS_FULL", "1")
+    bench.run(copy_benchmark(providers=["triton", "torch", "torch.compile"]), draw=False)
+    assert measured[-1] == ["triton", "torch", "torch.compile"]  # the full sweep measures it
+
+
 def test_which_x_values_a_quick_run_measures():
     assert bench.quick_x_values(copy_benchmark(x_values=[2**16, 2**10, 2**12])) == [2**16]
     assert bench.quick_x_values(copy_benchmark(x_values=[0, 1, 2], x_labels={0: "a", 1: "b", 2: "c"})) == [0, 1, 2]

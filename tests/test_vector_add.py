@@ -70,7 +70,7 @@ BAD_INPUTS = {
     "strided view": ((x[::2], y[::2]), ValueError, "contiguous"),
     "transposed": ((x.view(8, 8).t(), y.view(8, 8).t()), ValueError, "contiguous"),
     "shapes differ": ((x, y[:-1]), ValueError, "broadcast"),
-    "dtypes differ": ((x, y.half()), ValueError, "dtype"),
+    "dtypes differ": ((x, y.half()), TypeError, "dtype"),
     "integer dtype": ((x.int(), y.int()), TypeError, "supported"),
     "float64": ((x.double(), y.double()), TypeError, "supported"),
     "wrong device": ((x.to("meta"), y.to("meta")), ValueError, "move it"),

@@ -93,6 +93,7 @@ def main(*flags: str) -> None:
         path.unlink()
     for path, text in texts.items():
         if not path.exists() or path.read_text() != text:
+            path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(text)
             print(f"wrote {path.relative_to(ROOT)}")
 

@@ -6,7 +6,7 @@ Uses the gallery's own first cell from conf.py, so the notebooks that nbval exec
 ones readers download.
 """
 
-import ast
+import importlib.util
 from pathlib import Path
 import shutil
 import sys
@@ -17,12 +17,11 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def setup_cell() -> str:
-    """conf.py's NOTEBOOK_SETUP_CELL, read without running conf.py (which writes a stamp)."""
-    tree = ast.parse((ROOT / "conf.py").read_text())
-    for node in tree.body:
-        if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", "") == "NOTEBOOK_SETUP_CELL":
-            return ast.literal_eval(node.value)
-    raise LookupError("conf.py defines no NOTEBOOK_SETUP_CELL")
+    """conf.py's NOTEBOOK_SETUP_CELL (importing conf.py only defines names)."""
+    spec = importlib.util.spec_from_file_location("gallery_conf", ROOT / "conf.py")
+    conf = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(conf)
+    return conf.NOTEBOOK_SETUP_CELL
 
 
 def main(output_dir: str) -> None:

@@ -49,15 +49,14 @@ KEYS = [
     Key("11", "attention-forward-d128-causal", "bfloat16"),
     Key(
         "12", "gpt-training-throughput", "bfloat16", ours="triton + CUDA graph", references=("products alone (cuBLAS)",)
-    ),  # fmt: skip
+    ),
     Key("13", "layer-norm-long-rows", "float16"),
 ]
 
 
 def recordings(results_dir: Path) -> list[tuple[dict, Path]]:
     """Each GPU's environment.json and folder, by folder name."""
-    return [(json.loads(path.read_text()), path.parent)
-            for path in sorted(results_dir.glob("*/environment.json"))]  # fmt: skip
+    return [(json.loads(path.read_text()), path.parent) for path in sorted(results_dir.glob("*/environment.json"))]
 
 
 def short_axis(x_name: str) -> str:
@@ -84,14 +83,19 @@ def key_row(key: Key, env: dict, folder: Path) -> str | None:
     x = max(p.x for p in ours)
     at = {p.provider: p for p in points if p.x == x}
     mine, unit = at[key.ours], axis["unit"]
-    peers = [p for p in at if p != key.ours and not p.startswith("triton")
-             and p != bench.COPY_PROVIDER and p not in key.references]  # fmt: skip
+    peers = [
+        p
+        for p in at
+        if p != key.ours and not p.startswith("triton") and p != bench.COPY_PROVIDER and p not in key.references
+    ]
     best = max(peers, key=lambda p: at[p].value, default=None)
     peer = "" if best is None else f"{best} {bench.value_text(at[best].value)}"
     ratio = "" if best is None else f"{mine.value / at[best].value:.2f}x"
     size = f"{short_axis(axis['x_name'])}: {bench.size_text(x)}"
-    return (f"| {key.chapter} | {key.benchmark}, {key.dtype} | {size} | "
-            f"{bench.value_text(mine.value)} {unit} | {peer} | {ratio} |")  # fmt: skip
+    return (
+        f"| {key.chapter} | {key.benchmark}, {key.dtype} | {size} | "
+        f"{bench.value_text(mine.value)} {unit} | {peer} | {ratio} |"
+    )
 
 
 def headline_markdown(results_dir: Path | None = None) -> str:
@@ -207,9 +211,14 @@ def main(readme: str, *flags: str) -> None:
     updated = pattern.sub(lambda _: f"{BEGIN}\n{headline_markdown()}{END}", text)
     page = results_rst()
     if "--check" in flags:
-        stale = [name for name, now, then in ((readme, updated, text),
-                 (str(PAGE.relative_to(ROOT)), page, PAGE.read_text() if PAGE.exists() else ""))
-                 if now != then]  # fmt: skip
+        stale = [
+            name
+            for name, now, then in (
+                (readme, updated, text),
+                (str(PAGE.relative_to(ROOT)), page, PAGE.read_text() if PAGE.exists() else ""),
+            )
+            if now != then
+        ]
         if stale:
             sys.exit(f"The results in {' and '.join(stale)} are out of date: run `make results-table`.")
     else:

@@ -137,11 +137,16 @@ def add(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     refuse_autograd("add", "x + y", x, y)  # this lesson's add has no backward
     check_tensor(x, "x", SUPPORTED_DTYPES, contiguous=True)
     check_tensor(y, "y", SUPPORTED_DTYPES, contiguous=True)
-    if x.shape != y.shape or x.dtype != y.dtype:
+    if x.dtype != y.dtype:
+        raise TypeError(
+            f"add() takes x and y of one dtype, got x {x.dtype} and y "
+            f"{y.dtype}: convert one with .to(dtype)"
+        )
+    if x.shape != y.shape:
         raise ValueError(
-            f"add() takes tensors of one shape and dtype, got {tuple(x.shape)} {x.dtype} and "
-            f"{tuple(y.shape)} {y.dtype}: broadcast first with torch.broadcast_tensors(x, y) "
-            "and call .contiguous() on the results, or convert with .to(dtype)"
+            f"add() takes x and y of one shape, got x {tuple(x.shape)} and y "
+            f"{tuple(y.shape)}: broadcast first with torch.broadcast_tensors(x, y) and call "
+            ".contiguous() on the results"
         )
     out = torch.empty_like(x)
     n_elements = out.numel()

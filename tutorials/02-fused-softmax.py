@@ -74,9 +74,16 @@ import triton.language as tl
 @lean
 @triton.jit
 def softmax_kernel(
-    x_ptr, y_ptr, n_rows, n_cols, x_row_stride, y_row_stride,
-    ROWS: tl.constexpr, BLOCK_N: tl.constexpr, LOG: tl.constexpr,
-):  # fmt: skip
+    x_ptr,
+    y_ptr,
+    n_rows,
+    n_cols,
+    x_row_stride,
+    y_row_stride,
+    ROWS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    LOG: tl.constexpr,
+):
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, BLOCK_N)[None, :]
     in_bounds = (rows < n_rows)[:, None] & (cols < n_cols)
@@ -105,17 +112,17 @@ def softmax_kernel(
 # raises the maximum to m', rescale: s' = s exp(m - m') + sum exp(x - m'). (While the row
 # has shown only -inf we shift by 0, since exp(-inf - (-inf)) is NaN.)
 #
-# A looped kernel would then read the row again to write exp(x - m) / s: 3 M N of traffic, not
-# 2 M N (``lab/softmax_long_rows.py`` has one and times it). The online pass is
-# still needed: it is the split kernel's way out.
+# A kernel that streams its row so must read it a second time to write exp(x - m) / s: 3 M N
+# elements of traffic instead of 2 M N. The next section removes that second read; the online
+# pass stays as its way out, for the rare row whose programs do not all run at once.
 
 # @save ops/softmax
 
 
 @triton.jit
 def online_max_and_sum(x_row, n_cols, BLOCK_N: tl.constexpr, NUM_STAGES: tl.constexpr):
-    """One pass over the ``n_cols`` values at ``x_row`` in chunks of ``BLOCK_N``: the row's
-    maximum and its sum of exp(x - maximum), the online softmax's running pair."""
+    """One pass over the ``n_cols`` values at ``x_row`` in chunks of ``BLOCK_N``: the
+    row's maximum and its sum of exp(x - maximum), the online softmax's running pair."""
     cols = tl.arange(0, BLOCK_N)
     running_max = -float("inf")
     lane_sum = tl.zeros([BLOCK_N], tl.float32)
@@ -140,8 +147,9 @@ def online_max_and_sum(x_row, n_cols, BLOCK_N: tl.constexpr, NUM_STAGES: tl.cons
 # To read x once from memory, we give each row to several programs, one chunk each. Each reduces
 # its chunk to a pair (maximum m_c, sum s_c of exp(x - m_c)) and publishes it; once its row's
 # pairs are all there, each combines them into m = max m_c and S = sum s_c exp(m_c - m) and
-# writes y. On an H100, holding the chunk through the wait was faster in fp32; in 16 bits,
-# reading it again from L2 (loaded ``evict_last``) was (``lab/softmax_split_*``).
+# writes y. Through the wait an fp32 chunk stays in registers, which measured faster on an
+# H100 than reading it again; a 16-bit chunk is loaded ``evict_last`` and read again from L2
+# after the wait, which measured at least as fast as holding it.
 #
 # Publishing: store the pair; ``tl.debug_barrier()``, so that every thread has stored; then
 # ``tl.atomic_add`` on the row's counter with ``sem="release"``, which orders the stores
@@ -149,24 +157,25 @@ def online_max_and_sum(x_row, n_cols, BLOCK_N: tl.constexpr, NUM_STAGES: tl.cons
 # Waiting: poll the counter until all chunks have counted, then read the pairs with
 # ``volatile=True``, so no stale cache line answers. CUDA does not promise that a row's
 # programs run at once: after ``MAX_POLLS`` tries a program walks the row itself (online), in
-# blocks of 1,024 values, not 8,192: registers go to a kernel's hungriest path, run or not, and
-# big blocks left room for fewer programs an SM (small ones made the fp16 forward 28 to 40%
-# faster). The interpreter runs programs one by one: only a row's last chunk finds all pairs.
+# blocks of 1,024 values (``WAY_OUT_BLOCK``). A kernel gets the registers of its hungriest
+# path whether that path runs or not, so a way out in blocks as large as the chunk would leave
+# room for fewer programs on an SM. The interpreter runs programs one by one: only a row's last
+# chunk finds all pairs.
 
 # @save runtime/waiting
 from stepkernels.runtime.core import ON_GPU
 import triton
 import triton.language as tl
 
-MAX_POLLS = (
-    100_000 if ON_GPU else 2
-)  # split kernels: tries before a program reads the row
+# Split kernels: the tries before a program stops waiting and reads the row itself.
+MAX_POLLS = 100_000 if ON_GPU else 2
 
 
 @triton.jit
 def publish_and_wait(counter_ptr, row, n_chunks, MAX_POLLS: tl.constexpr):
-    """Announce this program's stores to the other programs of its row, then wait (at most
-    MAX_POLLS tries) until all ``n_chunks`` have announced theirs. True if they all did."""
+    """Announce this program's stores to the other programs of its row, then wait (at
+    most MAX_POLLS tries) until all ``n_chunks`` have announced theirs. True if they all
+    did."""
     publish(counter_ptr, row)
     return wait_for(counter_ptr, row, n_chunks, MAX_POLLS)
 
@@ -204,10 +213,19 @@ def load_f32(ptrs, mask, other, HINT: tl.constexpr):  # HINT: the L2 eviction po
 @lean
 @triton.jit
 def softmax_split_kernel(
-    x_ptr, y_ptr, stats_ptr, counter_ptr, n_cols, n_chunks, x_row_stride, y_row_stride,
-    BLOCK_N: tl.constexpr, CHUNKS_POW2: tl.constexpr, LOG: tl.constexpr,
+    x_ptr,
+    y_ptr,
+    stats_ptr,
+    counter_ptr,
+    n_cols,
+    n_chunks,
+    x_row_stride,
+    y_row_stride,
+    BLOCK_N: tl.constexpr,
+    CHUNKS_POW2: tl.constexpr,
+    LOG: tl.constexpr,
     MAX_POLLS: tl.constexpr,
-):  # fmt: skip
+):
     row = (tl.program_id(0) // n_chunks).to(tl.int64)
     chunk = tl.program_id(0) % n_chunks
     cols = chunk * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -254,8 +272,9 @@ def softmax_split_kernel(
 # dy_i/dx_j = delta_ij - softmax(x)_j gives dx = dy - exp(y) * sum(dy). Both are a row reduction
 # and an elementwise step on the saved *output* y and dy: 3 M N elements of traffic. A fused
 # kernel takes rows of up to half the forward's block (it holds two tensors); longer rows split
-# as in the forward, each program publishing its part of the sum and holding y and dy (read
-# again after the wait, they were slower: ``softmax_split_way_out.py``).
+# as in the forward, each program publishing its part of the sum. It holds its chunks of y and
+# dy through the wait: reading them again from L2, as the 16-bit forward does, measured slower
+# in both dtypes.
 
 # @save ops/softmax
 
@@ -263,9 +282,18 @@ def softmax_split_kernel(
 @lean
 @triton.jit
 def softmax_backward_kernel(
-    y_ptr, dy_ptr, dx_ptr, n_rows, n_cols, y_row_stride, dy_row_stride, dx_row_stride,
-    ROWS: tl.constexpr, BLOCK_N: tl.constexpr, LOG: tl.constexpr,
-):  # fmt: skip
+    y_ptr,
+    dy_ptr,
+    dx_ptr,
+    n_rows,
+    n_cols,
+    y_row_stride,
+    dy_row_stride,
+    dx_row_stride,
+    ROWS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    LOG: tl.constexpr,
+):
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, BLOCK_N)[None, :]
     in_bounds = (rows < n_rows)[:, None] & (cols < n_cols)
@@ -283,11 +311,21 @@ def softmax_backward_kernel(
 @lean
 @triton.jit
 def softmax_backward_split_kernel(
-    y_ptr, dy_ptr, dx_ptr, partial_ptr, counter_ptr, n_cols, n_chunks,
-    y_row_stride, dy_row_stride, dx_row_stride,
-    BLOCK_N: tl.constexpr, CHUNKS_POW2: tl.constexpr, LOG: tl.constexpr,
+    y_ptr,
+    dy_ptr,
+    dx_ptr,
+    partial_ptr,
+    counter_ptr,
+    n_cols,
+    n_chunks,
+    y_row_stride,
+    dy_row_stride,
+    dx_row_stride,
+    BLOCK_N: tl.constexpr,
+    CHUNKS_POW2: tl.constexpr,
+    LOG: tl.constexpr,
     MAX_POLLS: tl.constexpr,
-):  # fmt: skip
+):
     row = (tl.program_id(0) // n_chunks).to(tl.int64)
     chunk = tl.program_id(0) % n_chunks
     cols = chunk * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -326,12 +364,14 @@ def softmax_backward_split_kernel(
 # %%
 # Launch rules and wrappers
 # -------------------------
-# Speed now comes from the launch: sweeps on an H100 (``lab/softmax_launch_sweep.py``)
-# gave these rules. One row of 256 fp32 values over 4 warps gives each thread two values, too few
-# loads in flight to hide DRAM's latency: a tile holds about 4,096 values, a warp per 1,024. A
-# persistent, pipelined grid was never faster for the fused kernels. The wrappers see rows with
-# unit stride: a slice like ``x[:, :N]`` is read in place, a transposed matrix copied. The
-# backward refuses ``create_graph=True``: autograd cannot differentiate a Triton kernel.
+# With the bytes fixed, speed comes from the launch. One row of 256 fp32 values over 4 warps
+# gives each thread two values, too few loads in flight to hide DRAM's latency, so a tile of
+# short rows holds about 4,096 values, with a warp per 1,024; a split program takes a chunk of
+# 8,192. These are the best launches of sweeps on an H100. Each fused program takes one tile:
+# a persistent grid, pipelining its tiles, measured no faster. The wrappers see rows with
+# unit stride: a slice like ``x[:, :N]`` is read in place, a transposed matrix copied, and a
+# ``dim`` other than the last (the fastest) moved last, ``x.movedim(dim, -1)``: a copy too.
+# The backward refuses ``create_graph=True``: autograd cannot differentiate a Triton kernel.
 
 # @save ops/softmax
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -404,9 +444,16 @@ def launch_rows(tensors: tuple, log: bool, launch: Launch, backward: bool) -> No
         counters = torch.zeros(n_rows, device=partials.device, dtype=torch.int32)
         kernel = softmax_backward_split_kernel if backward else softmax_split_kernel
         kernel[(n_rows * n_chunks,)](
-            *tensors, partials, counters, n_cols, n_chunks, *strides,
-            CHUNKS_POW2=chunks_pow2, MAX_POLLS=MAX_POLLS, **meta,
-        )  # fmt: skip
+            *tensors,
+            partials,
+            counters,
+            n_cols,
+            n_chunks,
+            *strides,
+            CHUNKS_POW2=chunks_pow2,
+            MAX_POLLS=MAX_POLLS,
+            **meta,
+        )
     elif launch.kernel == "fused" and launch.block_n >= n_cols:
         kernel = softmax_backward_kernel if backward else softmax_kernel
         grid = (triton.cdiv(n_rows, launch.rows),)
@@ -453,18 +500,20 @@ class SoftmaxFunction(torch.autograd.Function):
         return softmax_backward(y, dy, ctx.log), None
 
 
-def softmax(x: torch.Tensor, *, log: bool = False) -> torch.Tensor:
-    """``torch.softmax(x, dim=-1)`` (``log=True``: ``log_softmax``) for fp32, fp16 and
-    bf16, with autograd."""
-    softmax_arguments(x, log, SUPPORTED_DTYPES)  # raises, saying what to do
+def softmax(x: torch.Tensor, dim: int = -1, *, log: bool = False) -> torch.Tensor:
+    """``torch.softmax(x, dim)`` (``log=True``: ``log_softmax``) for fp32, fp16 and bf16,
+    with autograd; a ``dim`` but the last (the fastest) is moved there, then back."""
+    dim = softmax_arguments(x, dim, log, SUPPORTED_DTYPES)  # raises, saying what to do
+    if dim != x.dim() - 1:
+        return softmax(x.movedim(dim, -1), log=log).movedim(-1, dim)
     if x.requires_grad and torch.is_grad_enabled():
         return SoftmaxFunction.apply(x, log)
     return softmax_forward(x, log)  # autograd's machinery costs the CPU ~15 µs: skip it
 
 
-def log_softmax(x: torch.Tensor) -> torch.Tensor:
-    """``torch.log_softmax(x, dim=-1)`` for fp32, fp16 and bf16, with autograd."""
-    return softmax(x, log=True)
+def log_softmax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """``torch.log_softmax(x, dim)`` for fp32, fp16 and bf16, with autograd (as softmax)."""
+    return softmax(x, dim, log=True)
 
 
 # %%
@@ -556,14 +605,18 @@ def softmax_benchmark(name: str, passes: int, **fields) -> bench.Benchmark:
 
 
 def compare(results, x: int, others=("torch", "torch.compile", "naive")) -> None:
-    """Print ours over ``others`` and the copy at ``x``, and at how many sizes ours beats torch."""
+    """A table of triton's GB/s over each of ``others``' and over a copy's of the same
+    bytes at ``x``, with the number of N at which triton is ahead of torch."""
+    columns = [*others, bench.COPY_PROVIDER]
+    print(f"{results.bench.name}: triton's GB/s over the others' at N = {x:,}")
+    names = [c if c != bench.COPY_PROVIDER else "a copy" for c in columns]  # same bytes
+    print(f"  {'':9}" + "".join(f"{c:>15}" for c in names) + "  ahead of torch")
     for dtype in dict.fromkeys(p.dtype for p in results.points):
-        leads = [f"{results.ratio('triton', o, x, dtype):.2f}x {o}" for o in others]
-        copy = results.ratio("triton", bench.COPY_PROVIDER, x, dtype)
+        ratios = [results.ratio("triton", c, x, dtype) for c in columns]
         xs = sorted({p.x for p in results.points if p.dtype == dtype})
         ahead = sum(results.ratio("triton", "torch", n, dtype) > 1 for n in xs)
-        print(f"{dtype}, N = {x:,}: ours at {', '.join(leads)}, {copy:.0%} of a copy; ahead "
-              f"of torch at {ahead} of {len(xs)} sizes")  # fmt: skip
+        row = "".join(f"{r:>14.2f}x" for r in ratios)
+        print(f"  {dtype:9}{row}  at {ahead} of {len(xs)} N")
 
 
 PROVIDERS = ["triton", "torch", "torch.compile", "naive", bench.COPY_PROVIDER]
@@ -579,7 +632,6 @@ forward = bench.run(
 )
 if forward:
     compare(forward, 4096)
-    print(forward.as_called("triton", "torch", 4096, "float16"))
 
 # %%
 # The naive version sits near a quarter of the others, as the bytes predict; the gap to
@@ -603,14 +655,12 @@ forward_backward = bench.run(
 if forward_backward:
     compare(forward_backward, 4096)
     compare(forward_backward, 131_072, others=("torch", "torch.compile"))
-    print(forward_backward.as_called("triton", "torch", 4096, "float16"))
 
 # %%
-# Past N = 32,768 both directions split rows over programs, reading every tensor once from memory
-# (``lab/softmax_split_backward.py`` and ``softmax_long_rows.py`` time kernels that
-# read twice). In fp16 they stay short of a copy (printed), the forward most: a waiting program
-# has none of its loads in flight (the results' ``NOTES.md``). Dotted lines time calls from
-# Python (summaries add their CPU time): through autograd, the CPU paces ours.
+# Past N = 32,768 both directions split rows over programs and read every tensor once from
+# memory. In fp16 they stay short of a copy (printed), the forward most: a program waiting for
+# its row's pairs has none of its loads in flight. Dotted lines time calls from Python (the
+# tables add their CPU time): through autograd, the CPU paces ours.
 #
 # What we learned
 # ---------------
@@ -618,6 +668,8 @@ if forward_backward:
 # * The online softmax handles rows of any length; programs that split a row and publish
 #   (max, sum) pairs remove its second read, with a release/acquire pair and a way out.
 # * Both backwards are a row reduction and an elementwise step on the forward's output.
+# * The launch rules and the split kernels' choices (hold or read again, the way out's block)
+#   are measurements on an H100: ``lab/NOTES.md`` keeps the sweeps behind them.
 #
 # Exercises
 # ---------

@@ -122,8 +122,8 @@ print("strides: B, B^T in dA, A^T in dB:", *strides)
 
 # @save ops/linear
 from stepkernels.ops.matmul import copies_for_tf32, matmul
-from stepkernels.runtime.activations import activation_derivative, check_activation
-from stepkernels.runtime.arguments import linear_arguments
+from stepkernels.runtime.activations import activation_derivative
+from stepkernels.runtime.arguments import linear_arguments, linear_options
 from stepkernels.runtime.core import refuse_double_backward
 from stepkernels.runtime.launch import lean
 import torch
@@ -135,12 +135,23 @@ import triton.language as tl
 @lean  # cheap repeated launches: chapter 08
 @triton.jit
 def activation_backward_kernel(
-    grad_y_ptr, z_ptr, grad_z_ptr, grad_z_t_ptr, bias_partial_ptr,
-    M, N,
-    stride_grad_y_m, stride_grad_y_n, stride_z_m, stride_z_n,
-    ACTIVATION: tl.constexpr, BIAS_GRAD: tl.constexpr, TRANSPOSED: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-):  # fmt: skip
+    grad_y_ptr,
+    z_ptr,
+    grad_z_ptr,
+    grad_z_t_ptr,
+    bias_partial_ptr,
+    M,
+    N,
+    stride_grad_y_m,
+    stride_grad_y_n,
+    stride_z_m,
+    stride_z_n,
+    ACTIVATION: tl.constexpr,
+    BIAS_GRAD: tl.constexpr,
+    TRANSPOSED: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
     block_m = tl.program_id(axis=0)
     rows = block_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     columns = tl.program_id(axis=1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -150,7 +161,7 @@ def activation_backward_kernel(
     )
     grad_y_ptrs = grad_y_ptr + grad_y_offsets
     z_ptrs = z_ptr + rows[:, None] * stride_z_m + columns[None, :] * stride_z_n
-    # fp32 arithmetic whatever the storage dtype (and bf16 must be converted first anyway).
+    # fp32 arithmetic whatever the storage dtype (bf16 must be converted first anyway).
     grad_y = tl.load(grad_y_ptrs, mask=mask, other=0.0).to(tl.float32)
     z = tl.load(z_ptrs, mask=mask, other=0.0).to(tl.float32)
     grad_z = grad_y * activation_derivative(z, ACTIVATION, grad_z_ptr.dtype.element_ty)
@@ -167,8 +178,9 @@ def activation_backward_kernel(
 ACTIVATION_BACKWARD_BLOCK = {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4}
 
 
-def activation_backward(grad_y, z, activation, bias_grad: bool, over_z=False,
-        transposed=False):  # fmt: skip
+def activation_backward(
+    grad_y, z, activation, bias_grad: bool, over_z=False, transposed=False
+):
     """dZ = dY * act'(Z) in Z's dtype (over Z if ``over_z``); db (fp32) from block sums;
     dZ^T, contiguous, if ``transposed`` (else None)."""
     M, N = z.shape
@@ -178,12 +190,12 @@ def activation_backward(grad_y, z, activation, bias_grad: bool, over_z=False,
     partial = torch.empty((blocks_m, N), device=z.device, dtype=torch.float32)
     if grad_z.numel() > 0:
         grid = (blocks_m, triton.cdiv(N, ACTIVATION_BACKWARD_BLOCK["BLOCK_N"]))
+        outputs = (grad_z, grad_z if grad_z_t is None else grad_z_t, partial)
+        strides = (*grad_y.stride(), *z.stride())
+        flags = dict(ACTIVATION=activation, BIAS_GRAD=bias_grad, TRANSPOSED=transposed)
         activation_backward_kernel[grid](
-            grad_y, z, grad_z, grad_z if grad_z_t is None else grad_z_t, partial, M, N,
-            grad_y.stride(0), grad_y.stride(1), z.stride(0), z.stride(1),
-            ACTIVATION=activation, BIAS_GRAD=bias_grad, TRANSPOSED=transposed,
-            **ACTIVATION_BACKWARD_BLOCK,
-        )  # fmt: skip
+            grad_y, z, *outputs, M, N, *strides, **flags, **ACTIVATION_BACKWARD_BLOCK
+        )
     return grad_z, (partial.sum(dim=0) if bias_grad else None), grad_z_t
 
 
@@ -206,12 +218,12 @@ def fused_linear_backward(grad_y, x, weight, bias, z, activation, needs_grad):
         grad_z, grad_bias, grad_z_t = activation_backward(
             grad_y, z, activation, need_bias, again, transposed
         )
-    return (
+    grad_z_t = grad_z.mT if grad_z_t is None else grad_z_t  # a view, or the kernel's
+    return (  # a new empty tensor for each gradient not asked for: none may alias
         matmul(grad_z, weight) if need_x else x.new_empty(0),
-        matmul(grad_z.mT if grad_z_t is None else grad_z_t, x)  # dZ^T: a view, or a copy
-        if need_weight else x.new_empty(0),
+        matmul(grad_z_t, x) if need_weight else x.new_empty(0),
         grad_bias.to(x.dtype) if need_bias else x.new_empty(0),
-    )  # fmt: skip
+    )
 
 
 # %%
@@ -243,9 +255,14 @@ def _(x, weight, bias, activation, keep_z):
 
 @torch.library.custom_op("stepkernels::fused_linear_backward", mutates_args=())
 def fused_linear_backward_op(
-    grad_y: Tensor, x: Tensor, weight: Tensor, bias: Tensor | None, z: Tensor | None,
-    activation: str | None, needs_grad: list[bool],
-) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+    grad_y: Tensor,
+    x: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    z: Tensor | None,
+    activation: str | None,
+    needs_grad: list[bool],
+) -> tuple[Tensor, Tensor, Tensor]:
     return fused_linear_backward(grad_y, x, weight, bias, z, activation, needs_grad)
 
 
@@ -304,10 +321,12 @@ class FusedLinearFunction(torch.autograd.Function):
 
 
 def linear(x, weight, bias=None, activation=None, *, recompute=False):
-    """``activation(x @ weight.T + bias)`` in one kernel, differentiable, for weight and bias
-    as ``nn.Linear`` holds them; ``recompute``: recompute x @ weight.T + bias in the backward
-    instead of keeping it from the forward."""
-    linear_arguments(x, weight, bias, activation)  # raises, saying what to do
+    """``activation(x @ weight.T + bias)`` in one kernel, differentiable, for weight and
+    bias as ``nn.Linear`` holds them; ``recompute``: recompute x @ weight.T + bias in
+    the backward instead of keeping it from the forward."""
+    linear_arguments(
+        x, weight, bias, activation, recompute
+    )  # raises, saying what to do
     tensors = (x, weight) if bias is None else (x, weight, bias)
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
     rows = x.reshape(x.shape[:-1].numel(), x.shape[-1])
@@ -324,10 +343,18 @@ def linear(x, weight, bias=None, activation=None, *, recompute=False):
 class FusedLinear(nn.Linear):
     """``nn.Linear`` followed by an activation, fused into one Triton kernel."""
 
-    def __init__(self, in_features, out_features, bias=True, activation=None,
-                 recompute=False, device=None, dtype=None):  # fmt: skip
+    def __init__(
+        self,
+        in_features,
+        out_features,
+        bias=True,
+        activation=None,
+        recompute=False,
+        device=None,
+        dtype=None,
+    ):
         super().__init__(in_features, out_features, bias, device=device, dtype=dtype)
-        check_activation(activation)
+        linear_options(activation, recompute)  # refused now, not at the first call
         self.activation, self.recompute = activation, recompute
 
     def forward(self, x):
@@ -335,7 +362,8 @@ class FusedLinear(nn.Linear):
         return linear(*args, recompute=self.recompute)
 
     def extra_repr(self):
-        return f"{super().extra_repr()}, activation={self.activation!r}, recompute={self.recompute}"
+        mine = f"activation={self.activation!r}, recompute={self.recompute}"
+        return f"{super().extra_repr()}, {mine}"
 
 
 # %%
@@ -469,14 +497,15 @@ try:
     fused_losses, torch_losses = train(fused_mlp, batches), train(torch_mlp, batches)
 finally:
     torch.set_float32_matmul_precision(precision)
-# The curves differ only by rounding (the order of additions; on a GPU tf32's, which grows with
-# each step): we allow a relative difference of 1e-4 per step here, 3e-2 on a GPU.
+# The curves differ only by rounding (the order of additions; on a GPU tf32's, which
+# grows with each step): we allow a relative difference of 1e-4 per step here, 3e-2 on a
+# GPU.
 differences = [abs(a - b) / b for a, b in zip(fused_losses, torch_losses, strict=True)]
 title = f"MLP {INPUTS}-{HIDDEN}-{HIDDEN}-1, batch {BATCH}, fp32"
 figures_linear.draw_training_losses(torch_losses, fused_losses, title)
 print(
     f"{STEPS} steps: loss {torch_losses[0]:.4f} -> {torch_losses[-1]:.4f} (torch), "
-    f"{fused_losses[-1]:.4f} (fused); largest relative difference {max(differences):.2e}"
+    f"{fused_losses[-1]:.4f} (fused), at most {max(differences):.1e} apart (relative)"
 )
 assert 2 * sum(torch_losses[-10:]) < sum(torch_losses[:10]), "it did not learn"
 assert max(differences) <= bench.choose(gpu=3e-2, cpu=1e-4)
@@ -507,7 +536,7 @@ print(f"torch.compile(fullgraph=True, backend={backend!r}): same gradients as ea
 
 TOKENS = OUT_FEATURES = ACTIVATION_K = bench.choose(gpu=4096, cpu=32)
 K_AXIS = "in_features K (M = N = 4096, GELU)"
-ACTIVATION_AXIS = "activation (0 none, 1 relu, 2 leaky_relu, 3 gelu, 4 squared_relu)"
+ACTIVATION_AXIS = "activation (M = N = K = 4096)"
 
 
 @functools.cache
@@ -533,31 +562,47 @@ def make_linear(provider, k, dtype, activation, backward):
 
 
 def linear_benchmark(name, backward, per_activation):
-    """x is K (with GELU), or the number of the activation (with K = ACTIVATION_K)."""
+    """x is K (with GELU), or the activation's place in ACTIVATIONS (K = ACTIVATION_K),
+    which the plot and the printed ratios show by name."""
     k = lambda x: ACTIVATION_K if per_activation else x
     activation = lambda x: ACTIVATIONS[int(x)] if per_activation else "gelu"
     recompute = ["triton (recompute)"] if backward and not per_activation else []
     return bench.Benchmark(
-        name=name, unit="TFLOP/s", float32_matmul_precision="high",
+        name=name,
+        unit="TFLOP/s",
+        float32_matmul_precision="high",
         x_name=ACTIVATION_AXIS if per_activation else K_AXIS,
         x_values=list(range(5)) if per_activation else [1024, 2048, 4096, 8192],
         providers=["triton", *recompute, "torch", "torch.compile"],
         make=lambda p, x, dtype: make_linear(p, k(x), dtype, activation(x), backward),
         work=lambda x, dtype: (3 if backward else 1) * 2 * TOKENS * OUT_FEATURES * k(x),
         dtypes=(torch.float16,) if per_activation else (torch.float16, torch.float32),
-        smoke_x=3 if per_activation else 32, headline_x=None if per_activation else 4096,
+        smoke_x=3 if per_activation else 32,
+        headline_x=None if per_activation else 4096,
         x_log2=not per_activation,  # categories: bars, one per activation
         x_labels=dict(enumerate(map(str, ACTIVATIONS))) if per_activation else None,
-    )  # fmt: skip
+    )
 
 
 def print_ratios(results, provider="triton", other="torch"):
-    """``provider``'s rate over ``other``'s at every x, as ``bench.run`` measured or loaded it."""
-    label = (results.bench.x_labels or {}).get
-    ratio, xs = results.ratio, results.bench.x_values
+    """A table of ``provider``'s TFLOP/s over ``other``'s, a row per dtype."""
+    label = results.bench.x_labels or {}
+    xs = results.bench.x_values
+    print(f"  {provider} / {other}, by {'activation' if label else 'K'}:")
+    print(f"    {'':9}" + "".join(f"{label.get(x, f'{x:,}'):>13}" for x in xs))
     for dtype in results.bench.dtypes:
-        ratios = [f"{label(x, x)} {ratio(provider, other, x, dtype):.2f}x" for x in xs]
-        print(f"{provider} / {other}, {str(dtype)[6:]}: {', '.join(ratios)}")
+        ratios = [results.ratio(provider, other, x, dtype) for x in xs]
+        print(f"    {str(dtype)[6:]:9}" + "".join(f"{r:>12.2f}x" for r in ratios))
+
+
+def print_called(results, x, dtype="float16"):
+    """What calls from Python reach at ``x``, against their GPU time, and the CPU time
+    of one call."""
+    print(f"  called from Python at K = {x:,}, {dtype}:")
+    for p in ("triton", "torch"):
+        called, gpu = results.call(p, x, dtype), results.value(p, x, dtype)
+        rate = f"{called:6,.0f} TFLOP/s (GPU time {gpu:,.0f})"
+        print(f"    {p:8}{rate}, {results.cpu_us(p, x, dtype):,.0f} µs of CPU")
 
 
 for name, backward, per_activation in [
@@ -568,12 +613,12 @@ for name, backward, per_activation in [
 ]:
     results = bench.run(linear_benchmark(name, backward, per_activation))
     if results is not None:  # None: not measured, nothing recorded
-        print(f"{name}, {results.how}:")
+        print(f"{name}:")
         print_ratios(results)
         if "triton (recompute)" in results.bench.providers:
             print_ratios(results, "triton (recompute)", "triton")
-        if results.bench.headline_x:  # what a call from Python sees
-            print(results.as_called("triton", "torch", 1024, "float16"))
+        if results.bench.headline_x:  # small products: the CPU's share shows
+            print_called(results, 1024)
 
 # %%
 # In fp16 with GELU (an erfc of one ``rsqrt`` and one ``exp2``, chapter 04) the forward runs ahead

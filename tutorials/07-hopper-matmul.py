@@ -61,10 +61,14 @@ DEVICE = tutorial.DEVICE
 #
 # The kernel
 # ----------
-# The cells marked ``# @save matmul_hopper`` make the package's ``matmul_hopper`` module. It
-# reuses chapter 04's tile order, bias and configs from ``stepkernels.runtime.tiles``.
+# The cells marked ``# @save ops/matmul_hopper`` make the package's ``matmul_hopper`` module.
+# It reuses chapter 04's tile order, bias and configs from ``stepkernels.runtime.tiles``. The
+# epilogue's helper takes its arguments in groups: the descriptors of the outputs, the bias
+# (pointer, length, stride) and the epilogue's four flags as one ``Epilogue``.
 
 # @save ops/matmul_hopper
+from typing import NamedTuple
+
 from stepkernels.ops.matmul_tuning import (
     MAX_SPLITS,
     SHARE_STEPS,
@@ -88,19 +92,48 @@ import triton
 import triton.language as tl
 
 
+class Epilogue(NamedTuple):
+    """What a tile's epilogue does, as ``finish_columns`` takes it (chapter 04's
+    flags)."""
+
+    ACTIVATION: tl.constexpr  # None, "relu", "gelu"...
+    HAS_BIAS: tl.constexpr
+    STORE_PREACTIVATION: tl.constexpr  # also write A B + bias, for the backward
+    ACCUMULATE: tl.constexpr  # C += A B
+
+
 @triton.jit
 def matmul_tma_kernel(
-    a_ptr, b_ptr, c_ptr, bias_ptr, pre_ptr, partial_ptr, counter_ptr,
-    M, N, K,
-    stride_a, stride_b, stride_bias,
-    A_COLUMN_MAJOR: tl.constexpr, B_COLUMN_MAJOR: tl.constexpr,
-    ACTIVATION: tl.constexpr, HAS_BIAS: tl.constexpr, STORE_PREACTIVATION: tl.constexpr,
-    INPUT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, NUM_SMS: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUP_SIZE_M: tl.constexpr, ACCUMULATE: tl.constexpr = False,
-    SPLIT_TAIL: tl.constexpr = False, MAX_SPLITS: tl.constexpr = MAX_SPLITS,
+    a_ptr,  # A (M x K), B (K x N), C (M x N)
+    b_ptr,
+    c_ptr,
+    bias_ptr,  # N values, or unused
+    pre_ptr,  # the pre-activation (M x N), or unused
+    partial_ptr,  # fp32 scratch: the partial tiles of a split tail
+    counter_ptr,  # int32 zeros: one counter a tail tile
+    M,
+    N,
+    K,
+    stride_a,  # between rows of A, or its columns if A_COLUMN_MAJOR
+    stride_b,
+    stride_bias,
+    A_COLUMN_MAJOR: tl.constexpr,
+    B_COLUMN_MAJOR: tl.constexpr,
+    ACTIVATION: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    STORE_PREACTIVATION: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr,  # of tl.dot: "ieee", "tf32"...
+    UPCAST: tl.constexpr,  # bf16 to fp32 before tl.dot (the interpreter's)
+    NUM_SMS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_SIZE_M: tl.constexpr,  # chapter 04's program order
+    ACCUMULATE: tl.constexpr = False,
+    SPLIT_TAIL: tl.constexpr = False,  # the last wave split along K (below)
+    MAX_SPLITS: tl.constexpr = MAX_SPLITS,
     PROGRAMS_PER_SM: tl.constexpr = 1,
-):  # fmt: skip
+):
     NUM_PROGRAMS: tl.constexpr = NUM_SMS * PROGRAMS_PER_SM  # the grid
     # One descriptor per tensor. A column-major operand is described as its transpose.
     if A_COLUMN_MAJOR:
@@ -128,6 +161,10 @@ def matmul_tma_kernel(
         pre_desc = tl.make_tensor_descriptor(
             pre_ptr, shape=[M, N], strides=[N, 1], block_shape=[BLOCK_M, BLOCK_N // 2]
         )
+    outputs, bias = (c_desc, pre_desc), (bias_ptr, N, stride_bias)
+    EPILOGUE: tl.constexpr = Epilogue(
+        ACTIVATION, HAS_BIAS, STORE_PREACTIVATION, ACCUMULATE
+    )
 
     tiles_m = tl.cdiv(M, BLOCK_M)
     tiles_n = tl.cdiv(N, BLOCK_N)
@@ -173,39 +210,31 @@ def matmul_tma_kernel(
             )
         if finish:  # two halves of the columns in turn: fewer registers live at once
             left, right = acc.reshape(BLOCK_M, 2, BLOCK_N // 2).permute(0, 2, 1).split()
-            finish_columns(
-                left, c_desc, pre_desc, off_m, off_n, bias_ptr, N, stride_bias,
-                ACTIVATION, HAS_BIAS, STORE_PREACTIVATION, ACCUMULATE,
-            )  # fmt: skip
-            finish_columns(
-                right, c_desc, pre_desc, off_m, off_n + BLOCK_N // 2, bias_ptr, N,
-                stride_bias, ACTIVATION, HAS_BIAS, STORE_PREACTIVATION, ACCUMULATE,
-            )  # fmt: skip
+            finish_columns(left, outputs, off_m, off_n, bias, EPILOGUE)
+            finish_columns(right, outputs, off_m, off_n + BLOCK_N // 2, bias, EPILOGUE)
 
 
 @triton.jit
-def finish_columns(
-    acc, c_desc, pre_desc, off_m, off_n, bias_ptr, N, stride_bias,
-    ACTIVATION: tl.constexpr, HAS_BIAS: tl.constexpr, STORE_PREACTIVATION: tl.constexpr,
-    ACCUMULATE: tl.constexpr,
-):  # fmt: skip
+def finish_columns(acc, outputs, off_m, off_n, bias, EPILOGUE: tl.constexpr):
     """The epilogue of the columns of a tile from ``off_n``: bias, C + A B, the
-    pre-activation, the activation, the store."""
+    pre-activation, the activation, the store. ``outputs``: the descriptors of C and of
+    the pre-activation; ``bias``: its pointer, N and its stride."""
+    c_desc, pre_desc = outputs
+    bias_ptr, N, stride_bias = bias
     offs_n = off_n + tl.arange(0, acc.shape[1])
-    acc = add_bias(acc, bias_ptr, offs_n, N, stride_bias, HAS_BIAS)
-    if ACCUMULATE:  # C += A B (chapter 04)
+    acc = add_bias(acc, bias_ptr, offs_n, N, stride_bias, EPILOGUE.HAS_BIAS)
+    if EPILOGUE.ACCUMULATE:  # C += A B (chapter 04)
         acc += c_desc.load([off_m, off_n]).to(tl.float32)
-    if STORE_PREACTIVATION:
+    if EPILOGUE.STORE_PREACTIVATION:
         pre_desc.store([off_m, off_n], acc.to(pre_desc.dtype))
-    out = apply_activation(acc, ACTIVATION, c_desc.dtype)
+    out = apply_activation(acc, EPILOGUE.ACTIVATION, c_desc.dtype)
     c_desc.store([off_m, off_n], out.to(c_desc.dtype))
 
 
 # %%
 # The epilogue takes half of a tile's columns at a time (``finish_columns``): with 128 × 256 tiles
-# and GELU, a thread's 128 fp32 values, their activation and their 16-bit copy did not fit in its
-# 255 registers at once and spilled; halves fit, and the fused linear's fp16 products ran faster
-# (``lab/matmul_epilogue_halves.py``).
+# a thread holds 128 fp32 values of the tile, and with GELU those values, their activation and
+# their 16-bit copy do not fit in its 255 registers at once: they spill. Half of them fit.
 #
 # The last wave
 # -------------
@@ -238,9 +267,14 @@ def tail_split(tiles, k_steps, NUM_PROGRAMS: tl.constexpr, MAX_SPLITS: tl.conste
 
 @triton.jit
 def add_shares(
-    acc, partial_ptr, counter_ptr, share, splits,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-):  # fmt: skip
+    acc,
+    partial_ptr,
+    counter_ptr,
+    share,
+    splits,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
     """For a share of a tail tile (``share`` >= 0): store it and count it in. The last
     share of its tile to arrive gets the sum of all of them and True, the others False.
     A whole tile (``share`` < 0) gets its own ``acc`` and True."""
@@ -269,19 +303,19 @@ def add_shares(
 
 # %%
 # The configs are chapter 04's minus its smallest tiles: this kernel only runs when the output has
-# a 128 × 128 tile for every SM (fp8 excepted), where small tiles do not win. For tf32, thin K
-# steps: 128 × 256 × 32 leads in each of the fused linear's products, and deeper pipelines of
-# 128 × 128 tiles follow (``lab/linear_tf32_parts.py``, ``linear_tiles.py``). Each
+# a 128 × 128 tile for every SM (fp8 excepted), where small tiles do not win. For tf32 the K
+# step is 32 values, the bytes of a 16-bit step of 64; its tiles, 128 × 256 and 128 × 128 in
+# deeper pipelines, were the fastest in the fused linear's products. Each
 # tile comes twice, with and without ``SPLIT_TAIL``, and the autotuner keeps the faster: the
-# split's code costs registers (up to 100 more a thread, and spills with GELU on 128 × 256
-# tiles), which a product without a split tail should not pay. It times a split config only
-# where its tail would split (``tma_autotuned``, in ``matmul_tuning``).
+# split's code costs registers (with GELU on 128 × 256 tiles it spills), which a product
+# without a split tail should not pay. It times a split config only where its tail would
+# split (``tma_autotuned``, in ``matmul_tuning``).
 #
 # One fp16 config runs *two* programs an SM (``PROGRAMS_PER_SM``): 128 × 128 tiles in 3 stages fit
 # an SM's shared memory twice, and while one program runs a tile's epilogue the other's products
 # keep the tensor cores busy, an overlap cuBLAS gets from specialized warps (Triton 3.6 does not
-# specialize warps on Hopper). Up to 10% faster at small K and at 3,072³, slower from K = 4,096
-# (``lab/matmul_two_per_sm.py``). In tf32 none of two an SM came near.
+# specialize warps on Hopper). It wins at small K and at 3,072³ and loses from K = 4,096 on, so
+# it is one more config for the autotuner; in tf32 two programs an SM never won.
 
 # @save ops/matmul_hopper
 TMA_CONFIGS = [
@@ -312,7 +346,8 @@ def with_constants(config, **constants):
 
 
 def scratch_per_sm(config: dict) -> int:
-    """Partial-tile values that ``config``'s programs on one SM may store (split tail)."""
+    """Partial-tile values that ``config``'s programs on one SM may store (split
+    tail)."""
     return config.get("PROGRAMS_PER_SM", 1) * config["BLOCK_M"] * config["BLOCK_N"]
 
 
@@ -343,14 +378,22 @@ MOST_PER_SM = max(c.kwargs.get("PROGRAMS_PER_SM", 1) for c in TMA_CONFIGS)
 # K-major into one that is when the dot runs as tf32. torch's ``contiguous()`` moves a transposed
 # fp32 matrix at under a TB/s, so the copy is ours, ``row_major``: a program loads a tile along the
 # source's contiguous axis and stores it along the copy's rows, through shared memory, at a plain
-# copy's speed (``lab/linear_tf32_parts.py``).
+# copy's speed.
 
 
 # @save ops/matmul_hopper
 @lean
 @triton.jit
-def row_major_kernel(src_ptr, dst_ptr, R, C, src_stride_r, src_stride_c,
-        BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):  # fmt: skip
+def row_major_kernel(
+    src_ptr,
+    dst_ptr,
+    R,
+    C,
+    src_stride_r,
+    src_stride_c,
+    BLOCK_R: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+):
     rows = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
     cols = (tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)).to(tl.int64)
     mask = (rows < R)[:, None] & (cols < C)[None, :]
@@ -360,17 +403,25 @@ def row_major_kernel(src_ptr, dst_ptr, R, C, src_stride_r, src_stride_c,
 
 
 def row_major(t, block_r=64, block_c=64, num_warps=4):
-    """A row-major copy of the 2-D ``t``: a transpose in memory when ``t`` is column-major."""
+    """A row-major copy of the 2-D ``t``: a transpose in memory when ``t`` is
+    column-major."""
     out = torch.empty(t.shape, device=t.device, dtype=t.dtype)
     if out.numel():
         grid = (triton.cdiv(t.shape[0], block_r), triton.cdiv(t.shape[1], block_c))
-        row_major_kernel[grid](t, out, *t.shape, *t.stride(), BLOCK_R=block_r,
-                               BLOCK_C=block_c, num_warps=num_warps)  # fmt: skip
+        row_major_kernel[grid](
+            t,
+            out,
+            *t.shape,
+            *t.stride(),
+            BLOCK_R=block_r,
+            BLOCK_C=block_c,
+            num_warps=num_warps,
+        )
     return out
 
 
 def tma_scratch(size: int, alignment: int, stream):
-    """Scratch memory for descriptors made inside kernels: Triton asks for it at launch."""
+    """Scratch for descriptors made inside kernels: Triton asks for it at launch."""
     return torch.empty(size, device="cpu" if INTERPRET else "cuda", dtype=torch.int8)
 
 
@@ -418,15 +469,15 @@ def tma_operands(a, b):
 def matmul_tma(
     a, b, activation=None, *, bias=None, return_preactivation=False, config=None
 ):
-    """``activation(a @ b + bias)`` with the persistent descriptor kernel, autotuned unless
-    ``config`` (as for ``matmul_portable``) is given."""
+    """``activation(a @ b + bias)`` with the persistent descriptor kernel, autotuned
+    unless ``config`` (as for ``matmul_portable``) is given."""
     check_inputs(a, b, activation, bias)
     operands = tma_operands(a, b)
     if operands is None:
         raise ValueError(
-            "the descriptor kernel needs each operand contiguous along rows or columns, "
-            "other strides multiples of 16 bytes, and N * itemsize a multiple of 16 bytes: "
-            "call matmul(), which falls back to the portable kernel"
+            "the descriptor kernel needs each operand contiguous along rows or "
+            "columns, other strides multiples of 16 bytes, and N * itemsize a multiple "
+            "of 16 bytes: call matmul(), which falls back to the portable kernel"
         )
     return launch_tma(*operands, activation, bias, return_preactivation, config)
 
@@ -452,16 +503,30 @@ def launch_tma(
     partials = torch.empty(sms * scratch, device=a.device, dtype=torch.float32)
     kernel = matmul_tma_tuned if config is None else matmul_tma_kernel
     kernel[lambda meta: (programs(meta),)](
-        a, b, out, bias, pre, partials, zeroed(a.device, most), M, N, K,
+        a,
+        b,
+        out,
+        bias,
+        pre,
+        partials,
+        zeroed(a.device, most),
+        M,
+        N,
+        K,
         a.stride(1) if a_column_major else a.stride(0),
         b.stride(1) if b_column_major else b.stride(0),
         bias.stride(0) if bias is not None else 0,
-        A_COLUMN_MAJOR=a_column_major, B_COLUMN_MAJOR=b_column_major,
-        ACTIVATION=activation, HAS_BIAS=bias is not None,
-        STORE_PREACTIVATION=pre is not None, INPUT_PRECISION=dot_precision(a.dtype),
-        UPCAST=INTERPRET and a.dtype == torch.bfloat16, NUM_SMS=sms,
-        ACCUMULATE=accumulate is not None, **(config or {}),
-    )  # fmt: skip
+        A_COLUMN_MAJOR=a_column_major,
+        B_COLUMN_MAJOR=b_column_major,
+        ACTIVATION=activation,
+        HAS_BIAS=bias is not None,
+        STORE_PREACTIVATION=pre is not None,
+        INPUT_PRECISION=dot_precision(a.dtype),
+        UPCAST=INTERPRET and a.dtype == torch.bfloat16,
+        NUM_SMS=sms,
+        ACCUMULATE=accumulate is not None,
+        **(config or {}),
+    )
     return (out, pre) if return_preactivation else out
 
 
@@ -473,20 +538,16 @@ def launch_tma(
 # program has no loop over tiles to spread its setup over, and the recordings had the portable
 # kernel faster at every such size (chapter 04's benchmarks show both). fp8 always takes it.
 #
-# What the K-major copy is worth, measured on the H100 at 4,096³ for each order of A and B: in
-# fp16 the order hardly matters (the descriptor kernel as given runs 653 to 665 TFLOP/s in every
-# order). In fp32 as tf32 the kernel runs 319 TFLOP/s with A row-major and B column-major (both
-# K-major) and 60 to 163 in the three other orders; ``matmul``, which copies the operands
-# K-major first, runs 266 to 325 in every order, against cuBLAS's 259 to 370.
+# What the K-major copy is worth, on the H100 at 4,096³ for each order of A and B: in fp32 as
+# tf32 the kernel runs 319 TFLOP/s with both operands K-major and 60 to 163 in the three other
+# orders; ``matmul``, which copies them K-major first, runs 266 to 325 in every order, against
+# cuBLAS's 259 to 370. In fp16 the order hardly matters.
 #
 # What the split tail is worth, at 3,072³ in fp16 (288 tiles of 128 × 256 over 132 SMs leave a
 # last wave of 24): those tiles go from 525 TFLOP/s unsplit to 549 with the tail split in four,
-# just ahead of the best 128 × 128 tile (547), and still well behind cuBLAS's 722. The lab keeps
-# both measurements and their scripts (``lab/matmul_operand_order.log``,
-# ``lab/matmul_tail_split_halves.log``). The split stays behind cuBLAS because a share of 9 or 10
-# K steps pays the pipeline's start as a whole tile does, and the last share reads the others'
-# partial tiles before its epilogue; smaller tiles lose with it. The autotuner keeps whichever
-# is faster.
+# just ahead of the best 128 × 128 tile (547), and still well behind cuBLAS's 722. The split
+# stays behind because a share of 9 or 10 K steps pays the pipeline's start as a whole tile
+# does, and the last share reads the others' partial tiles before its epilogue.
 #
 # fp8
 # ---
@@ -548,7 +609,7 @@ fp8 = bench.Benchmark(
     unit="TFLOP/s",
     dtypes=(torch.float8_e4m3fn,),
     smoke_x=64,
-    headline_x=None,  # the summary below compares with torch._scaled_mm, not the fp16 line
+    headline_x=None,  # the lines below compare with torch._scaled_mm, not fp16
 )
 has_fp8 = tutorial.INTERPRET or torch.cuda.get_device_capability() >= (8, 9)
 fp8_results = bench.run(fp8) if has_fp8 else None
@@ -581,6 +642,9 @@ elif not has_fp8:
 # * Operand layout can matter more than the kernel: tf32 on Hopper wants K-major operands, and a
 #   copy is cheaper than the slow path, if the copy runs at copy speed.
 # * fp8 doubles the tensor-core rate again; compare it with an fp8 library call, not an fp16 one.
+#
+# The measurements behind these choices, and the variants that lost, are in ``lab/NOTES.md``
+# (its sections on matrix products).
 #
 # Exercises
 # ---------

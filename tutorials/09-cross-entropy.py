@@ -87,13 +87,17 @@ for vocabulary in (32_768, 50_257, 128_256):
 # Waiting needs the siblings running: programs start in the order of their ids, so a row's
 # parts, numbered next to each other, run together. Like chapter 02 we read the row ourselves
 # after ``MAX_POLLS`` tries, unless the gradient overwrites the logits (chapter 10), where a
-# sibling may have written its part; x_t is read first for that reason. A target outside
-# [0, V), not ``ignore_index``, gives its row NaN, never a finite loss (PyTorch asserts).
+# sibling may have written its part; x_t is read first for that reason. The interpreter runs
+# programs one at a time, so none can wait there: a row in parts writes its gradient to a
+# buffer of its own, then over the logits. A target outside [0, V), not ``ignore_index``,
+# stops the kernel at a ``tl.device_assert`` (compiled in by ``debug=True``), as PyTorch's loss
+# stops at its own: a check on the host would wait for the GPU.
 #
 # **Rows off the 16-byte grid.** With V = 50,257 in bf16, row r starts 100,514 r bytes in, on
 # a 16-byte boundary for one row in eight. Triton vectorizes an access only where it can prove
-# 16 bytes aligned and the mask constant over each 16-byte *group*: our first kernel's odd V
-# made every access 2 bytes wide. So we read a row from the group boundary before it
+# 16 bytes aligned and the mask constant over each 16-byte *group*: with an odd V, every
+# access of a row read from its start is 2 bytes wide. So we read a row from the group
+# boundary before it
 # (``row_span``): ``lead`` values of the previous row open the first group, the next row's
 # close the last. Reading them is harmless (a group never crosses a page); they become -inf in
 # the two parts that hold them. Writing them is not: the parts between store whole groups
@@ -136,8 +140,8 @@ def row_span(row, row_stride, n_cols, ALIGN: tl.constexpr, ALIGNED: tl.constexpr
 
 @triton.jit
 def arrive_and_wait(counter_ptr, n_parts, MAX_POLLS: tl.constexpr):
-    """Count this program in (its stores ordered before), then poll until all ``n_parts``
-    have counted, at most MAX_POLLS times. True if they all did."""
+    """Count this program in (its stores ordered before), then poll until all
+    ``n_parts`` have counted, at most MAX_POLLS times. True if they all did."""
     tl.debug_barrier()  # every thread of this program has stored
     arrived = tl.atomic_add(counter_ptr, 1, sem="acq_rel") + 1
     polls = 0
@@ -149,7 +153,7 @@ def arrive_and_wait(counter_ptr, n_parts, MAX_POLLS: tl.constexpr):
 
 @triton.jit
 def combine_parts(part_stats, n_parts, PARTS_POW2: tl.constexpr):
-    """The row's maximum, sum of exp(x - maximum) and sum of x from its parts' triples."""
+    """The row's max, sum of exp(x - max) and sum of x, from its parts' triples."""
     parts = tl.arange(0, PARTS_POW2)
     present = parts < n_parts
     maxima = tl.load(part_stats + parts, present, -float("inf"), volatile=True)
@@ -182,17 +186,37 @@ def online_row_statistics(x_row, n_cols, BLOCK_N: tl.constexpr):
 @lean
 @triton.jit
 def cross_entropy_kernel(
-    logits_ptr, target_ptr, grad_ptr, loss_ptr, scale_ptr, stats_ptr, counter_ptr,
-    n_cols, n_parts, row_stride, scale_stride, ignore_index, smoothing,
-    PART: tl.constexpr, PARTS_POW2: tl.constexpr, SMOOTH: tl.constexpr,
-    WRITE_GRAD: tl.constexpr, HAS_SCALE: tl.constexpr, ALIGN: tl.constexpr,
-    ALIGNED: tl.constexpr, MAX_POLLS: tl.constexpr,
-):  # fmt: skip
+    logits_ptr,
+    target_ptr,
+    grad_ptr,
+    loss_ptr,
+    scale_ptr,
+    stats_ptr,
+    counter_ptr,
+    n_cols,
+    n_parts,
+    row_stride,
+    scale_stride,
+    ignore_index,
+    smoothing,
+    PART: tl.constexpr,
+    PARTS_POW2: tl.constexpr,
+    SMOOTH: tl.constexpr,
+    WRITE_GRAD: tl.constexpr,
+    HAS_SCALE: tl.constexpr,
+    ALIGN: tl.constexpr,
+    ALIGNED: tl.constexpr,
+    MAX_POLLS: tl.constexpr,
+):
     row, part = tl.program_id(0) // n_parts, tl.program_id(0) % n_parts
     span, lead, last, padded = row_span(row, row_stride, n_cols, ALIGN, ALIGNED)
     offsets = part * PART + tl.arange(0, PART)  # from the row's first group
-    x = tl.load(logits_ptr + span + offsets, offsets < padded, -float("inf"),
-                eviction_policy="evict_first").to(tl.float32)  # fmt: skip
+    x = tl.load(
+        logits_ptr + span + offsets,
+        offsets < padded,
+        -float("inf"),
+        eviction_policy="evict_first",
+    ).to(tl.float32)
     in_row = (offsets >= lead) & (offsets < n_cols + lead)
     edge = part == 0  # a part holding a group shared with a neighbouring row
     if not ALIGNED:
@@ -201,6 +225,7 @@ def cross_entropy_kernel(
             x = tl.where(in_row, x, -float("inf"))
     target = tl.load(target_ptr + row).to(tl.int64)
     in_range = (target >= 0) & (target < n_cols)
+    tl.device_assert(in_range | (target == ignore_index), "target outside [0, V)")
     # x_t before any program of the row writes its gradient, maybe over the logits
     x_target = tl.load(logits_ptr + span + lead + target, in_range, 0.0).to(tl.float32)
     part_max = tl.max(x, axis=0)
@@ -281,13 +306,14 @@ def cross_entropy_kernel(
 #
 # The gradient buffer is new, never X (the caller or autograd may still need X), with X's
 # strides and 16-byte phase, so that their rows share groups. Launch rules: the fastest of a
-# sweep on the H100 (``lab/cross_entropy_parts.py``). Offsets are 64-bit.
+# sweep on the H100 over values a program, warps and register caps. Offsets are 64-bit.
 
 # @save ops/cross_entropy
 SCALE_BLOCK, SCALE_PROGRAMS_PER_SM = 4096, 4
 REDUCTIONS = ("mean", "sum", "none")
 MAX_POLLS = 100_000 if ON_GPU else 2  # tries before a program reads the row itself
 WAIT = 2**31 - 1 if ON_GPU else 2  # in place: wait as long as it takes
+ASSERTS = {"debug": True, "sanitize_overflow": False}  # asserts in, overflow checks out
 
 
 @lean
@@ -333,7 +359,7 @@ def default_launch(n_values: int, element_size: int, write_grad: bool, aligned: 
 
 
 def rows_aligned(t: torch.Tensor, align: int) -> bool:
-    """Does every row of ``t`` start and end on a 16-byte boundary (``align`` values)?"""
+    """Do the rows of ``t`` start and end on 16-byte boundaries (``align`` values)?"""
     return t.data_ptr() % 16 == 0 and t.stride(0) % align == t.shape[1] % align == 0
 
 
@@ -348,8 +374,9 @@ def empty_rows_like(t: torch.Tensor) -> torch.Tensor:
 
 
 def loss_rows(logits, target, options, grad=None, scale=None, launch=None):
-    """The loss of each row, fp32. Writes the gradient into ``grad`` if given (laid out as
-    ``logits``, or ``logits`` itself: in place), times ``scale``: one value or one per row."""
+    """The loss of each row, fp32. Writes the gradient into ``grad`` if given (laid out
+    as ``logits``, or ``logits`` itself: in place), times ``scale``: one value or one
+    per row."""
     n_rows, n_cols = logits.shape
     losses = torch.empty(n_rows, device=logits.device, dtype=torch.float32)
     if n_rows == 0:
@@ -366,22 +393,48 @@ def loss_rows(logits, target, options, grad=None, scale=None, launch=None):
     if n_parts > 1:
         stats = torch.empty(n_rows, 3, parts_pow2, device=logits.device)
         counters = torch.zeros(n_rows, device=logits.device, dtype=torch.int32)
+    in_place = grad is logits
+    if in_place and n_parts > 1 and not ON_GPU:
+        # The interpreter runs a grid's programs one at a time: none can wait for a sibling
+        # yet to run, and its way out would read parts the siblings before it have already
+        # overwritten. So the gradient goes to a buffer of its own, then over the logits.
+        grad = empty_rows_like(logits)
     has_scale = scale is not None
     scale = scale if has_scale else losses
     with quiet():
         cross_entropy_kernel[(n_rows * n_parts,)](
-            logits, target, logits if grad is None else grad, losses, scale, stats,
-            counters, n_cols, n_parts, logits.stride(0), scale.stride(0) if scale.dim() else 0,
-            options.ignore_index, options.smoothing, PART=part, PARTS_POW2=parts_pow2,
-            SMOOTH=options.smoothing > 0, WRITE_GRAD=write_grad, HAS_SCALE=has_scale,
-            ALIGN=align, ALIGNED=aligned, MAX_POLLS=WAIT if grad is logits else MAX_POLLS,
-            num_warps=launch.num_warps, maxnreg=launch.max_registers,
-        )  # fmt: skip
+            logits,
+            target,
+            logits if grad is None else grad,
+            losses,
+            scale,
+            stats,
+            counters,
+            n_cols,
+            n_parts,
+            logits.stride(0),
+            scale.stride(0) if scale.dim() else 0,
+            options.ignore_index,
+            options.smoothing,
+            PART=part,
+            PARTS_POW2=parts_pow2,
+            SMOOTH=options.smoothing > 0,
+            WRITE_GRAD=write_grad,
+            HAS_SCALE=has_scale,
+            ALIGN=align,
+            ALIGNED=aligned,
+            MAX_POLLS=WAIT if grad is logits else MAX_POLLS,
+            num_warps=launch.num_warps,
+            maxnreg=launch.max_registers,
+            **ASSERTS,
+        )
+    if in_place and grad is not logits:
+        logits.copy_(grad)
     return losses
 
 
 def scale_unless_one(tensor, factor):
-    """``tensor *= factor`` in place, skipped on the GPU (no synchronization) when it is 1."""
+    """``tensor *= factor`` in place; skipped on the GPU (no synchronization) if 1."""
     flat = tensor  # a gradient laid out as strided logits: with the gaps nobody reads
     if not tensor.is_contiguous():
         if tensor.stride(-1) != 1:  # not rows with gaps between them: torch's multiply
@@ -389,8 +442,12 @@ def scale_unless_one(tensor, factor):
         span = tensor.stride(0) * (len(tensor) - 1) + tensor.shape[1]
         flat = tensor.as_strided((span,), (1,))
     if flat.numel():
-        grid = (min(triton.cdiv(flat.numel(), SCALE_BLOCK),
-                    SCALE_PROGRAMS_PER_SM * sm_count()),)  # fmt: skip
+        grid = (
+            min(
+                triton.cdiv(flat.numel(), SCALE_BLOCK),
+                SCALE_PROGRAMS_PER_SM * sm_count(),
+            ),
+        )
         scale_unless_one_kernel[grid](flat, factor, flat.numel(), BLOCK=SCALE_BLOCK)
     return tensor
 
@@ -431,9 +488,9 @@ class CrossEntropyFunction(torch.autograd.Function):
         return grad, None, None
 
 
-def check_target(target, n_rows, ignore_index, label_smoothing, reduction) -> Options:
+def check_target(target, shape, ignore_index, label_smoothing, reduction) -> Options:
     checked = cross_entropy_arguments(
-        target, n_rows, ignore_index, label_smoothing, reduction, REDUCTIONS
+        target, *shape, ignore_index, label_smoothing, reduction, REDUCTIONS
     )
     return Options(*checked, reduction)
 
@@ -443,15 +500,17 @@ def cross_entropy(
 ):
     """``torch.nn.functional.cross_entropy`` for (tokens, vocabulary) logits in fp32, fp16 or
     bf16 and integer targets, computed in fp32, with autograd; no class weights (options by
-    keyword). A target outside [0, V) that is not ``ignore_index`` gives NaN for its row."""
+    keyword). A target outside [0, V), not ``ignore_index``: a ValueError for CPU tensors; on
+    a GPU a device-side assert, as PyTorch's, after which CUDA fails in this process."""
     check_tensor(logits, "logits", FLOAT_DTYPES)
     if logits.dim() != 2 or logits.shape[1] == 0:
         raise ValueError(
-            f"logits must be (tokens, vocabulary >= 1), got {tuple(logits.shape)}: flatten "
-            "with logits.reshape(-1, logits.shape[-1]) ((N, C, d1, ...): move C last first)"
+            f"logits must be (tokens, vocabulary >= 1), got {tuple(logits.shape)}: "
+            "flatten with logits.reshape(-1, logits.shape[-1]) ((N, C, d1, ...): "
+            "move C last first)"
         )
     options = check_target(
-        target, len(logits), ignore_index, label_smoothing, reduction
+        target, logits.shape, ignore_index, label_smoothing, reduction
     )
     logits, target = as_rows(logits), target.contiguous()
     if logits.stride(0) < logits.shape[1]:  # rows share memory: so would the gradient's
@@ -467,8 +526,8 @@ def cross_entropy(
 # -----------
 # ``check_cross_entropy.check`` compares loss and gradient with ``F.cross_entropy`` in fp64, within
 # a rounding of the dtype: rows of several parts and off the 16-byte grid (a strided slice),
-# smoothing with ignored rows, every reduction, large logits. Then what we do where torch stops (a
-# target out of range gives NaN) and errors that say what to do.
+# smoothing with ignored rows, every reduction, large logits. Then errors that say what to do: a
+# target out of range among them on the CPU (on a GPU it stops the kernel, and CUDA with it).
 
 
 def logits_off_the_grid(n_rows, n_cols, dtype, scale=1.0):
@@ -480,26 +539,36 @@ n_rows, n_cols = bench.choose(gpu=(257, 128_256), cpu=(3, 50_257))
 for dtype in (torch.float32, torch.bfloat16, torch.float16):
     for reduction, smoothing in (("mean", 0.0), ("sum", 0.1), ("none", 0.2)):
         check_cross_entropy.check(
-            cross_entropy, logits_off_the_grid(n_rows, n_cols, dtype),
+            cross_entropy,
+            logits_off_the_grid(n_rows, n_cols, dtype),
             check_cross_entropy.targets(n_rows, n_cols, DEVICE),
-            reduction=reduction, label_smoothing=smoothing,
-        )  # fmt: skip
+            reduction=reduction,
+            label_smoothing=smoothing,
+        )
 large = logits_off_the_grid(5, n_cols, torch.float32, scale=1000.0)
 # exp(x - m) starts from x - m in fp32: its error grows with |x|, 2^-23 |x| at most
-check_cross_entropy.check(cross_entropy, large, check_cross_entropy.targets(5, n_cols, DEVICE),
-                          grad_atol=2**-23 * large.abs().max().item())  # fmt: skip
+check_cross_entropy.check(
+    cross_entropy,
+    large,
+    check_cross_entropy.targets(5, n_cols, DEVICE),
+    grad_atol=2**-23 * large.abs().max().item(),
+)
 print(f"cross_entropy matches PyTorch: V = {n_cols:,}, 3 dtypes, 3 reductions")
-bad_target = torch.tensor([1, 7, -100, -3], device=DEVICE)
-print("targets 1, 7 (of V = 5), ignored, -3:",
-      cross_entropy(torch.zeros(4, 5, device=DEVICE), bad_target, reduction="none"))  # fmt: skip
 zeros = lambda *shape, dtype=None: torch.zeros(*shape, device=DEVICE, dtype=dtype)
-tutorial.show_refusals("cross_entropy()", {
+bad_calls = {
     "float target": lambda: cross_entropy(zeros(2, 5), zeros(2)),
     "3-D logits": lambda: cross_entropy(zeros(2, 3, 5), zeros(2, 3, dtype=torch.long)),
-    "wrong target shape": lambda: cross_entropy(zeros(2, 5), zeros(3, dtype=torch.long)),
-    "int8 logits": lambda: cross_entropy(zeros(2, 5, dtype=torch.int8), zeros(2).long()),
+    "wrong target shape": lambda: cross_entropy(
+        zeros(2, 5), zeros(3, dtype=torch.long)
+    ),
+    "int8 logits": lambda: cross_entropy(
+        zeros(2, 5, dtype=torch.int8), zeros(2).long()
+    ),
     "reduction": lambda: cross_entropy(zeros(2, 5), zeros(2).long(), reduction="avg"),
-})  # fmt: skip
+}
+if not tutorial.ON_GPU:
+    bad_calls["target 7 of 5"] = lambda: cross_entropy(zeros(2, 5), zeros(2).long() + 7)
+tutorial.show_refusals("cross_entropy()", bad_calls)
 
 # %%
 # Benchmarks
@@ -519,7 +588,8 @@ except ImportError:
 PEERS = ["torch", "torch.compile"] + (["liger_kernel"] if LigerCrossEntropyLoss else [])
 TOKENS = bench.choose(gpu=8192, cpu=16)
 VOCABULARIES = [16_384, 32_768, 50_257, 65_536, 131_072]
-TWO_PASSES = "cross-entropy-forward-backward-two-passes"  # our first kernel's recording
+# Recorded for comparison: a program a row, the gradient from a second pass over the row
+TWO_PASSES = "cross-entropy-forward-backward-two-passes"
 
 
 def make_loss_call(provider, n_cols, dtype, backward=True):
@@ -536,14 +606,20 @@ def make_loss_call(provider, n_cols, dtype, backward=True):
 
 def loss_benchmark(name, backward, unit="GB/s"):
     passes = 2 if backward else 1
+    copy = [bench.COPY_PROVIDER] if unit == "GB/s" else []
     return bench.Benchmark(
-        name=name, x_name="V (vocabulary), 8,192 tokens", x_values=VOCABULARIES,  # on a GPU
-        providers=["triton", *PEERS] + ([bench.COPY_PROVIDER] if unit == "GB/s" else []),
+        name=name,
+        x_name="V (vocabulary), 8,192 tokens",
+        x_values=VOCABULARIES,  # on a GPU
+        providers=["triton", *PEERS, *copy],
         make=lambda p, n, dtype: make_loss_call(p, n, dtype, backward),
-        work=lambda n, dtype: passes * TOKENS * n * dtype.itemsize, unit=unit,
+        work=lambda n, dtype: passes * TOKENS * n * dtype.itemsize,
+        unit=unit,
         dtypes=(torch.bfloat16,) if unit != "GB/s" else (torch.bfloat16, torch.float32),
-        smoke_x=1000, headline_x=131_072, uncapturable=("liger_kernel",),
-    )  # fmt: skip
+        smoke_x=1000,
+        headline_x=131_072,
+        uncapturable=("liger_kernel",),
+    )
 
 
 loss_results = {}
@@ -558,11 +634,12 @@ for name, backward, unit in (
 shown = [(name, loss_results[name]) for name in list(loss_results)[:2]]
 if first := bench.load_recorded(TWO_PASSES):
     old = bench.Results(loss_benchmark(TWO_PASSES, True), *first, live=False)
-    shown.append(("our first kernel, two passes, forward-backward", old))
+    shown.append(("two passes over each row, forward-backward", old))
 for name, results in shown:
     if results:
         lines = results.standing("triton", bench.COPY_PROVIDER)
-        print(f"{name}, {results.how}:\n  " + "\n  ".join(lines))
+        print(f"{name}, against every peer and a copy, {results.how}:")
+        print("  " + "\n  ".join(lines))
 if both := loss_results["cross-entropy-forward-backward"]:
     for x in (16_384, 32_768):
         print(both.as_called("triton", "torch", x, "bfloat16"))
@@ -571,14 +648,15 @@ if memory := loss_results["cross-entropy-memory"]:
     print("Beyond the inputs, V = 131,072 bf16, GiB:", *map(at, memory.providers()))
 
 # %%
-# Holding the row pays most in bf16, where our first kernel (a program per row, the gradient
-# from a second pass that hoped to find the row in L2) ran at about half the copy. The loss
-# alone reads the logits once and waits for nobody. With the gradient, rows that fit one
-# program come closest to the copy; rows of several parts lose to waiting, bf16 most (its
-# parts hold half the bytes for the same wait). GPU time counts the whole call, the small
-# operations around our kernel too. Called from Python, our call costs about twice torch's CPU
-# time (five small torch operations, autograd), more than its GPU time at V <= 32,768. Memory:
-# one logits-sized buffer, as ``torch.compile``; Liger-Kernel overwrites the caller's logits.
+# Holding the row pays most in bf16: read twice (a program per row, the gradient from a second
+# pass that hopes to find the row in L2), the forward-backward reaches half the copy at best
+# (the "two passes" lines). The loss alone reads the logits once and waits for nobody. With
+# the gradient, rows that fit one program come closest to the copy; rows of several parts lose
+# to waiting, bf16 most (its parts hold half the bytes for the same wait). GPU time counts the
+# whole call, the small operations around our kernel too. Called from Python, our call costs
+# about twice torch's CPU time (five small torch operations, autograd), more than its GPU time
+# at V <= 32,768. Memory: one logits-sized buffer, as ``torch.compile``; Liger-Kernel
+# overwrites the caller's logits.
 #
 # What we learned
 # ---------------
@@ -588,6 +666,9 @@ if memory := loss_results["cross-entropy-memory"]:
 # * Accesses are 16 bytes wide only where the compiler can prove it: read rows off the grid
 #   from the group before them, and keep the stores off the neighbours' values.
 # * Autograd owns what we return: hand a buffer over once, recompute for a second backward.
+#
+# The sweep behind the launch rules is ``lab/cross_entropy_parts.py``; ``lab/NOTES.md`` has
+# the rest of the measurements behind this chapter.
 #
 # Exercises
 # ---------

@@ -72,10 +72,12 @@ def chunk_rows(n_rows: int, n_cols: int, itemsize: int, chunk_tokens=None) -> in
     return max(1, min(n_rows, chunk_tokens))
 
 
-def linear_loss_pass(x, weight, bias, target, options, needs, chunk_tokens=None,
-                     grad_scale=None):  # fmt: skip
-    """One pass over chunks of tokens: the loss per row, and the gradients that ``needs``
-    asks for (of x, weight, bias) times ``grad_scale``: None (1), one value or one per row."""
+def linear_loss_pass(
+    x, weight, bias, target, options, needs, chunk_tokens=None, grad_scale=None
+):
+    """One pass over chunks of tokens: the loss per row, and the gradients that
+    ``needs`` asks for (of x, weight, bias) times ``grad_scale``: None (1), one value or
+    one per row."""
     n_rows, n_cols = x.shape[0], weight.shape[0]
     chunk = chunk_rows(n_rows, n_cols, x.element_size(), chunk_tokens)
     grad_x = torch.empty(x.shape, device=x.device, dtype=x.dtype) if needs[0] else None
@@ -114,9 +116,15 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         early = options.reduction != "none"  # the gradients now, as for cross_entropy
         scale = None if count is None else count.reciprocal()
         losses, grads = linear_loss_pass(
-            x, weight, bias, target, options, needs if early else (False,) * 3,
-            chunk_tokens, grad_scale=scale,
-        )  # fmt: skip
+            x,
+            weight,
+            bias,
+            target,
+            options,
+            needs if early else (False,) * 3,
+            chunk_tokens,
+            grad_scale=scale,
+        )
         ctx.save_for_backward(x, weight, bias, target, count)
         ctx.options, ctx.chunk_tokens, ctx.grads = options, chunk_tokens, grads
         ctx.early = early
@@ -134,17 +142,34 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         x, weight, bias, target, count = ctx.saved_tensors
         row_scale = (grad_loss if count is None else grad_loss / count).float()
         _, grads = linear_loss_pass(
-            x, weight, bias, target, ctx.options, ctx.needs_input_grad[:3],
-            ctx.chunk_tokens, grad_scale=row_scale,
-        )  # fmt: skip
+            x,
+            weight,
+            bias,
+            target,
+            ctx.options,
+            ctx.needs_input_grad[:3],
+            ctx.chunk_tokens,
+            grad_scale=row_scale,
+        )
         return *grads, *none
 
 
-def linear_cross_entropy(x, weight, target, bias=None, *, ignore_index=-100,
-                         label_smoothing=0.0, reduction="mean", chunk_tokens=None):  # fmt: skip
+def linear_cross_entropy(
+    x,
+    weight,
+    target,
+    bias=None,
+    *,
+    ignore_index=-100,
+    label_smoothing=0.0,
+    reduction="mean",
+    chunk_tokens=None,
+):
     """``cross_entropy(x @ weight.T + bias, target)`` for x (tokens, hidden) and weight
     (vocabulary, hidden) of one dtype, with autograd, never holding more than
-    ``chunk_tokens`` rows of logits (default: 256 MiB of them)."""
+    ``chunk_tokens`` rows of logits (default: 256 MiB of them). A target outside [0, V)
+    that is not ``ignore_index`` is an error, as for ``cross_entropy``: a ValueError for CPU
+    tensors, a device-side assert on a GPU."""
     check_tensor(x, "x", FLOAT_DTYPES)
     check_tensor(weight, "weight", FLOAT_DTYPES)
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
@@ -153,19 +178,25 @@ def linear_cross_entropy(x, weight, target, bias=None, *, ignore_index=-100,
             f"{tuple(x.shape)} and weight {tuple(weight.shape)}: flatten x with "
             "x.reshape(-1, x.shape[-1])"
         )
-    if weight.shape[0] == 0 or x.dtype != weight.dtype:
-        raise ValueError(f"weight needs at least one row and x's dtype, got "
-                         f"{tuple(weight.shape)} {weight.dtype}; x is {x.dtype}")  # fmt: skip
+    if weight.shape[0] == 0:
+        raise ValueError(f"weight needs at least one row, got {tuple(weight.shape)}")
+    if x.dtype != weight.dtype:
+        raise TypeError(
+            f"weight is {weight.dtype} but x is {x.dtype}: one dtype for both, "
+            "convert one with .to(...)"
+        )
     if bias is not None:
         check_tensor(bias, "bias", (x.dtype,))
         if bias.shape != weight.shape[:1]:
-            raise ValueError(f"bias must have shape ({weight.shape[0]},), got "
-                             f"{tuple(bias.shape)}")  # fmt: skip
-    if chunk_tokens is not None and (type(chunk_tokens) is not int or chunk_tokens < 1):
-        raise ValueError(
-            f"chunk_tokens must be an int of at least 1, got {chunk_tokens!r}"
-        )
-    options = check_target(target, x.shape[0], ignore_index, label_smoothing, reduction)
+            raise ValueError(
+                f"bias must have shape ({weight.shape[0]},), got {tuple(bias.shape)}"
+            )
+    if chunk_tokens is not None and type(chunk_tokens) is not int:
+        raise TypeError(f"chunk_tokens must be an int or None, got {chunk_tokens!r}")
+    if chunk_tokens is not None and chunk_tokens < 1:
+        raise ValueError(f"chunk_tokens must be at least 1, got {chunk_tokens}")
+    shape = (x.shape[0], weight.shape[0])  # the logits'
+    options = check_target(target, shape, ignore_index, label_smoothing, reduction)
     return LinearCrossEntropyFunction.apply(
         x, weight, bias, target.contiguous(), options, chunk_tokens
     )
@@ -177,8 +208,10 @@ def linear_cross_entropy(x, weight, target, bias=None, *, ignore_index=-100,
 
 
 def check_linear_loss(n_rows, hidden, n_cols, dtype, reduction="mean", smoothing=0.0):
-    x, weight, bias = (torch.randn(*shape, device=DEVICE).to(dtype) / hidden**0.25
-                       for shape in ((n_rows, hidden), (n_cols, hidden), (n_cols,)))  # fmt: skip
+    x, weight, bias = (
+        torch.randn(*shape, device=DEVICE).to(dtype) / hidden**0.25
+        for shape in ((n_rows, hidden), (n_cols, hidden), (n_cols,))
+    )
     target = torch.randint(0, n_cols, (n_rows,), device=DEVICE)
     target[1::4] = -100
     options = dict(label_smoothing=smoothing, reduction=reduction)
@@ -227,7 +260,8 @@ except ImportError:
 PROVIDERS = ["triton", "torch", "torch.compile"]
 PROVIDERS += ["liger_kernel"] if LigerFusedLinearCrossEntropyLoss else []
 HIDDEN, VOCABULARY = bench.choose(gpu=(4096, 128_256), cpu=(64, 300))
-TOKENS = bench.choose(gpu=[4096, 8192, 16_384], cpu=[32])
+GPU_TOKENS = [4096, 8192, 16_384]  # measured on a GPU, and recorded
+TOKENS = bench.choose(gpu=GPU_TOKENS, cpu=[32])
 CHUNKS = [256, 512, 1024, 2048, 4096]
 
 
@@ -255,17 +289,27 @@ def make_head_call(provider, tokens, dtype, chunk_tokens=None):
 
 
 def head_benchmark(name, unit="TFLOP/s", chunks=False):
+    """The head by tokens; with ``chunks``, ours by chunk size at the most tokens."""
     tokens = TOKENS[-1]
+    if chunks:
+        make = lambda p, chunk, dtype: make_head_call(p, tokens, dtype, chunk)
+        work = lambda chunk, dtype: 6 * tokens * HIDDEN * VOCABULARY
+    else:
+        make = make_head_call
+        work = lambda n, dtype: 6 * n * HIDDEN * VOCABULARY
     return bench.Benchmark(
-        name=name, x_values=CHUNKS if chunks else TOKENS, unit=unit,
+        name=name,
         x_name="tokens per chunk, 16,384 tokens" if chunks else "tokens",  # on a GPU
+        x_values=CHUNKS if chunks else TOKENS,
         providers=["triton"] if chunks else PROVIDERS,
-        make=(lambda p, c, dtype: make_head_call(p, tokens, dtype, c)) if chunks
-        else make_head_call,
-        work=lambda n, dtype: 6 * (tokens if chunks else n) * HIDDEN * VOCABULARY,
-        dtypes=(torch.bfloat16,), smoke_x=8 if chunks else TOKENS[0],
-        headline_x=1024 if chunks else TOKENS[-1], uncapturable=("liger_kernel",),
-    )  # fmt: skip
+        make=make,
+        work=work,
+        unit=unit,
+        dtypes=(torch.bfloat16,),
+        smoke_x=8 if chunks else TOKENS[0],
+        headline_x=1024 if chunks else GPU_TOKENS[-1],  # a recorded size
+        uncapturable=("liger_kernel",),
+    )
 
 
 head_results = {}
@@ -279,9 +323,10 @@ for name, unit, chunks in (
 
 def show(results):
     for x in sorted({p.x for p in results.points}):  # the recorded sizes
-        shown = ", ".join(f"{p} {results.value(p, x, 'bfloat16'):,.2f}"
-                          for p in results.providers())  # fmt: skip
-        print(f"  {x:,.0f}: {shown}")
+        values = [
+            f"{p} {results.value(p, x, 'bfloat16'):,.2f}" for p in results.providers()
+        ]
+        print(f"  {x:,.0f}: " + ", ".join(values))
 
 
 for name, results in head_results.items():
@@ -291,7 +336,8 @@ for name, results in head_results.items():
         )
         show(results)
 if timed := head_results["linear-cross-entropy"]:
-    print("GPU time:", *timed.standing("triton"))
+    print("linear-cross-entropy, GPU time, ours against every peer:")
+    print("  " + "\n  ".join(timed.standing("triton")))
 
 # %%
 # We are ahead of eager PyTorch at every size, and of Liger-Kernel's fused version, slowest

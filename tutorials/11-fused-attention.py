@@ -71,14 +71,21 @@ for n in (1024, 4096, 16384):
 #   (B, H, N, D) tensor to the TMA unit (chapter 07), which copies [1, 1, BLOCK, D] tiles to
 #   shared memory while the warps compute, reads past the edges as zeros and drops them on a
 #   store: ragged lengths and head dims such as 80 need no masks. It wants the last dimension
-#   contiguous and the other strides multiples of 16 bytes. We make it on the host: made in
-#   the kernel (``tl.make_tensor_descriptor``, as chapter 07 does), every program builds its
-#   own, which cost up to 30% of the forward at N = 512 in our sweep.
+#   contiguous and the other strides multiples of 16 bytes. We make it once, on the host:
+#   made in the kernel (``tl.make_tensor_descriptor``, as chapter 07 does), every program
+#   would build its own, which cost up to 30% of the forward's time at N = 512 on the H100.
+#
+# The helpers that walk blocks (``attend`` here, two more in the backward) take their
+# arguments in groups, each a tuple: what they update (``state``), the block the program
+# owns, the other side's descriptors with its (batch, head) and length, and the launch's
+# compile-time choices as one ``Tiling``. Triton inlines them: the compiled kernel is the
+# one a helper of sixteen loose arguments gave, instruction for instruction.
 
 # @save ops/attention
 from dataclasses import dataclass
 import functools
 import math
+from typing import NamedTuple
 
 from stepkernels.ops.attention_launches import fit_to_device  # each GPU's shared memory
 from stepkernels.runtime.arguments import is_number
@@ -100,6 +107,15 @@ LOG2E = 1.4426950408889634  # exp(x) = exp2(x log2 e)
 UPCAST = tl.constexpr(INTERPRET)
 
 
+class Tiling(NamedTuple):
+    """A launch's compile-time choices, for the helpers that walk the other side's
+    blocks (keys; queries in the dK, dV kernel)."""
+
+    BLOCK: tl.constexpr  # rows of a walked block
+    CAUSAL: tl.constexpr
+    PRECISION: tl.constexpr  # of tl.dot: "ieee", or "tf32" for fp32
+
+
 @triton.jit
 def load_tile(heads, batch, head, row):
     """The tile of ``heads`` (a descriptor of a (B, H, N, D) tensor) at ``row`` of one
@@ -116,18 +132,23 @@ def store_tile(heads, batch, head, row, tile):
 
 
 @triton.jit
-def attend(acc, row_sum, row_max, q, keys, values, batch, head, offs_m, lo, hi, n_kv,
-           scale_log2, BLOCK_N: tl.constexpr, MASK: tl.constexpr, CAUSAL: tl.constexpr,
-           PRECISION: tl.constexpr):  # fmt: skip
-    """The online softmax over keys [lo, hi). MASK: drop keys past n_kv and, if CAUSAL,
-    keys j > i, in the blocks that hold some."""
-    for start_n in tl.range(lo, hi, BLOCK_N):
+def attend(
+    state, block, key_side, lo, hi, scale_log2, MASK: tl.constexpr, TILING: tl.constexpr
+):
+    """The online softmax of a block of queries over the key blocks [lo, hi): ``state``
+    (acc, row sum, row max) updated. ``block``: the Q tile and its rows; ``key_side``:
+    the descriptors of K and V, the (batch, head) and the number of keys. MASK: drop
+    keys past the end and, if causal, keys j > i, in the blocks that hold some."""
+    acc, row_sum, row_max = state
+    q, offs_m = block
+    keys, values, batch, head, n_kv = key_side
+    for start_n in tl.range(lo, hi, TILING.BLOCK):
         k = load_tile(keys, batch, head, start_n)
-        scores = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+        scores = tl.dot(q, tl.trans(k), input_precision=TILING.PRECISION)
         if MASK:
-            offs_n = start_n + tl.arange(0, BLOCK_N)
+            offs_n = start_n + tl.arange(0, TILING.BLOCK)
             keep = offs_n[None, :] < n_kv
-            if CAUSAL:
+            if TILING.CAUSAL:
                 keep &= offs_n[None, :] <= offs_m[:, None]
             scores = tl.where(keep, scores, -float("inf"))
         new_max = tl.maximum(row_max, tl.max(scores, axis=1) * scale_log2)
@@ -135,7 +156,9 @@ def attend(acc, row_sum, row_max, q, keys, values, batch, head, offs_m, lo, hi, 
         alpha = tl.exp2(row_max - new_max)
         row_sum = row_sum * alpha + tl.sum(p, axis=1)
         v = load_tile(values, batch, head, start_n)
-        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PRECISION)
+        acc = tl.dot(
+            p.to(v.dtype), v, acc * alpha[:, None], input_precision=TILING.PRECISION
+        )
         row_max = new_max
     return acc, row_sum, row_max
 
@@ -153,25 +176,37 @@ def query_block(n_heads, BLOCK_M: tl.constexpr, CAUSAL: tl.constexpr):
 
 @triton.jit
 def attention_forward_kernel(
-    queries, keys, values, outputs, lse_ptr, n_heads, n_q, n_kv, scale_log2,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-    CAUSAL: tl.constexpr, PRECISION: tl.constexpr,
-):  # fmt: skip
+    queries,  # descriptors of (B, H, N, D) tensors: Q, K, V and the output O
+    keys,
+    values,
+    outputs,
+    lse_ptr,  # (B x H, n_q) fp32: the log-sum-exp of each row, for the backward
+    n_heads,
+    n_q,
+    n_kv,
+    scale_log2,  # softmax scale x log2(e)
+    BLOCK_M: tl.constexpr,  # queries a program
+    BLOCK_N: tl.constexpr,  # keys a step
+    HEAD_DIM: tl.constexpr,  # D padded to a power of two
+    CAUSAL: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
     start_m, bh, batch, head, offs_m = query_block(n_heads, BLOCK_M, CAUSAL)
     q = load_tile(queries, batch, head, start_m)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     row_sum = tl.zeros([BLOCK_M], tl.float32)
     row_max = tl.full([BLOCK_M], -float("inf"), tl.float32)
+    state, block = (acc, row_sum, row_max), (q, offs_m)
+    key_side = (keys, values, batch, head, n_kv)
+    TILING: tl.constexpr = Tiling(BLOCK_N, CAUSAL, PRECISION)
     # Whole key blocks no row of ours masks, then the diagonal and the ragged end, masked.
     whole = n_kv // BLOCK_N * BLOCK_N
     end = tl.minimum(start_m // BLOCK_N * BLOCK_N, whole) if CAUSAL else whole
     hi = tl.minimum(start_m + BLOCK_M, n_kv) if CAUSAL else n_kv
-    acc, row_sum, row_max = attend(acc, row_sum, row_max, q, keys, values, batch, head,
-                                   offs_m, 0, end, n_kv, scale_log2, BLOCK_N, False,
-                                   CAUSAL, PRECISION)  # fmt: skip
-    acc, row_sum, row_max = attend(acc, row_sum, row_max, q, keys, values, batch, head,
-                                   offs_m, end, hi, n_kv, scale_log2, BLOCK_N, True,
-                                   CAUSAL, PRECISION)  # fmt: skip
+    state = attend(state, block, key_side, 0, end, scale_log2, False, TILING)
+    acc, row_sum, row_max = attend(
+        state, block, key_side, end, hi, scale_log2, True, TILING
+    )
     store_tile(outputs, batch, head, start_m, acc / row_sum[:, None])
     lse = row_max + tl.log2(row_sum)  # base 2, of scaled scores
     tl.store(lse_ptr + bh.to(tl.int64) * n_q + offs_m, lse, offs_m < n_q)
@@ -196,34 +231,61 @@ def attention_forward_kernel(
 
 # @save ops/attention
 @triton.jit
-def key_block_grads(dk, dv, k, v, queries, grads, batch, head, lse_row, delta_row, offs_n,
-                    lo, hi, n_q, scale_log2, BLOCK_M: tl.constexpr, MASK: tl.constexpr,
-                    PRECISION: tl.constexpr):  # fmt: skip
-    """dK and dV of a key block over the query blocks [lo, hi), transposed: P is [keys,
-    queries]. Rows past n_q read as zeros (q, dO, L, δ) and add nothing. MASK: i < j."""
-    for start_m in tl.range(lo, hi, BLOCK_M):
-        offs_m = start_m + tl.arange(0, BLOCK_M)
+def key_block_grads(
+    state,
+    block,
+    query_side,
+    lo,
+    hi,
+    scale_log2,
+    MASK: tl.constexpr,
+    TILING: tl.constexpr,
+):
+    """dK and dV of a block of keys over the query blocks [lo, hi), transposed: P is
+    [keys, queries]. ``state``: (dK, dV); ``block``: the K and V tiles and their rows;
+    ``query_side``: the descriptors of Q and dO, L and δ of the head, the (batch, head)
+    and the number of queries. Rows past the end read as zeros (q, dO, L, δ) and add
+    nothing. MASK: i < j."""
+    dk, dv = state
+    k, v, offs_n = block
+    queries, grads, lse_row, delta_row, batch, head, n_q = query_side
+    for start_m in tl.range(lo, hi, TILING.BLOCK):
+        offs_m = start_m + tl.arange(0, TILING.BLOCK)
         q = load_tile(queries, batch, head, start_m)
         do = load_tile(grads, batch, head, start_m)
         lse = tl.load(lse_row + offs_m, offs_m < n_q, 0.0)
         delta = tl.load(delta_row + offs_m, offs_m < n_q, 0.0)
-        scores = tl.dot(k, tl.trans(q), input_precision=PRECISION)
+        scores = tl.dot(k, tl.trans(q), input_precision=TILING.PRECISION)
         p = tl.exp2(scores * scale_log2 - lse[None, :])
         if MASK:
             p = tl.where(offs_m[None, :] >= offs_n[:, None], p, 0.0)
-        dv = tl.dot(p.to(do.dtype), do, dv, input_precision=PRECISION)
-        dp = tl.dot(v, tl.trans(do), input_precision=PRECISION)
+        dv = tl.dot(p.to(do.dtype), do, dv, input_precision=TILING.PRECISION)
+        dp = tl.dot(v, tl.trans(do), input_precision=TILING.PRECISION)
         ds = p * (dp - delta[None, :])
-        dk = tl.dot(ds.to(q.dtype), q, dk, input_precision=PRECISION)
+        dk = tl.dot(ds.to(q.dtype), q, dk, input_precision=TILING.PRECISION)
     return dk, dv
 
 
 @triton.jit
 def attention_key_grads_kernel(
-    queries, keys, values, grads, key_grads, value_grads, lse_ptr, delta_ptr, n_heads, n_q,
-    scale_log2, sm_scale, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, PRECISION: tl.constexpr,
-):  # fmt: skip
+    queries,  # descriptors: Q, K, V, dO, and dK, dV written
+    keys,
+    values,
+    grads,
+    key_grads,
+    value_grads,
+    lse_ptr,  # (B x H, n_q) fp32: L from the forward, δ from the query programs
+    delta_ptr,
+    n_heads,
+    n_q,
+    scale_log2,  # softmax scale x log2(e)
+    sm_scale,
+    BLOCK_M: tl.constexpr,  # queries a step
+    BLOCK_N: tl.constexpr,  # keys a program
+    HEAD_DIM: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
     start_n, bh = tl.program_id(0) * BLOCK_N, tl.program_id(1)
     batch, head = bh // n_heads, bh % n_heads
     offs_n = start_n + tl.arange(0, BLOCK_N)
@@ -235,50 +297,72 @@ def attention_key_grads_kernel(
     delta_row = delta_ptr + bh.to(tl.int64) * n_q
     dk = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
     dv = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
+    state, block = (dk, dv), (k, v, offs_n)
+    query_side = (queries, grads, lse_row, delta_row, batch, head, n_q)
+    TILING: tl.constexpr = Tiling(BLOCK_M, CAUSAL, PRECISION)
     lo = 0
     if CAUSAL:  # queries i >= j only; those on the diagonal masked
         lo = start_n // BLOCK_M * BLOCK_M
         diagonal_end = tl.minimum(tl.cdiv(start_n + BLOCK_N, BLOCK_M) * BLOCK_M, n_q)
-        dk, dv = key_block_grads(dk, dv, k, v, queries, grads, batch, head, lse_row,
-                                 delta_row, offs_n, lo, diagonal_end, n_q, scale_log2,
-                                 BLOCK_M, True, PRECISION)  # fmt: skip
+        state = key_block_grads(
+            state, block, query_side, lo, diagonal_end, scale_log2, True, TILING
+        )
         lo = tl.maximum(diagonal_end, lo)
-    dk, dv = key_block_grads(dk, dv, k, v, queries, grads, batch, head, lse_row, delta_row,
-                             offs_n, lo, n_q, n_q, scale_log2, BLOCK_M, False,
-                             PRECISION)  # fmt: skip
+    dk, dv = key_block_grads(
+        state, block, query_side, lo, n_q, scale_log2, False, TILING
+    )
     store_tile(key_grads, batch, head, start_n, dk * sm_scale)
     store_tile(value_grads, batch, head, start_n, dv)
 
 
 @triton.jit
-def query_block_grad(dq, q, do, lse, delta, keys, values, batch, head, offs_m, lo, hi, n_kv,
-                     scale_log2, BLOCK_N: tl.constexpr, MASK: tl.constexpr,
-                     CAUSAL: tl.constexpr, PRECISION: tl.constexpr):  # fmt: skip
-    """dQ of a query block over the key blocks [lo, hi). MASK: as ``attend``'s. Keys past
-    n_kv read as zeros, but exp2(0 - lse) overflows for a row whose scores are all far below
+def query_block_grad(
+    dq, block, key_side, lo, hi, scale_log2, MASK: tl.constexpr, TILING: tl.constexpr
+):
+    """dQ of a block of queries over the key blocks [lo, hi). ``block``: the Q and dO
+    tiles, L, δ and the rows; ``key_side`` and MASK: as ``attend``'s. Keys past the end
+    read as zeros, but exp2(0 - lse) overflows for a row whose scores are all far below
     zero, and inf x 0 is NaN: they are masked too."""
-    for start_n in tl.range(lo, hi, BLOCK_N):
+    q, do, lse, delta, offs_m = block
+    keys, values, batch, head, n_kv = key_side
+    for start_n in tl.range(lo, hi, TILING.BLOCK):
         k = load_tile(keys, batch, head, start_n)
         v = load_tile(values, batch, head, start_n)
-        scores = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+        scores = tl.dot(q, tl.trans(k), input_precision=TILING.PRECISION)
         p = tl.exp2(scores * scale_log2 - lse[:, None])
         if MASK:
-            offs_n = start_n + tl.arange(0, BLOCK_N)
+            offs_n = start_n + tl.arange(0, TILING.BLOCK)
             keep = offs_n[None, :] < n_kv
-            if CAUSAL:
+            if TILING.CAUSAL:
                 keep &= offs_n[None, :] <= offs_m[:, None]
             p = tl.where(keep, p, 0.0)
-        ds = p * (tl.dot(do, tl.trans(v), input_precision=PRECISION) - delta[:, None])
-        dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=PRECISION)
+        dp = tl.dot(do, tl.trans(v), input_precision=TILING.PRECISION)
+        ds = p * (dp - delta[:, None])
+        dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=TILING.PRECISION)
     return dq
 
 
 @triton.jit
 def attention_query_grad_kernel(
-    queries, keys, values, outputs, grads, query_grads, lse_ptr, delta_ptr, n_heads, n_q,
-    n_kv, scale_log2, sm_scale, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, PRECISION: tl.constexpr,
-):  # fmt: skip
+    queries,  # descriptors: Q, K, V, O, dO, and dQ written
+    keys,
+    values,
+    outputs,
+    grads,
+    query_grads,
+    lse_ptr,  # (B x H, n_q) fp32: L from the forward; δ written for the key programs
+    delta_ptr,
+    n_heads,
+    n_q,
+    n_kv,
+    scale_log2,  # softmax scale x log2(e)
+    sm_scale,
+    BLOCK_M: tl.constexpr,  # queries a program
+    BLOCK_N: tl.constexpr,  # keys a step
+    HEAD_DIM: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
     start_m, bh, batch, head, offs_m = query_block(n_heads, BLOCK_M, CAUSAL)
     q, do = (
         load_tile(queries, batch, head, start_m),
@@ -292,18 +376,18 @@ def attention_query_grad_kernel(
     whole = n_kv // BLOCK_N * BLOCK_N  # the forward's blocks: whole, then masked
     end = tl.minimum(start_m // BLOCK_N * BLOCK_N, whole) if CAUSAL else whole
     hi = tl.minimum(start_m + BLOCK_M, n_kv) if CAUSAL else n_kv
-    dq = query_block_grad(dq, q, do, lse, delta, keys, values, batch, head, offs_m, 0, end,
-                          n_kv, scale_log2, BLOCK_N, False, CAUSAL, PRECISION)  # fmt: skip
-    dq = query_block_grad(dq, q, do, lse, delta, keys, values, batch, head, offs_m, end, hi,
-                          n_kv, scale_log2, BLOCK_N, True, CAUSAL, PRECISION)  # fmt: skip
+    block, key_side = (q, do, lse, delta, offs_m), (keys, values, batch, head, n_kv)
+    TILING: tl.constexpr = Tiling(BLOCK_N, CAUSAL, PRECISION)
+    dq = query_block_grad(dq, block, key_side, 0, end, scale_log2, False, TILING)
+    dq = query_block_grad(dq, block, key_side, end, hi, scale_log2, True, TILING)
     store_tile(query_grads, batch, head, start_m, dq * sm_scale)
 
 
 # %%
 # Launches, layouts and the autograd function
 # -------------------------------------------
-# Launch rules (blocks of queries x keys, warps, stages) come from a sweep on the H100,
-# ``lab/attention_sweep.py``, its log beside the results. A tensor no descriptor
+# Launch rules (blocks of queries x keys, warps, stages) are the fastest of a sweep on the
+# H100 over blocks of 32 to 128, 4 or 8 warps and 1 to 4 stages. A tensor no descriptor
 # can describe (last dimension not contiguous; D = 20 in fp16, rows of 40 bytes) is copied
 # once, contiguous with rows padded to 16 bytes; a (B, N, H, D) tensor viewed as (B, H, N, D)
 # is read in place, and O is then written in q's layout, as SDPA does: ``o.transpose(1, 2)``
@@ -325,7 +409,8 @@ class Launch:
 @functools.cache
 @fit_to_device  # these are the H100's: fewer stages or smaller blocks where they do not fit
 def default_launches(head_dim: int, element_size: int, causal: bool):
-    """(forward, key gradients, query gradient) for a head dim padded to a power of two."""
+    """(forward, key gradients, query gradient) for a head dim padded to a power of
+    two."""
     if not ON_GPU:
         return (Launch(16, 16, 4, 1),) * 3
     if element_size == 4:  # fp32 tiles are twice as large: fewer stages fit
@@ -367,8 +452,8 @@ def padded_head_dim(head_dim: int) -> int:
 
 
 def heads(t: torch.Tensor, block: int) -> TensorDescriptor:
-    """A TMA descriptor of a (B, H, N, D) tensor, read and written in [block, D] tiles of
-    one head (D padded to a power of two: zeros past the end)."""
+    """A TMA descriptor of a (B, H, N, D) tensor, read and written in [block, D] tiles
+    of one head (D padded to a power of two: zeros past the end)."""
     tile = [1, 1, block, padded_head_dim(t.shape[3])]
     return TensorDescriptor(t, list(t.shape), list(t.stride()), tile)
 
@@ -382,11 +467,23 @@ def attention_forward(q, k, v, causal, sm_scale, launch=None):
     launch = launch or default_launches(padded, q.element_size(), causal)[0]
     m, n = launch.block_m, launch.block_n
     attention_forward_kernel[(triton.cdiv(n_q, m), batch * n_heads)](
-        heads(q, m), heads(k, n), heads(v, n), heads(o, m), lse, n_heads, n_q, k.shape[2],
-        sm_scale * LOG2E, BLOCK_M=m, BLOCK_N=n, HEAD_DIM=padded, CAUSAL=causal,
-        PRECISION=dot_precision(q.dtype), num_warps=launch.num_warps,
+        heads(q, m),
+        heads(k, n),
+        heads(v, n),
+        heads(o, m),
+        lse,
+        n_heads,
+        n_q,
+        k.shape[2],
+        sm_scale * LOG2E,
+        BLOCK_M=m,
+        BLOCK_N=n,
+        HEAD_DIM=padded,
+        CAUSAL=causal,
+        PRECISION=dot_precision(q.dtype),
+        num_warps=launch.num_warps,
         num_stages=launch.num_stages,
-    )  # fmt: skip
+    )
     return o, lse
 
 
@@ -401,16 +498,45 @@ def attention_backward(q, k, v, o, lse, do, causal, sm_scale, launches=None):
     options = dict(HEAD_DIM=padded, CAUSAL=causal, PRECISION=dot_precision(q.dtype))
     m, n = query_launch.block_m, query_launch.block_n  # first: it writes δ
     attention_query_grad_kernel[(triton.cdiv(n_q, m), batch * n_heads)](
-        heads(q, m), heads(k, n), heads(v, n), heads(o, m), heads(do, m), heads(dq, m), lse,
-        delta, n_heads, n_q, k.shape[2], sm_scale * LOG2E, sm_scale, BLOCK_M=m, BLOCK_N=n,
-        **options, num_warps=query_launch.num_warps, num_stages=query_launch.num_stages,
-    )  # fmt: skip
+        heads(q, m),
+        heads(k, n),
+        heads(v, n),
+        heads(o, m),
+        heads(do, m),
+        heads(dq, m),
+        lse,
+        delta,
+        n_heads,
+        n_q,
+        k.shape[2],
+        sm_scale * LOG2E,
+        sm_scale,
+        BLOCK_M=m,
+        BLOCK_N=n,
+        **options,
+        num_warps=query_launch.num_warps,
+        num_stages=query_launch.num_stages,
+    )
     m, n = key_launch.block_m, key_launch.block_n
     attention_key_grads_kernel[(triton.cdiv(k.shape[2], n), batch * n_heads)](
-        heads(q, m), heads(k, n), heads(v, n), heads(do, m), heads(dk, n), heads(dv, n), lse,
-        delta, n_heads, n_q, sm_scale * LOG2E, sm_scale, BLOCK_M=m, BLOCK_N=n, **options,
-        num_warps=key_launch.num_warps, num_stages=key_launch.num_stages,
-    )  # fmt: skip
+        heads(q, m),
+        heads(k, n),
+        heads(v, n),
+        heads(do, m),
+        heads(dk, n),
+        heads(dv, n),
+        lse,
+        delta,
+        n_heads,
+        n_q,
+        sm_scale * LOG2E,
+        sm_scale,
+        BLOCK_M=m,
+        BLOCK_N=n,
+        **options,
+        num_warps=key_launch.num_warps,
+        num_stages=key_launch.num_stages,
+    )
     return dq, dk, dv
 
 
@@ -435,21 +561,25 @@ def check_attention_inputs(q, k, v, causal, sm_scale):
     for name, t in (("q", q), ("k", k), ("v", v)):
         check_tensor(t, name, FLOAT_DTYPES)
         if t.dim() != 4:
-            raise ValueError(f"{name} must be (batch, heads, sequence, head_dim), got "
-                             f"{tuple(t.shape)}; from (B, N, H, D): .transpose(1, 2)")  # fmt: skip
+            raise ValueError(
+                f"{name} must be (batch, heads, sequence, head_dim), got "
+                f"{tuple(t.shape)}; from (B, N, H, D): .transpose(1, 2)"
+            )
     if not q.dtype == k.dtype == v.dtype:
         raise TypeError(f"q, k, v must share a dtype: {q.dtype}, {k.dtype}, {v.dtype}")
     if k.shape != v.shape or q.shape[:2] != k.shape[:2] or q.shape[3] != k.shape[3]:
         shapes = f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
-        raise ValueError(f"k and v must have one shape, q the same batch, heads and head "
-                         f"dim (no grouped heads, no other value head dim): {shapes}")  # fmt: skip
+        raise ValueError(
+            f"k and v must have one shape, q the same batch, heads and head "
+            f"dim (no grouped heads, no other value head dim): {shapes}"
+        )
     if not 0 < q.shape[3] <= MAX_HEAD_DIM:
         raise ValueError(f"head_dim must be 1 to {MAX_HEAD_DIM}, got {q.shape[3]}")
     if k.shape[2] == 0 and q.shape[2] > 0:
         raise ValueError("there are queries but no keys: pass at least one key")
-    if sm_scale is not None and not (
-        is_number(sm_scale) and 1e-45 <= sm_scale < math.inf
-    ):
+    if sm_scale is not None and not is_number(sm_scale):
+        raise TypeError(f"sm_scale must be a number or None, got {sm_scale!r}")
+    if sm_scale is not None and not (1e-45 <= sm_scale < math.inf):
         raise ValueError(  # smaller scales vanish in fp32: masked -inf scores x 0 = NaN
             f"sm_scale must be a finite number >= 1e-45 or None, got {sm_scale!r}"
         )
@@ -459,9 +589,10 @@ def check_attention_inputs(q, k, v, causal, sm_scale):
 
 def attention(q, k, v, causal=False, sm_scale=None):
     """``torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal,
-    scale=sm_scale)`` for (batch, heads, sequence, head_dim) tensors in fp16, bf16 or fp32
-    (tf32 products unless ``torch.set_float32_matmul_precision("highest")``), with autograd.
-    ``causal``: query i sees keys j <= i, as SDPA's ``is_causal``. Head dims up to 128."""
+    scale=sm_scale)`` for (batch, heads, sequence, head_dim) tensors in fp16, bf16 or
+    fp32 (tf32 products unless ``torch.set_float32_matmul_precision("highest")``), with
+    autograd. ``causal``: query i sees keys j <= i, as SDPA's ``is_causal``. Head dims
+    up to 128."""
     check_attention_inputs(q, k, v, causal, sm_scale)
     scale = q.shape[3] ** -0.5 if sm_scale is None else float(sm_scale)
     if q.numel() == 0:  # nothing to attend: SDPA's result, an empty or zero tensor
@@ -489,13 +620,20 @@ q, k, v = check_attention.inputs(2, 3, 40, 40, 128, torch.bfloat16, DEVICE, "BNH
 check_attention.check(attention, q, k, v, causal=True)
 print(f"attention matches SDPA: {len(sizes)} sizes, head dims 80 and 128, 3 dtypes")
 zeros = lambda *shape: torch.zeros(*shape, device=DEVICE, dtype=torch.float16)
-tutorial.show_refusals("attention()", {
-    "3-D q": lambda: attention(zeros(2, 8, 16), zeros(2, 8, 16), zeros(2, 8, 16)),
-    "head dims differ": lambda: attention(zeros(1, 2, 8, 64), *[zeros(1, 2, 8, 32)] * 2),
-    "head dim 256": lambda: attention(*[zeros(1, 2, 8, 256)] * 3),
-    "dtypes differ": lambda: attention(zeros(1, 2, 8, 64), *[zeros(1, 2, 8, 64).float()] * 2),
-    "no keys": lambda: attention(zeros(1, 2, 8, 64), *[zeros(1, 2, 0, 64)] * 2),
-})  # fmt: skip
+tutorial.show_refusals(
+    "attention()",
+    {
+        "3-D q": lambda: attention(zeros(2, 8, 16), zeros(2, 8, 16), zeros(2, 8, 16)),
+        "head dims differ": lambda: attention(
+            zeros(1, 2, 8, 64), *[zeros(1, 2, 8, 32)] * 2
+        ),
+        "head dim 256": lambda: attention(*[zeros(1, 2, 8, 256)] * 3),
+        "dtypes differ": lambda: attention(
+            zeros(1, 2, 8, 64), *[zeros(1, 2, 8, 64).float()] * 2
+        ),
+        "no keys": lambda: attention(zeros(1, 2, 8, 64), *[zeros(1, 2, 0, 64)] * 2),
+    },
+)
 
 # %%
 # Benchmarks
@@ -509,8 +647,10 @@ tutorial.show_refusals("attention()", {
 
 TOKENS = tutorial.choose(gpu=16384, cpu=64)
 SEQUENCES = [512, 1024, 2048, 4096, 8192, 16384]
-BACKENDS = {"torch (flash)": SDPBackend.FLASH_ATTENTION,
-            "torch (cudnn)": SDPBackend.CUDNN_ATTENTION}  # fmt: skip
+BACKENDS = {
+    "torch (flash)": SDPBackend.FLASH_ATTENTION,
+    "torch (cudnn)": SDPBackend.CUDNN_ATTENTION,
+}
 PROVIDERS = ["triton", "torch", *BACKENDS, "torch.compile"]
 
 
@@ -538,49 +678,95 @@ def attention_benchmark(head_dim, causal, backward):  # one of the 8 cases below
     name = f"attention-{direction}-d{head_dim}" + ("-causal" if causal else "")
     per_token = 4 * 2048 / (2 if causal else 1) * (2.5 if backward else 1)  # x N
     return bench.Benchmark(
-        name=name, x_name="N (sequence), 16,384 tokens", x_values=SEQUENCES,  # on a GPU
-        providers=PROVIDERS, unit="TFLOP/s", dtypes=(torch.bfloat16, torch.float16),
-        make=lambda p, n, dtype: make_attention_call(p, n, dtype, head_dim, causal, backward),
-        work=lambda n, dtype: per_token * TOKENS * n, smoke_x=32, headline_x=4096,
-    )  # fmt: skip
+        name=name,
+        x_name="N (sequence), 16,384 tokens",
+        x_values=SEQUENCES,  # on a GPU
+        providers=PROVIDERS,
+        unit="TFLOP/s",
+        dtypes=(torch.bfloat16, torch.float16),
+        make=lambda p, n, dtype: make_attention_call(
+            p, n, dtype, head_dim, causal, backward
+        ),
+        work=lambda n, dtype: per_token * TOKENS * n,
+        smoke_x=32,
+        headline_x=4096,
+    )
 
 
 attention_results = {}
 for case in itertools.product((128, 64), (False, True), (False, True)):
     benchmark = attention_benchmark(*case)
-    attention_results[benchmark.name] = bench.run(benchmark)
-
-# %%
-# Where we stand: against FlashAttention-2 alone, then against it and ``torch.compile`` (the
-# floor we set) with our share of cuDNN's kernel, PyTorch's choice on this machine:
-
-for name, results in attention_results.items():
+    results = bench.run(benchmark, draw=False)  # summarized below, not one by one
     if results:
-        floor = ["torch (flash)", "torch.compile"]
-        lines = results.standing("triton", peers=["torch (flash)"])
-        lines += results.standing("triton", "torch (cudnn)", floor)
-        print(f"{name}, {results.how}:\n  " + "\n  ".join(lines))
-forward = attention_results["attention-forward-d128"]
-backward = attention_results["attention-backward-d128"]
-for n in (1024, 4096, 16384) if forward and backward else ():
-    cells = [f"{p} {forward.value(p, n, 'bfloat16'):.0f} / {backward.value(p, n, 'bfloat16'):.0f}"
-             for p in ("triton", "torch (cudnn)", "torch (flash)")]  # fmt: skip
-    print(f"D = 128, bf16, N = {n:,}, forward / backward TFLOP/s: " + ", ".join(cells))
-for results in (forward, backward) if forward and backward else ():
-    print(results.as_called("triton", "torch", 1024, "bfloat16"))
+        bench.plot(benchmark, results.points, results.env, results.live)
+    attention_results[benchmark.name] = results
 
 # %%
-# ``torch.compile`` writes the scores of the causal attention, but it recognizes the
-# non-causal forward and calls SDPA, cuDNN's kernel, which is ahead of ours at most points
-# (the shares above). Kernels at that level on Hopper, FlashAttention-3
-# among them, specialize warps: producer warps issue the TMA copies while two consumer warp
-# groups take turns on the tensor cores and the exponentials. Ours do the two in turn,
-# overlapped only across the programs an SM holds. Triton 3.6's ``warp_specialize=True`` on
-# our forward loop compiled for 8-warp launches and was never faster in the sweep; lazy
-# rescaling (FlashAttention-4's) was slower. Called from Python, our functions cost the CPU
-# more than SDPA (the last lines): up to twelve descriptors a backward, and launches through
-# Triton's own path, since chapter 08's lean launcher does not take descriptors yet.
+# Where we stand
+# --------------
+# One line per benchmark, bf16 | fp16, over the six sequence lengths: our TFLOP/s; at how
+# many of the lengths a peer ran we match or beat FlashAttention-2 (SDPA held to its flash
+# backend) and ``torch.compile`` of the naive attention, the floor we set; and our share of
+# cuDNN's kernel, what SDPA picks on the H100.
+
+
+def standing(results, dtype):
+    """The four cells of a benchmark's line for ``dtype``."""
+    xs = sorted({p.x for p in results.points if p.provider == "triton"})
+    ours = [results.value("triton", x, dtype) for x in xs]
+    ran = lambda peer: [x for x in xs if results.point(peer, x, dtype)]
+    ahead = lambda peer: sum(
+        results.ratio("triton", peer, x, dtype) >= 1 for x in ran(peer)
+    )
+    shares = [
+        results.ratio("triton", "torch (cudnn)", x, dtype) for x in ran("torch (cudnn)")
+    ]
+    return [
+        f"{min(ours):,.0f}-{max(ours):,.0f}",
+        f"{ahead('torch (flash)')}/{len(ran('torch (flash)'))}",
+        f"{ahead('torch.compile')}/{len(ran('torch.compile'))}",
+        f"{min(shares):.0%}-{max(shares):.0%}",
+    ]
+
+
+shown = {name: r for name, r in attention_results.items() if r}
+if shown:
+    print(
+        "Attention, bf16 | fp16, " + "; ".join(sorted({r.how for r in shown.values()}))
+    )
+    columns = {"ours, TFLOP/s": 19, "≥ FA-2": 11, "≥ compile": 11, "share of cuDNN": 21}
+    print(" " * 22 + "".join(f"{name:>{width}}" for name, width in columns.items()))
+    for name, results in shown.items():
+        cells = zip(
+            *(standing(results, d) for d in ("bfloat16", "float16")), strict=True
+        )
+        line = "".join(
+            f"{' | '.join(pair):>{width}}"
+            for pair, width in zip(cells, columns.values(), strict=True)
+        )
+        print(f"  {name.removeprefix('attention-'):<20}{line}")
+for name in ("attention-forward-d128", "attention-backward-d128"):
+    if results := attention_results[name]:
+        print(results.as_called("triton", "torch", 1024, "bfloat16"))
+
+# %%
+# The table has us ahead of FlashAttention-2, and of ``torch.compile`` wherever it writes
+# the scores: everywhere but in the non-causal forward, which it recognizes and hands to
+# SDPA, cuDNN's kernel. cuDNN's kernel is ahead of ours at most points. Kernels at that
+# level on Hopper, FlashAttention-3 among them, specialize warps: producer warps issue the
+# TMA copies while two consumer warp groups take turns on the tensor cores and the
+# exponentials. Ours do the two in turn, overlapped only across the programs an SM holds;
+# Triton 3.6's ``warp_specialize`` did not make our forward faster. Called from Python, our
+# functions cost the CPU more than SDPA (the two calls printed above): up to twelve
+# descriptors a backward, and launches through Triton's own path, since chapter 08's lean
+# launcher does not take descriptors yet.
 #
+# Each benchmark at N = 4,096, every provider, GPU time and the call from Python:
+
+for results in shown.values():
+    bench.summarize(results.bench, results.points, results.env, results.live)
+
+# %%
 # What we learned
 # ---------------
 # * Fused attention is a matmul with a softmax in its loop: O(N D) bytes for O(N² D) FLOPs,
@@ -588,6 +774,10 @@ for results in (forward, backward) if forward and backward else ():
 # * The online softmax needs one pass over the keys; L lets the backward rebuild P.
 # * Masks cost only where the mask is; descriptors handle the ragged edges for free.
 # * A backward split by what each program owns needs no atomics and repeats bit for bit.
+#
+# The sweep behind the launch rules, and the variants that lost (warp specialization, lazy
+# rescaling, descriptors made in the kernel), are in ``lab/attention_sweep.py`` and
+# ``lab/NOTES.md``.
 #
 # Exercises
 # ---------

@@ -8,13 +8,15 @@ it against the same model on PyTorch's layers: the same parameters, data and los
 What you will learn:
 
 * where each kernel of chapters 03 to 11 sits in a transformer, forward and backward;
+* a model's shape as one configuration object, and what a training step costs in FLOPs;
 * checking a whole model against a reference: one set of parameters, two sets of layers;
 * mixed precision by hand: what autocast does for PyTorch's layers, done explicitly for ours;
 * dropout in a step replayed from a CUDA graph: seeds that live on the GPU;
 * what decides a small model's speed once its kernels are fast: launches, and the work between.
 
 Prerequisites: chapters 03 (layer norm), 05 (fused linear), 06 (dropout), 08 (CUDA graphs),
-09 (cross-entropy) and 11 (attention).
+09 (cross-entropy) and 11 (attention). On a GPU this page trains 200 steps live and shows the
+full 5,000-step runs as recorded; ``STEPKERNELS_FULL=1`` (or ``make bench``) runs them too.
 """
 
 # %%
@@ -24,50 +26,144 @@ Prerequisites: chapters 03 (layer norm), 05 (fused linear), 06 (dropout), 08 (CU
 import dataclasses
 import functools
 import gc
+import os
 
 import matplotlib.pyplot as plt
 from stepkernels.lessons import bench, training, tutorial
 from stepkernels.models import train
+from stepkernels.models.config import Config, preset
 from stepkernels.models.data import load_shakespeare
 import torch
 
 tutorial.announce()
 DEVICE = tutorial.DEVICE
+# The 5,000-step runs happen under make bench (STEPKERNELS_RECORD=1) or STEPKERNELS_FULL=1.
+FULL_RUNS_LIVE = tutorial.ON_GPU and any(
+    os.environ.get(name) == "1" for name in ("STEPKERNELS_RECORD", "STEPKERNELS_FULL")
+)
 
 # %%
-# The model and what a step costs
-# -------------------------------
+# The model's shape
+# -----------------
 # nanoGPT's character-level Shakespeare model is our target: 6 blocks of width C = 384 with 6
-# heads, a context of T = 256 characters, batches of 64 sequences (16,384 tokens a step). Each
-# block normalizes, attends, normalizes again and runs a two-layer MLP of width 4C, each with a
-# residual connection; the output layer reuses the token embedding's matrix.
+# heads, a context of T = 256 characters. Each block normalizes, attends, normalizes again and
+# runs a two-layer MLP of width 4C, each with a residual connection; the output layer reuses the
+# token embedding's matrix. The whole shape is one object, ``GPTConfig``, handed to every
+# module, as nanoGPT's ``model.py`` does. It refuses a shape our kernels cannot run before any
+# parameter is allocated: chapter 11's attention takes heads of at most 128 values.
 #
 # A training step's FLOPs are those of its matrix products: 6 per weight per token (2 in the
 # forward, 4 in the backward, chapter 05), and attention's 4 T C per token and layer for the
 # forward, halved by the causal mask and 3.5 times that with its backward (chapter 11). The
-# norms, GELU, dropout, residual additions and the loss move bytes but add no products. The
-# H100's bf16 tensor cores would finish a step's products in a few milliseconds; at these thin
-# shapes (every product has K = 384 or 1,536) cuBLAS itself gets only part of that, so the limit
-# we draw is measured: the step's products alone, at cuBLAS's speed.
+# norms, GELU, dropout, residual additions and the loss move bytes but add no products.
 
-# nanoGPT's shakespeare_char, configured on one screen in stepkernels/train.py
-FULL = train.Config()
-TOKENS_PER_STEP = FULL.batch_size * FULL.block_size
+# @save models/gpt
+import dataclasses
+import math
+
+from stepkernels.ops.attention import MAX_HEAD_DIM, attention
+from stepkernels.ops.cross_entropy import cross_entropy
+from stepkernels.ops.dropout import dropout, dropout_bias_act
+from stepkernels.ops.layer_norm import layer_norm
+from stepkernels.ops.linear import linear
+from stepkernels.runtime.arguments import classes_in_range, sampling_arguments
+import torch
+from torch import nn
+import torch.nn.functional as F
 
 
-def flops_per_token(cfg, vocab_size):
-    C, L, T = cfg.n_embd, cfg.n_layer, cfg.block_size
-    matrices = L * 12 * C * C + vocab_size * C  # qkv 3C², out C², MLP 8C², output layer
+class ConfigError(ValueError):
+    """A configuration value out of range; ``field`` names it (a command-line option)."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(message)
+        self.field = field
+
+
+class ConfigTypeError(TypeError):
+    """A configuration value of the wrong type; ``field`` names it."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(message)
+        self.field = field
+
+
+@dataclasses.dataclass(frozen=True)
+class GPTConfig:
+    """The model's shape, given whole to every module."""
+
+    vocab_size: int  # tokens the model reads and predicts
+    block_size: int = 256  # the longest context, in tokens
+    n_layer: int = 6  # transformer blocks
+    n_head: int = 6  # attention heads per block
+    n_embd: int = 384  # the residual stream's width C
+    dropout: float = 0.0  # probability of dropping, where GPT-2 drops
+    bias: bool = True  # biases in the linear layers and norms (False: none)
+    use_triton: bool = True  # our kernels, else PyTorch's layers (same parameters)
+
+    def __post_init__(self):
+        for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
+            value = getattr(self, name)
+            if type(value) is not int:
+                raise ConfigTypeError(name, f"{name} must be an int, got {value!r}")
+            if value < 1:
+                raise ConfigError(name, f"{name} must be at least 1, got {value}")
+        if self.n_embd % self.n_head:
+            raise ConfigError(
+                "n_embd",
+                f"n_embd ({self.n_embd}) must be a multiple of n_head ({self.n_head})",
+            )
+        if self.n_embd // self.n_head > MAX_HEAD_DIM:
+            raise ConfigError(
+                "n_head",
+                f"heads of n_embd / n_head = {self.n_embd // self.n_head} values: our "
+                f"attention takes at most {MAX_HEAD_DIM}; use n_head >= "
+                f"{-(-self.n_embd // MAX_HEAD_DIM)}",
+            )
+        if not 0.0 <= self.dropout < 1.0:
+            raise ConfigError(
+                "dropout", f"dropout must be in [0, 1), got {self.dropout}"
+            )
+        for name in ("bias", "use_triton"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigTypeError(name, f"{name} must be True or False")
+
+
+def flops_per_token(config: GPTConfig) -> float:
+    """FLOPs of one training step (forward and backward) per token of the batch."""
+    C, L, T = config.n_embd, config.n_layer, config.block_size
+    # Weights of products: qkv 3C², out C², MLP 8C² a block, and the output layer.
+    matrices = L * 12 * C * C + config.vocab_size * C
     return 6 * matrices + L * 3.5 * 2 * T * C  # attention: 4 T C / 2, times 3.5
 
 
+# %%
+# ``Config`` holds a training run: the model's fields, the optimizer's and the
+# bookkeeping's. Its defaults are nanoGPT's ``shakespeare_char``, batches of 64 sequences.
+
+FULL = Config()
 data = load_shakespeare()
-print(f"{data.vocab_size} characters; {len(data.train):,} training and {len(data.val):,} "
-      f"validation tokens from {data.path}")  # fmt: skip
-work = flops_per_token(FULL, data.vocab_size) * TOKENS_PER_STEP
+TOKENS_PER_STEP = FULL.batch_size * FULL.block_size
+work = flops_per_token(FULL.model_config(data.vocab_size)) * TOKENS_PER_STEP
+print(
+    f"{data.vocab_size} characters; {len(data.train):,} training and "
+    f"{len(data.val):,} validation tokens"
+)
 print(f"one step of {TOKENS_PER_STEP:,} tokens: {work / 1e12:.2f} TFLOP")
+tutorial.show_refusals(
+    "GPTConfig",
+    {
+        "n_embd 100, n_head 6": lambda: GPTConfig(84, n_embd=100),
+        "n_embd 512, n_head 2": lambda: GPTConfig(84, n_head=2, n_embd=512),
+        "dropout 1.0": lambda: GPTConfig(84, dropout=1.0),
+    },
+)
 
 # %%
+# The H100's bf16 tensor cores would finish a step's products in a few milliseconds; at these
+# thin shapes (every product has K = 384 or 1,536) cuBLAS itself gets only part of that, so the
+# limit we draw is measured: the step's products alone, at cuBLAS's speed.
+#
 # The layers, twice
 # -----------------
 # Every layer is written twice over the same parameters. ``TorchLayers`` is PyTorch's version,
@@ -89,19 +185,8 @@ print(f"one step of {TOKENS_PER_STEP:,} tokens: {work / 1e12:.2f} TFLOP")
 # product, and gives the loss fp32 logits. Outside autocast everything stays fp32, which is how
 # we compare the two exactly.
 
+
 # @save models/gpt
-import math
-
-from stepkernels.ops.attention import attention
-from stepkernels.ops.cross_entropy import cross_entropy
-from stepkernels.ops.dropout import dropout, dropout_bias_act
-from stepkernels.ops.layer_norm import layer_norm
-from stepkernels.ops.linear import linear
-import torch
-from torch import nn
-import torch.nn.functional as F
-
-
 def compute_dtype(x: torch.Tensor) -> torch.dtype:
     """The dtype autocast runs products in on x's device, else x's own."""
     device = x.device.type
@@ -166,10 +251,12 @@ class TritonLayers:
 # %%
 # A block and the model
 # ---------------------
-# ``Block`` and ``GPT`` never name a kernel: they ask ``layers`` for each step, so one flag,
-# ``use_triton``, switches the whole model, and one ``state_dict`` serves both. The attention's
-# q, k and v are strided views of one (B, T, 3, H, D) product, which chapter 11's descriptors
-# read in place; its output comes back in q's layout, so the projection reads it as a view.
+# The modules are named after the maths: a block adds ``attention(norm_1(x))``, then
+# ``mlp(norm_2(x))``, to its input. None of them names a kernel: each asks ``layers`` for every
+# step, so one flag, ``use_triton``, switches the whole model, and one ``state_dict`` serves
+# both. The attention's q, k and v are strided views of one (B, T, 3, H, D) product, which
+# chapter 11's descriptors read in place; its output comes back in q's layout, so the
+# projection reads it as a view.
 #
 # Dropout is the one layer with state. Chapter 06's masks are a function of a seed and the
 # element's position; a seed drawn on the CPU would be frozen into a CUDA graph (chapter 08),
@@ -179,81 +266,102 @@ class TritonLayers:
 
 
 # @save models/gpt
-class Block(nn.Module):
-    """Pre-norm transformer block: x + attention(norm(x)), then x + MLP(norm(x))."""
+class CausalSelfAttention(nn.Module):
+    """softmax(q kᵀ / √D) v for every head, each token seeing those before it, then the
+    projection back to the residual stream (dropped out in training)."""
 
-    def __init__(self, n_embd, n_head, dropout):
+    def __init__(self, config: GPTConfig):
         super().__init__()
-        self.n_head, self.dropout = n_head, dropout
-        self.norm_1, self.norm_2 = nn.LayerNorm(n_embd), nn.LayerNorm(n_embd)
-        self.qkv = nn.Linear(n_embd, 3 * n_embd)
-        self.attn_out = nn.Linear(n_embd, n_embd)
-        self.fc = nn.Linear(n_embd, 4 * n_embd)
-        self.fc_out = nn.Linear(4 * n_embd, n_embd)
+        self.n_head = config.n_head
+        self.qkv = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)
+        self.out = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
 
-    def forward(self, x, layers, seeds):
+    def forward(self, x, layers, p, seed):
         batch, time, width = x.shape
-        p = self.dropout if self.training else 0.0
-        qkv = layers.linear(layers.norm(x, self.norm_1), self.qkv)
+        qkv = layers.linear(x, self.qkv)
         # (B, T, 3, H, D) viewed as three (B, H, T, D): strided views, no copies
         heads = qkv.view(batch, time, 3, self.n_head, width // self.n_head)
         q, k, v = heads.permute(2, 0, 3, 1, 4).unbind(0)
         y = layers.attention(q, k, v).transpose(1, 2).reshape(batch, time, width)
-        x = x + layers.linear(y, self.attn_out, p=p, seed=seeds[0])
-        h = layers.linear(layers.norm(x, self.norm_2), self.fc, activation="gelu")
-        return x + layers.linear(h, self.fc_out, p=p, seed=seeds[1])
+        return layers.linear(y, self.out, p=p, seed=seed)
+
+
+class MLP(nn.Module):
+    """GELU(x W_fc + b_fc) W_out + b_out, 4C wide inside (dropped out in training)."""
+
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=config.bias)
+        self.out = nn.Linear(4 * config.n_embd, config.n_embd, bias=config.bias)
+
+    def forward(self, x, layers, p, seed):
+        hidden = layers.linear(x, self.fc, activation="gelu")
+        return layers.linear(hidden, self.out, p=p, seed=seed)
+
+
+class Block(nn.Module):
+    """x + attention(norm_1(x)), then x + mlp(norm_2(x)): GPT-2's pre-norm block."""
+
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.norm_1 = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.attention = CausalSelfAttention(config)
+        self.norm_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.mlp = MLP(config)
+
+    def forward(self, x, layers, p, seeds):
+        x = x + self.attention(layers.norm(x, self.norm_1), layers, p, seeds[0])
+        return x + self.mlp(layers.norm(x, self.norm_2), layers, p, seeds[1])
 
 
 class GPT(nn.Module):
-    """A decoder-only transformer (GPT-2's layout) whose layers run on our kernels
-    (``use_triton=True``) or on PyTorch's, with one set of parameters for both."""
+    """A decoder-only transformer (GPT-2's layout) of the shape ``config``, whose layers run
+    on our kernels or on PyTorch's, with one set of parameters for both. ``use_triton``
+    starts as the config's, and may be flipped on a built model."""
 
-    def __init__(self, vocab_size, block_size, n_layer, n_head, n_embd, dropout=0.0,
-                 use_triton=True):  # fmt: skip
+    def __init__(self, config: GPTConfig):
         super().__init__()
-        if n_head < 1 or n_embd % n_head:
-            raise ValueError(
-                f"n_embd ({n_embd}) must be a multiple of n_head ({n_head})"
+        if not all(hasattr(config, f.name) for f in dataclasses.fields(GPTConfig)):
+            raise TypeError(
+                f"GPT takes one GPTConfig, got {type(config).__name__}: "
+                "GPT(GPTConfig(vocab_size, block_size=..., n_layer=..., ...))"
             )
-        if not 0.0 <= dropout < 1.0:
-            raise ValueError(f"dropout must be in [0, 1), got {dropout}")
-        self.block_size, self.dropout, self.use_triton = block_size, dropout, use_triton
-        self.tokens = nn.Embedding(vocab_size, n_embd)
-        self.positions = nn.Embedding(block_size, n_embd)
-        self.blocks = nn.ModuleList(
-            Block(n_embd, n_head, dropout) for _ in range(n_layer)
-        )
-        self.norm = nn.LayerNorm(n_embd)
+        self.config, self.use_triton = config, config.use_triton
+        self.tokens = nn.Embedding(config.vocab_size, config.n_embd)
+        self.positions = nn.Embedding(config.block_size, config.n_embd)
+        self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
+        self.norm = nn.LayerNorm(config.n_embd, bias=config.bias)
         # Dropout seeds live on the device and advance inside the step, so a CUDA graph of
         # the step draws new masks at every replay (chapter 06). One per dropout site.
-        sites = 1 + 2 * n_layer
+        sites = 1 + 2 * config.n_layer
         first = torch.randint(2**62, (), dtype=torch.int64)
         self.register_buffer("seeds", first + torch.arange(sites), persistent=False)
         self.apply(self.init_weights)
-        for name, param in self.named_parameters():  # GPT-2: residual outputs scaled
-            if name.endswith(("attn_out.weight", "fc_out.weight")):
-                nn.init.normal_(param, std=0.02 / math.sqrt(2 * n_layer))
+        for block in self.blocks:  # GPT-2: the residual stream's inputs start smaller
+            for layer in (block.attention.out, block.mlp.out):
+                nn.init.normal_(layer.weight, std=0.02 / math.sqrt(2 * config.n_layer))
 
     @staticmethod
     def init_weights(module):
         if isinstance(module, (nn.Linear, nn.Embedding)):
             nn.init.normal_(module.weight, std=0.02)
-        if isinstance(module, nn.Linear):
+        if isinstance(module, nn.Linear) and module.bias is not None:
             nn.init.zeros_(module.bias)
 
     def forward(self, idx, targets=None):
         """Logits (B, T, vocab) for token ids ``idx`` (B, T), and the mean cross-entropy
         against ``targets`` (B, T) when given, else None. A target outside the vocabulary
-        (other than -100, ignored) gives a NaN loss with our kernels; PyTorch's raise."""
-        check_tokens(idx, targets, self.block_size)
+        (other than -100, ignored) is an error on both layers: a ValueError for CPU tensors,
+        checked first; on a GPU a device-side assert in the loss, ours or PyTorch's."""
+        check_tokens(idx, targets, self.config.block_size, self.config.vocab_size)
         layers = TritonLayers() if self.use_triton else TorchLayers()
-        p = self.dropout if self.training else 0.0
+        p = self.config.dropout if self.training else 0.0
         seeds = self.seeds.add_(len(self.seeds)) if p > 0 and self.use_triton else None
         site = (lambda i: seeds[i]) if seeds is not None else (lambda i: None)
         positions = torch.arange(idx.shape[1], device=idx.device)
         x = layers.dropout(self.tokens(idx) + self.positions(positions), p, site(0))
         for i, block in enumerate(self.blocks):
-            x = block(x, layers, (site(1 + 2 * i), site(2 + 2 * i)))
+            x = block(x, layers, p, (site(1 + 2 * i), site(2 + 2 * i)))
         # The output layer is the token embedding's matrix (GPT-2's weight tying).
         logits = layers.linear(layers.norm(x, self.norm), self.tokens)
         if targets is None:
@@ -263,18 +371,18 @@ class GPT(nn.Module):
 
     @torch.no_grad()
     def generate(self, idx, new_tokens, temperature=1.0, top_k=None, generator=None):
-        """Extend each row of ``idx`` (B, T) by ``new_tokens`` sampled one at a time."""
-        check_tokens(idx, None)  # a prompt of at least one token, as long as it likes
-        if not temperature > 0 or (top_k is not None and top_k < 1):
-            raise ValueError(
-                f"need temperature > 0, top_k >= 1: {temperature}, {top_k}"
-            )
+        """Extend each row of ``idx`` (B, T) by ``new_tokens`` sampled one at a time, from
+        the ``top_k`` likeliest tokens (all if None), logits divided by ``temperature``."""
+        # a prompt of at least one token, as long as it likes
+        check_tokens(idx, None, vocab_size=self.config.vocab_size)
+        sampling_arguments(new_tokens, temperature, top_k)
+        block_size = self.config.block_size
         for _ in range(new_tokens):
-            context = idx[:, -self.block_size :]
+            context = idx[:, -block_size:]
             length = context.shape[1]
             # Always a full context: one shape, so one autotuned launch per product. The
             # causal mask keeps the padding after the last token from changing its logits.
-            context = F.pad(context, (0, self.block_size - length))
+            context = F.pad(context, (0, block_size - length))
             logits = self(context)[0][:, length - 1, :].float() / temperature
             if top_k is not None:
                 kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, -1:]
@@ -288,22 +396,31 @@ class GPT(nn.Module):
 TOKEN_DTYPES = (torch.int64, torch.int32)
 
 
-def check_tokens(idx, targets, block_size=math.inf):
-    """idx (batch, time) with 1 <= time <= block_size, targets of its shape."""
+def check_tokens(idx, targets, block_size=math.inf, vocab_size=None):
+    """idx (batch, time) with 1 <= time <= block_size, targets of its shape; on CPU tensors,
+    their ids below ``vocab_size`` (targets may be -100, ignored)."""
     for name, tokens in (("idx", idx), ("targets", targets)):
         ids = isinstance(tokens, torch.Tensor) and tokens.dtype in TOKEN_DTYPES
-        if tokens is not None and not ids:
+        if (tokens is not None or name == "idx") and not ids:
             raise TypeError(f"{name} must be a tensor of token ids, int64 or int32")
     if idx.dim() != 2 or not 0 < idx.shape[1] <= block_size:
         too_long = idx.dim() == 2 and idx.shape[1] > block_size
         hint = f": crop with idx[:, -{block_size}:]" if too_long else ""
         hint = ": one sequence is idx[None]" if idx.dim() == 1 else hint
         limit = "" if block_size == math.inf else f" <= block_size ({block_size})"
-        raise ValueError(f"idx must be (batch, time) token ids, 1 <= time{limit}, got "
-                         f"shape {tuple(idx.shape)}{hint}")  # fmt: skip
+        raise ValueError(
+            f"idx must be (batch, time) token ids, 1 <= time{limit}, got shape "
+            f"{tuple(idx.shape)}{hint}"
+        )
     if targets is not None and targets.shape != idx.shape:
-        raise ValueError(f"targets must match idx's shape {tuple(idx.shape)}, got "
-                         f"{tuple(targets.shape)}")  # fmt: skip
+        raise ValueError(
+            f"targets must match idx's shape {tuple(idx.shape)}, got "
+            f"{tuple(targets.shape)}"
+        )
+    if vocab_size is not None:
+        classes_in_range(idx, vocab_size, "idx")
+        if targets is not None:
+            classes_in_range(targets, vocab_size, "targets", ignore_index=-100)
 
 
 # %%
@@ -312,18 +429,15 @@ def check_tokens(idx, targets, block_size=math.inf):
 # The first check of a model built from new kernels: at initialization, in fp32 (no tf32 on a
 # GPU), both versions must give the same logits, loss and gradient of every parameter. Each
 # kernel was tested alone; this checks the wiring: the views, the weight tying, the casts.
+# Under the interpreter we check the shape of ``python -m stepkernels.train --config tiny``.
 
-SMALL = train.Config(
-    n_layer=2, n_head=2, n_embd=32, block_size=16, batch_size=2, dropout=0.0
-)
-check_cfg = FULL if tutorial.ON_GPU else SMALL
+SMALL = preset("tiny")
+check_cfg = dataclasses.replace(FULL if tutorial.ON_GPU else SMALL, dropout=0.0)
 torch.manual_seed(0)
-model = GPT(data.vocab_size, check_cfg.block_size, check_cfg.n_layer, check_cfg.n_head,
-            check_cfg.n_embd).to(DEVICE)  # fmt: skip
+model = GPT(check_cfg.model_config(data.vocab_size)).to(DEVICE)
 starts = torch.randint(len(data.train) - check_cfg.block_size - 1, (4,)).tolist()
-rows = torch.stack(
-    [data.train[i : i + check_cfg.block_size + 1] for i in starts]
-).long()
+rows = [data.train[i : i + check_cfg.block_size + 1] for i in starts]
+rows = torch.stack(rows).long()
 idx, targets = rows[:, :-1].to(DEVICE), rows[:, 1:].to(DEVICE)
 results, previous = {}, torch.get_float32_matmul_precision()
 torch.set_float32_matmul_precision("highest")
@@ -334,15 +448,14 @@ for use_triton in (True, False):
     loss.backward()
     results[use_triton] = logits, loss, {n: p.grad for n, p in model.named_parameters()}
 torch.set_float32_matmul_precision(previous)
-(ours, our_loss, our_grads), (theirs, their_loss, their_grads) = (
-    results[True],
-    results[False],
-)
+(ours, our_loss, our_grads), (theirs, their_loss, their_grads) = results.values()
 gaps = {n: (g - their_grads[n]).abs().max().item() for n, g in our_grads.items()}
 worst = max(gaps, key=gaps.get)
-print(f"loss {our_loss.item():.6f} (ours), {their_loss.item():.6f} (PyTorch's); largest "
-      f"difference of logits {(ours - theirs).abs().max().item():.1e}, of gradients "
-      f"{gaps[worst]:.1e} ({worst})")  # fmt: skip
+print(
+    f"loss {our_loss.item():.6f} (ours), {their_loss.item():.6f} (PyTorch's); largest "
+    f"difference of logits {(ours - theirs).abs().max().item():.1e}, of gradients "
+    f"{gaps[worst]:.1e} ({worst})"
+)
 torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-4)
 for name, grad in our_grads.items():
     torch.testing.assert_close(grad, their_grads[name], rtol=1e-3, atol=1e-5, msg=name)
@@ -350,11 +463,10 @@ for name, grad in our_grads.items():
 # %%
 # Training
 # --------
-# ``stepkernels/train.py`` holds the rest, nanoGPT's recipe: AdamW (weight decay on matrices
-# only, beta2 = 0.99), 100 steps of warm-up to a learning rate of 1e-3, cosine decay to 1e-4 at
-# 5,000 steps, gradients clipped to norm 1, dropout 0.2. Every batch is a function of the seed
-# and the step, so both versions see the same data. ``python -m stepkernels.train`` runs it,
-# every field of its ``Config`` an option; it logs, evaluates, checkpoints, resumes and samples.
+# ``stepkernels.models.train`` holds the rest, nanoGPT's recipe: AdamW (weight decay on
+# matrices only, beta2 = 0.99), 100 steps of warm-up to a learning rate of 1e-3, cosine decay
+# to 1e-4 at 5,000 steps, gradients clipped to norm 1, dropout 0.2. Every batch is a function
+# of the seed and the step, so both versions see the same data.
 #
 # On a GPU the step runs in bf16 under autocast, and ``step="graph"`` records all of it as one
 # CUDA graph: the batch gathered from the text on the GPU, forward, backward, clipping and
@@ -362,15 +474,31 @@ for name, grad in our_grads.items():
 # Three steps run first on a side stream, to compile, autotune and allocate; the fourth is
 # recorded, and every later step is one ``replay()``. The loss is read back every 50 steps.
 #
-# Here, six steps of the small model in fp32, both versions from the same seed: the loss must
-# fall, and the two must agree at every step.
+# ``python -m stepkernels.train`` runs it from a shell: ``--config tiny`` (a few seconds a step
+# on a CPU), ``shakespeare`` (these defaults) or ``gpt2-small`` (GPT-2's 12 layers of 768 and
+# a context of 1,024), or a file of your own, each field an option that overrides it. It
+# checks every option before it loads anything, prints tokens/s, the share of the GPU's bf16
+# peak the step's FLOPs reach (MFU) and the time left, writes ``log.jsonl`` and a checkpoint
+# to resume from; ``python -m stepkernels.sample`` samples from that checkpoint.
+#
+# Here, six steps of the tiny model in fp32, both versions from the same seed: the loss must
+# fall, and the two must agree at every step. Runs on this page write no files (``out_dir=""``).
 
+QUIET = dict(
+    eval_interval=0, eval_batches=1, checkpoint=False, sample_tokens=0, out_dir=""
+)
 losses = {}
 for use_triton in (True, False):
-    cfg = dataclasses.replace(SMALL, use_triton=use_triton, max_steps=6, learning_rate=1e-2,
-                              warmup_steps=1, log_interval=1, eval_interval=0, eval_batches=1,
-                              step="eager", dtype="float32", checkpoint=False,
-                              sample_tokens=0)  # fmt: skip
+    cfg = dataclasses.replace(
+        SMALL,
+        **QUIET,
+        use_triton=use_triton,
+        max_steps=6,
+        warmup_steps=1,
+        log_interval=1,
+        step="eager",
+        dtype="float32",
+    )
     trainer = train.Trainer(cfg, data)
     trainer.train(log=lambda line: None)
     losses[use_triton] = [loss for _, loss in trainer.losses]
@@ -378,6 +506,14 @@ for step, (a, b) in enumerate(zip(losses[True], losses[False], strict=True), sta
     print(f"step {step}: loss {a:.6f} (ours), {b:.6f} (PyTorch's)")
 assert losses[True][-1] < losses[True][0], "the small model should learn"
 torch.testing.assert_close(losses[True], losses[False], rtol=0, atol=1e-4)
+
+# %%
+# On a GPU, 200 steps of the full model follow, on our kernels replayed from a CUDA graph,
+# with the progress lines the command prints.
+
+if tutorial.ON_GPU:
+    short = dataclasses.replace(FULL, **{**QUIET, "sample_tokens": 200}, max_steps=200)
+    print(train.Trainer(short, data).train()["sample"])
 
 # %%
 # Benchmark: training throughput
@@ -404,47 +540,63 @@ def race():
     """Points of tokens per second and of peak memory (GiB), one per provider."""
     speed, memory = [], []
     for provider, (use_triton, step) in RACE.items():
-        cfg = dataclasses.replace(FULL, use_triton=use_triton, step=step, max_steps=300,
-                                  eval_interval=0, eval_batches=1, checkpoint=False,
-                                  sample_tokens=0)  # fmt: skip
+        cfg = dataclasses.replace(
+            FULL, **QUIET, use_triton=use_triton, step=step, max_steps=300
+        )
         torch._dynamo.reset()
         run = train.Trainer(cfg, data).train(log=lambda line: None)
-        for points, value in (
-            (speed, run["tokens_per_s"]),
-            (memory, run["peak_memory_gib"]),
-        ):
-            points.append(bench.Point(provider, "bfloat16", TOKENS_PER_STEP, value))
+        speed.append(
+            bench.Point(provider, "bfloat16", TOKENS_PER_STEP, run["tokens_per_s"])
+        )
+        memory.append(
+            bench.Point(provider, "bfloat16", TOKENS_PER_STEP, run["peak_memory_gib"])
+        )
         gc.collect(), torch.cuda.empty_cache()
     limit = training.products_alone(FULL, data.vocab_size)
     return [*speed, bench.Point(LIMIT, "bfloat16", TOKENS_PER_STEP, limit)], memory
 
 
-def measured(name, unit, points_of, x_name, providers, draw=True):
-    board = bench.Benchmark(name=name, x_name=x_name, x_values=[TOKENS_PER_STEP],
-                            providers=providers, make=None, work=None, unit=unit,
-                            dtypes=(torch.bfloat16,),
-                            x_labels={TOKENS_PER_STEP: "nanoGPT's Shakespeare model"})  # fmt: skip
-    return bench.run(board, points_of, draw=draw)
+def board(name, unit, x_name, providers):
+    return bench.Benchmark(
+        name=name,
+        x_name=x_name,
+        x_values=[TOKENS_PER_STEP],
+        providers=providers,
+        make=None,
+        work=None,
+        unit=unit,
+        dtypes=(torch.bfloat16,),
+        x_labels={TOKENS_PER_STEP: "nanoGPT's Shakespeare model"},
+    )
 
 
 STEP = "tokens per step (64 sequences of 256)"
-speed = measured(
-    "gpt-training-throughput", "tokens/s", lambda: race()[0], STEP, [*RACE, LIMIT]
+speed = bench.run(
+    board("gpt-training-throughput", "tokens/s", STEP, [*RACE, LIMIT]),
+    lambda: race()[0],
 )
-memory = measured(
-    "gpt-training-memory", bench.MEMORY_UNIT, lambda: race()[1], STEP, [*RACE]
+memory = bench.run(
+    board("gpt-training-memory", bench.MEMORY_UNIT, STEP, [*RACE]), lambda: race()[1]
 )
 if speed and memory:
     at = dict(x=TOKENS_PER_STEP, dtype="bfloat16")
+    peak = train.peak_bf16_tflops(speed.env["gpu"])  # dense, from NVIDIA's data sheets
     print(f"training throughput and memory, {speed.how}:")
     for provider in RACE:
         rate = speed.value(provider, **at)
         tflops = rate * work / TOKENS_PER_STEP / 1e12
-        print(f"{provider:>19}: {rate:>9,.0f} tokens/s ({tflops:5.1f} TFLOP/s), "
-              f"{rate / speed.value('torch', **at):.2f}x eager torch, "
-              f"{rate / speed.value('torch.compile', **at):.2f}x torch.compile, "
-              f"{memory.value(provider, **at):.2f} GiB")  # fmt: skip
+        mfu = f", MFU {tflops / peak:3.0%}" if peak else ""
+        print(
+            f"{provider:>19}: {rate:>9,.0f} tokens/s ({tflops:5.1f} TFLOP/s{mfu}), "
+            f"{rate / speed.value('torch', **at):.2f}x eager torch, "
+            f"{rate / speed.value('torch.compile', **at):.2f}x torch.compile, "
+            f"{memory.value(provider, **at):.2f} GiB"
+        )
     print(f"{LIMIT}: {speed.value(LIMIT, **at):,.0f} tokens/s")
+    if peak:
+        print(
+            f"MFU: the step's FLOPs over the GPU's dense bf16 peak, {peak:,.0f} TFLOP/s"
+        )
     ours, eager = (memory.value(p, **at) for p in ("triton + CUDA graph", "torch"))
     print(f"peak memory of ours replayed / eager torch: {ours / eager:.2f}")
 
@@ -456,8 +608,8 @@ if speed and memory:
 # mode fuses the work between products but still launches each kernel from the CPU, the
 # optimizer eager. The two graphs' parity says the lead is the graph's, not our kernels': over
 # a step, our fused norms, GELU and dropout win back what our products lose to cuBLAS on thin
-# shapes (the results' notes hold a profile). Both are far from the limit: this model's step
-# is mostly memory-bound work between its products, in small launches.
+# shapes (the lab's notes hold a profile of both). Both are far from the limit: this model's
+# step is mostly memory-bound work between its products, in small launches.
 #
 # Memory costs the graphs: a graph's private pool keeps every buffer of the step reserved for
 # the next replay, where eager's allocator hands a freed buffer on within the step, so PyTorch's
@@ -471,7 +623,8 @@ if speed and memory:
 # ------------
 # The recipe's 5,000 steps (82M tokens, 18 passes over the plays), twice from the same seed:
 # PyTorch eager, and ours replayed from a CUDA graph. Every 250 steps both measure the loss on
-# the same 20 validation batches; the plot shows it against the tokens seen.
+# the same 20 validation batches; the plot shows it against the tokens seen. Unless
+# ``STEPKERNELS_FULL=1`` or ``make bench`` asks for them, the runs shown are recorded ones.
 
 FULL_RUNS = {"torch": (False, "eager"), "triton + CUDA graph": (True, "graph")}
 TARGET_LOSS = 1.5
@@ -482,41 +635,45 @@ def full_runs():
     runs = {}
     for provider, (use_triton, step) in FULL_RUNS.items():
         cfg = dataclasses.replace(
-            FULL, use_triton=use_triton, step=step, checkpoint=False
+            FULL, use_triton=use_triton, step=step, checkpoint=False, out_dir=""
         )
         runs[provider] = train.Trainer(cfg, data).train()
         gc.collect(), torch.cuda.empty_cache()
     return runs
 
 
-def curve(key):
-    return [bench.Point(provider, "bfloat16", row["tokens"], row[key])
-            for provider, run in full_runs().items() for row in run["history"]]  # fmt: skip
+def curves(name, unit, key):
+    """The full runs' ``key`` against tokens seen: run now, or as recorded."""
+    runs = board(name, unit, "tokens seen", list(FULL_RUNS))
+    if (
+        FULL_RUNS_LIVE or not tutorial.ON_GPU
+    ):  # without a GPU, run() shows the recording
+        points = lambda: [
+            bench.Point(provider, "bfloat16", row["tokens"], row[key])
+            for provider, run in full_runs().items()
+            for row in run["history"]
+        ]
+        return bench.run(runs, points, draw=False)
+    found = bench.load_recorded(name)
+    return None if found is None else bench.Results(runs, *found, live=False)
 
 
-validation = measured("gpt-validation-loss", "validation loss", lambda: curve("val_loss"),
-                      "tokens seen", list(FULL_RUNS), draw=False)  # fmt: skip
-seconds = measured("gpt-training-time", "s since the start", lambda: curve("seconds"),
-                   "tokens seen", list(FULL_RUNS), draw=False)  # fmt: skip
+validation = curves("gpt-validation-loss", "validation loss", "val_loss")
+seconds = curves("gpt-training-time", "s since the start", "seconds")
 if validation and seconds:
     fig, ax = plt.subplots(figsize=(8, 4), layout="constrained")
     ends, colors = {}, bench.provider_colors([*RACE, LIMIT])  # the race's colors
     for provider in validation.providers():
-        rows = sorted(
-            (p.x, p.value) for p in validation.points if p.provider == provider
-        )
+        mine = [p for p in validation.points if p.provider == provider]
+        rows = sorted((p.x, p.value) for p in mine)
         times = {p.x: p.value for p in seconds.points if p.provider == provider}
-        ax.plot([x / 1e6 for x, _ in rows], [v for _, v in rows], marker="o", ms=3,
-                label=provider, color=colors[provider])  # fmt: skip
+        xs, ys = [x / 1e6 for x, _ in rows], [v for _, v in rows]
+        ax.plot(xs, ys, marker="o", ms=3, label=provider, color=colors[provider])
         reached = next((x for x, loss in rows if loss <= TARGET_LOSS), None)
         ends[provider] = rows[-1][1]
-        first = (
-            "never"
-            if reached is None
-            else (
-                f"first measured after {times[reached]:.0f} s ({reached / 1e6:.1f}M tokens)"
-            )
-        )
+        first = "never"
+        if reached is not None:
+            first = f"first measured after {times[reached]:.0f} s ({reached / 1e6:.1f}M tokens)"
         print(
             f"{provider:>19}: validation loss {rows[-1][1]:.4f} after "
             f"{times[rows[-1][0]]:.0f} s; {TARGET_LOSS} {first}"
@@ -525,21 +682,66 @@ if validation and seconds:
     ax.set(xlabel="million tokens seen", ylabel="validation loss", ylim=(1.0, 3.0))
     ax.grid(alpha=0.3), ax.legend()
     fig.suptitle(f"gpt-validation-loss:\n{validation.how}", fontsize=9)
-    print(
-        f"final losses differ by {abs(ends['torch'] - ends['triton + CUDA graph']):.4f}"
-    )
+    gap = abs(ends["torch"] - ends["triton + CUDA graph"])
+    print(f"final losses differ by {gap:.4f}")
     sample = full_runs()["triton + CUDA graph"]["sample"] if validation.live else None
-    print(f"sampled from our model after the full run, {validation.how}:\n"
-          f"{bench.text_file('gpt-sample.txt', sample)}")  # fmt: skip
+    print(
+        f"sampled from our model after the full run, {validation.how}:\n"
+        f"{bench.text_file('gpt-sample.txt', sample)}"
+    )
 
 # %%
 # The two curves lie on each other: the same model, trained by different kernels, within
-# rounding and dropout's different random numbers. The validation loss passes 1.5 within the
-# first minute of either run and keeps falling: the complete plays are four times nanoGPT's
-# tiny Shakespeare, so 5,000 steps do not overfit them.
+# rounding and dropout's different random numbers. The validation loss passes 1.5 early in
+# either run and keeps falling: the complete plays are four times nanoGPT's tiny Shakespeare,
+# so 5,000 steps do not overfit them.
 #
+# Several GPUs
+# ------------
+# ``torchrun --nproc-per-node 2 -m stepkernels.train`` starts one process a GPU, each running
+# the command. With DDP (``--parallel ddp``) each process holds the whole model and trains on
+# its share of every step's batch; during the backward, DDP's hooks take each parameter's
+# gradient as autograd accumulates it and average it over the GPUs with NCCL's all-reduce, in
+# buckets that overlap the rest of the backward. Our layers are autograd Functions, so their
+# gradients reach those hooks as PyTorch's do: no kernel changes. FSDP2 (``--parallel fsdp``)
+# keeps a 1/N shard of each block's parameters, gradients and AdamW moments on each GPU; it
+# gathers a block's weights just before the block runs, forward and backward, and
+# reduce-scatters the block's gradients after its backward.
+#
+# Two things are ours to decide. Every step's batch is drawn once from the seed and the step,
+# and process r takes its r-th slice of the rows: two GPUs run the micro-batches that one GPU
+# runs with ``--grad-accum 2`` (two halves a step, each loss scaled by 1/2, the gradients
+# summed). And each micro-batch draws its dropout masks from the seeds of its place in the
+# step, so the masks match too; DDP must then leave each process's seeds alone instead of
+# copying rank 0's at every forward. On a CPU, ``tests/test_distributed.py`` runs both on gloo
+# and ends with the same parameters, bit for bit under DDP. The whole-step CUDA graph stays
+# on one GPU: it would record DDP's all-reduce inside the graph, which PyTorch supports only
+# with care we have not tested, so across GPUs the step runs eager.
+#
+# The recording: GPT-2 small's shape (``--config gpt2-small``), 32 sequences of 1,024 a step,
+# on one GPU in two micro-batches and on two GPUs of 16 sequences each.
+
+parallel = bench.load_recorded("gpt-data-parallel")
+if parallel is None:
+    print("not recorded yet: lab/data_parallel.py --record writes it, on 2 GPUs")
+else:
+    points, env = parallel
+    losses = bench.load_recorded("gpt-data-parallel-loss")
+    by_tokens = sorted(losses[0] if losses else [], key=lambda p: p.x)
+    last_loss = {p.provider: p.value for p in by_tokens}  # each run's last evaluation
+    speed = {p.provider: p.value for p in points}
+    eager = speed["1 GPU, grad-accum 2"]
+    for run, loss in last_loss.items():
+        rate = speed.get(run)
+        shown = f" | {rate:,.0f} tokens/s, {rate / eager:.2f}x" if rate else ""
+        print(f"{run:>30}: validation loss {loss:.4f}{shown}")
+    print(f"recorded on {bench.describe(env)}; x: against one GPU, eager")
+
+# %%
 # What we learned
 # ---------------
+# * A model's shape is one object: every module reads what it needs from ``GPTConfig``, and a
+#   shape our kernels cannot run is refused before a parameter exists.
 # * A model built from tested kernels still needs its own check: one set of parameters, two
 #   sets of layers, equal in fp32 at initialization and at every step of a short run.
 # * Autocast is a policy we can write down: products in bf16, norms and losses in fp32, weights
@@ -562,3 +764,5 @@ if validation and seconds:
 # 4. Evaluation runs eagerly beside the graph, in the allocator's other pool. Record it as a
 #    second graph sharing the training graph's pool (``torch.cuda.graph(..., pool=...)``) and
 #    measure the peak memory of a run with evaluations.
+# 5. Train ``--config gpt2-small`` for 500 steps and compare its MFU with the Shakespeare
+#    model's: how much of the gap do wider products (K = 768) and a longer context close?

@@ -37,7 +37,7 @@ if not torch.cuda.is_available() and "TRITON_INTERPRET" not in os.environ:
     os.environ["TRITON_INTERPRET"] = "1"
 
 # The public functions (their modules are written from the chapters by tools/export.py).
-from stepkernels.models.gpt import GPT  # noqa: E402
+from stepkernels.models.gpt import GPT, GPTConfig  # noqa: E402
 from stepkernels.ops.attention import attention  # noqa: E402
 from stepkernels.ops.cross_entropy import cross_entropy  # noqa: E402
 from stepkernels.ops.dropout import Dropout, dropout, dropout_bias_act  # noqa: E402
@@ -55,6 +55,7 @@ __all__ = [
     "DropoutBiasAct",
     "FusedLinear",
     "GPT",
+    "GPTConfig",
     "LayerNorm",
     "add",
     "attention",

@@ -309,8 +309,9 @@ def timing_of(bench: Benchmark) -> str:
     """How ``bench``'s values were taken, for its recording's ``timing`` key."""
     if bench.gpu_time and bench.in_turns:
         return TIMING
-    value = ("GPU time of CUDA-graph replays" if bench.gpu_time
-             else "the call from Python")  # fmt: skip
+    value = (
+        "GPU time of CUDA-graph replays" if bench.gpu_time else "the call from Python"
+    )
     how = (
         "a point's providers in 5 turns"
         if bench.in_turns
@@ -377,13 +378,19 @@ def gpu_state_summary(lines: list[str]) -> dict:
     clock, max_clock, power, temperature, reasons = zip(*rows, strict=True)
     return {
         "busy_samples": len(rows),
-        "sm_clock_mhz": {"median": statistics.median(clock), "min": min(clock),
-                         "max": max(clock), "max_possible": max(max_clock)},
+        "sm_clock_mhz": {
+            "median": statistics.median(clock),
+            "min": min(clock),
+            "max": max(clock),
+            "max_possible": max(max_clock),
+        },
         "power_w": {"median": statistics.median(power), "max": max(power)},
-        "temperature_c": {"median": statistics.median(temperature),
-                          "max": max(temperature)},
+        "temperature_c": {
+            "median": statistics.median(temperature),
+            "max": max(temperature),
+        },
         "clock_event_reasons": sorted({hex(r) for r in reasons if r}),
-    }  # fmt: skip
+    }
 
 
 @contextlib.contextmanager
@@ -396,8 +403,13 @@ def gpu_state(interval_ms: int = 100):
         return
     # --id: this process's GPU among several
     uuid = torch.cuda.get_device_properties(DEVICE).uuid
-    command = ["nvidia-smi", f"--query-gpu={GPU_STATE_QUERY}", "--format=csv,noheader,nounits",
-               f"--loop-ms={interval_ms}", f"--id=GPU-{uuid}"]  # fmt: skip
+    command = [
+        "nvidia-smi",
+        f"--query-gpu={GPU_STATE_QUERY}",
+        "--format=csv,noheader,nounits",
+        f"--loop-ms={interval_ms}",
+        f"--id=GPU-{uuid}",
+    ]
     with tempfile.TemporaryFile("w+") as log:
         try:  # to a file: a pipe left unread would fill and stall nvidia-smi
             sampler = subprocess.Popen(command, stdout=log, stderr=subprocess.DEVNULL)
@@ -552,12 +564,33 @@ def record(
     path = folder / f"{bench.name}.csv"
     with path.open("w", newline="") as f:
         writer = csv.writer(f, lineterminator="\n")
-        writer.writerow(["benchmark", "provider", "dtype", "x_name", "x", "value",
-                         "unit", "call_value", "cpu_us"])  # fmt: skip
+        writer.writerow(
+            [
+                "benchmark",
+                "provider",
+                "dtype",
+                "x_name",
+                "x",
+                "value",
+                "unit",
+                "call_value",
+                "cpu_us",
+            ]
+        )
         for p in points:
             optional = ["" if v is None else f"{v:.6g}" for v in (p.call, p.cpu_us)]
-            writer.writerow([bench.name, p.provider, p.dtype, bench.x_name, p.x,
-                             f"{p.value:.6g}", bench.unit, *optional])  # fmt: skip
+            writer.writerow(
+                [
+                    bench.name,
+                    p.provider,
+                    p.dtype,
+                    bench.x_name,
+                    p.x,
+                    f"{p.value:.6g}",
+                    bench.unit,
+                    *optional,
+                ]
+            )
     env_path = folder / "environment.json"
     recorded = json.loads(env_path.read_text()) if env_path.exists() else {}
     entry = env
@@ -618,10 +651,16 @@ def read_recording(path: Path) -> tuple[list[Point], dict]:
     with path.open() as f:
         rows = list(csv.DictReader(f))
     points = [
-        Point(r["provider"], r["dtype"], float(r["x"]), float(r["value"]),
-              call=optional(r.get("call_value")), cpu_us=optional(r.get("cpu_us")))
+        Point(
+            r["provider"],
+            r["dtype"],
+            float(r["x"]),
+            float(r["value"]),
+            call=optional(r.get("call_value")),
+            cpu_us=optional(r.get("cpu_us")),
+        )
         for r in rows
-    ]  # fmt: skip
+    ]
     axis = {"x_name": rows[0]["x_name"], "unit": rows[0]["unit"]} if rows else {}
     return points, axis
 
@@ -750,8 +789,14 @@ def ours_of(bench: Benchmark, providers: list) -> str:
 def peers_of(bench: Benchmark, providers: list, ours: str) -> list:
     """The providers ``ours`` is compared with: not our own variants ("triton ..."), not the
     copy of the same bytes, not the benchmark's references."""
-    return [p for p in providers if p != ours and not p.startswith("triton")
-            and p != COPY_PROVIDER and p not in bench.references]  # fmt: skip
+    return [
+        p
+        for p in providers
+        if p != ours
+        and not p.startswith("triton")
+        and p != COPY_PROVIDER
+        and p not in bench.references
+    ]
 
 
 def names_text(names: list) -> str:
@@ -770,9 +815,10 @@ def headline(
     ours = ours_of(bench, list(at))
     unit, mine = bench.unit, at[ours]
     then = lambda p: (
-        "" if recorded is None or p not in recorded
+        ""
+        if recorded is None or p not in recorded
         else f" ({value_text(recorded[p].value)} recorded)"
-    )  # fmt: skip
+    )
     line = f"{ours} {value_text(mine.value)} {unit}{then(ours)}"
     limit = limit_for(unit, mine.dtype, env)
     if limit:
@@ -789,8 +835,10 @@ def headline(
         best = max(peers, key=lambda p: at[p].value)
         shown.append(best)
         among = f", the fastest of {names_text(peers)}" if len(peers) > 1 else ""
-        line += (f"; {mine.value / at[best].value:.2f}x {best}'s "
-                 f"{value_text(at[best].value)}{then(best)}{among}")  # fmt: skip
+        line += (
+            f"; {mine.value / at[best].value:.2f}x {best}'s "
+            f"{value_text(at[best].value)}{then(best)}{among}"
+        )
     lines = [line]
     called = []
     for name in shown:
@@ -823,8 +871,10 @@ def summarize(
     the recording ``points``. Every provider: ``Results.table()``."""
     bench = bench if live else as_recorded(bench, env)
     if measured:
-        head = (f"{bench.name}: measured now on {measured_env['gpu']}, beside the recording "
-                f"on {env['gpu']}, {env['date']}")  # fmt: skip
+        head = (
+            f"{bench.name}: measured now on {measured_env['gpu']}, beside the recording "
+            f"on {env['gpu']}, {env['date']}"
+        )
         shown, source = measured, measured_env
     elif bench.headline_x is not None:
         how = "measured now on" if live else "recorded on"
@@ -845,13 +895,28 @@ def summarize(
         if measured:
             recorded = {p.provider: p for p in points if (p.dtype, p.x) == (dtype, x)}
         lines = headline(bench, at, source, recorded)
-        where = (f'"{bench.x_labels[x]}"' if bench.x_labels and x in bench.x_labels
-                 else f"at {x_text(bench, x)}")  # fmt: skip
-        print(textwrap.fill(f"{dtype}, {where}: {lines[0]}", SUMMARY_WIDTH,
-                            initial_indent="  ", subsequent_indent="      "))  # fmt: skip
+        where = (
+            f'"{bench.x_labels[x]}"'
+            if bench.x_labels and x in bench.x_labels
+            else f"at {x_text(bench, x)}"
+        )
+        print(
+            textwrap.fill(
+                f"{dtype}, {where}: {lines[0]}",
+                SUMMARY_WIDTH,
+                initial_indent="  ",
+                subsequent_indent="      ",
+            )
+        )
         for line in lines[1:]:
-            print(textwrap.fill(line, SUMMARY_WIDTH, initial_indent="    ",
-                                subsequent_indent="      "))  # fmt: skip
+            print(
+                textwrap.fill(
+                    line,
+                    SUMMARY_WIDTH,
+                    initial_indent="    ",
+                    subsequent_indent="      ",
+                )
+            )
 
 
 def tick_text(value: float, step: float, top: float) -> str:
@@ -929,10 +994,13 @@ def draw_limit(ax, unit: str, limit: float, measured_now: bool, recorded: bool) 
     color = "black" if measured_now else "0.35"
     ax.axhline(limit, lw=1, ls="-." if measured_now else "--", color=color)
     ax.annotate(
-        f"{LIMIT_NAME[unit]} {limit:,.0f} {unit} ({where})", (0.01, limit),
-        xycoords=("axes fraction", "data"), va="top" if measured_now else "bottom",
-        fontsize=8, color=color,
-    )  # fmt: skip
+        f"{LIMIT_NAME[unit]} {limit:,.0f} {unit} ({where})",
+        (0.01, limit),
+        xycoords=("axes fraction", "data"),
+        va="top" if measured_now else "bottom",
+        fontsize=8,
+        color=color,
+    )
 
 
 def dodged(xs: list, index: int, count: int, log2: bool) -> list:
@@ -974,9 +1042,13 @@ def plot(
     shown = [*points, *measured]
     dtypes = list(dict.fromkeys(p.dtype for p in shown))
     fig, axes = plt.subplots(
-        len(dtypes), 1, figsize=(FIGURE_WIDTH, 1.7 + 2.9 * len(dtypes)), squeeze=False,
-        sharex=True, layout="constrained",
-    )  # fmt: skip
+        len(dtypes),
+        1,
+        figsize=(FIGURE_WIDTH, 1.7 + 2.9 * len(dtypes)),
+        squeeze=False,
+        sharex=True,
+        layout="constrained",
+    )
     # A recording may hold providers this machine cannot run (a library not installed here).
     providers = list(dict.fromkeys([*bench.providers, *(p.provider for p in shown)]))
     drawn = [p for p in providers if any(q.provider == p for q in shown)]
@@ -1010,11 +1082,21 @@ def plot(
                 ax.bar(xs, [p.value for p in mine], width, color=color, alpha=alpha)
                 called = [(at[p.x], p.call) for p in mine if p.call is not None]
                 if called:  # the call's rate: a black tick on each bar
-                    ax.scatter(*zip(*called, strict=True), marker="_", s=120,
-                               color="black", zorder=3)  # fmt: skip
+                    ax.scatter(
+                        *zip(*called, strict=True),
+                        marker="_",
+                        s=120,
+                        color="black",
+                        zorder=3,
+                    )
                 if now:
-                    ax.plot([at[p.x] for p in now], [p.value for p in now], marker=marker,
-                            mfc=color, **now_style)  # fmt: skip
+                    ax.plot(
+                        [at[p.x] for p in now],
+                        [p.value for p in now],
+                        marker=marker,
+                        mfc=color,
+                        **now_style,
+                    )
                 continue
             if mine:
                 xs, ys = [p.x for p in mine], [p.value for p in mine]
@@ -1029,8 +1111,13 @@ def plot(
                 ax.plot(xs, ys, **style)
                 called = [(p.x, p.call) for p in mine if p.call is not None]
                 if called:  # the same call made from Python: dotted, in the same color
-                    ax.plot(*zip(*called, strict=True), ls=":", lw=1.5, color=color,
-                            alpha=alpha)  # fmt: skip
+                    ax.plot(
+                        *zip(*called, strict=True),
+                        ls=":",
+                        lw=1.5,
+                        color=color,
+                        alpha=alpha,
+                    )
                 if live and mine[0].low is not None:
                     lows, highs = [p.low for p in mine], [p.high for p in mine]
                     ax.fill_between(xs, lows, highs, alpha=0.2, color=color)
@@ -1063,32 +1150,60 @@ def plot(
         if categories:
             handles.append(Patch(color=colors[provider]))
         else:
-            handles.append(Line2D([], [], color=colors[provider], marker=markers[provider],
-                                  ls="--" if dashed else "-", mfc="none" if dashed else None,
-                                  ms=6 if dashed else 4))  # fmt: skip
+            handles.append(
+                Line2D(
+                    [],
+                    [],
+                    color=colors[provider],
+                    marker=markers[provider],
+                    ls="--" if dashed else "-",
+                    mfc="none" if dashed else None,
+                    ms=6 if dashed else 4,
+                )
+            )
         labels.append(label)
     if any(p.call is not None for p in points):
         bars = bool(categories)
         handles += [
             Line2D([], [], color="0.3", ls="-", lw=6 if bars else 1.5),
-            Line2D([], [], color="black", ls="" if bars else ":", marker="_" if bars else "",
-                   ms=12),
-        ]  # fmt: skip
+            Line2D(
+                [],
+                [],
+                color="black",
+                ls="" if bars else ":",
+                marker="_" if bars else "",
+                ms=12,
+            ),
+        ]
         labels += ["GPU time (CUDA graph)", "called from Python"]
     if faded:
-        recorded = Patch(color="0.3", alpha=FADED) if categories else Line2D(
-            [], [], color="0.3", alpha=FADED)  # fmt: skip
+        recorded = (
+            Patch(color="0.3", alpha=FADED)
+            if categories
+            else Line2D([], [], color="0.3", alpha=FADED)
+        )
         handles += [recorded, Line2D([], [], marker="o", mfc="0.6", **now_style)]
         at = "" if live_x_name == bench.x_name else f", at {live_x_name}"
-        labels += [f"recorded on {env['gpu']}",
-                   f"measured now on {measured_env['gpu']}{at}"]  # fmt: skip
+        labels += [
+            f"recorded on {env['gpu']}",
+            f"measured now on {measured_env['gpu']}{at}",
+        ]
     widest = max(map(len, labels))
     columns = max(1, min(len(labels), int(FIGURE_WIDTH / (0.06 * widest + 0.55))))
-    fig.legend(handles, labels, loc="outside lower center", ncols=columns, fontsize=8,
-               frameon=False)  # fmt: skip
+    fig.legend(
+        handles,
+        labels,
+        loc="outside lower center",
+        ncols=columns,
+        fontsize=8,
+        frameon=False,
+    )
     if faded:
-        lines = [bench.name, f"markers: measured now on {describe(measured_env)}",
-                 f"lines: recorded on {describe(env)}"]  # fmt: skip
+        lines = [
+            bench.name,
+            f"markers: measured now on {describe(measured_env)}",
+            f"lines: recorded on {describe(env)}",
+        ]
     else:
         how = "measured now" if live else "recorded"
         lines = [
@@ -1243,8 +1358,10 @@ class Results:
             side = "at or below" if lower else "at or above"
             noun = "categories" if self.bench.x_labels else "sizes"
             against = names_text(rivals) if rivals else "no peer"
-            line = (f"{dtype}: {ours} {side} {against} at {ahead} of {len(xs)} {noun}; "
-                    f"{min(mine):,.0f} to {max(mine):,.0f} {self.bench.unit}")  # fmt: skip
+            line = (
+                f"{dtype}: {ours} {side} {against} at {ahead} of {len(xs)} {noun}; "
+                f"{min(mine):,.0f} to {max(mine):,.0f} {self.bench.unit}"
+            )
             if limit:
                 shares = [
                     m / self.value(limit, x, dtype)
@@ -1309,6 +1426,16 @@ def full_sweep() -> bool:
     )
 
 
+# Providers a quick run leaves to the recording: compiling them for each shape and dtype takes
+# longer than the rest of a chapter's run (chapter 05's activations compile ten graphs).
+RECORDED_IN_QUICK_RUNS = ("torch.compile",)
+
+
+def quick_providers(bench: Benchmark) -> list:
+    """The providers a quick run measures: all but those it leaves to the recording."""
+    return [p for p in bench.providers if not p.startswith(RECORDED_IN_QUICK_RUNS)]
+
+
 def quick_x_values(bench: Benchmark) -> list:
     """The x values a quick run measures: the largest size (for every dtype and provider),
     or every category of a benchmark of categories (they are not sizes)."""
@@ -1329,10 +1456,14 @@ def measure_now(
         timed = (
             bench
             if full
-            else dataclasses.replace(bench, x_values=quick_x_values(bench))
+            else dataclasses.replace(
+                bench, x_values=quick_x_values(bench), providers=quick_providers(bench)
+            )
         )
         how = functools.partial(measure, timed)
-        partial = list(timed.x_values) != list(bench.x_values)
+        partial = list(timed.x_values) != list(bench.x_values) or list(
+            timed.providers
+        ) != list(bench.providers)
     recorded = load_recorded(bench.name, gpu=gpu_name()) if partial else None
     if partial and recorded is None and points_of is not None:
         how, partial = (
@@ -1352,8 +1483,10 @@ def measure_now(
             print(f"recorded {shown_path(record(bench, points, env))}")
         return Results(bench, points, env, live=True)
     if recorded is None:
-        print(f"{bench.name}: nothing recorded to draw these points over; "
-              "STEPKERNELS_FULL=1 measures every size")  # fmt: skip
+        print(
+            f"{bench.name}: nothing recorded to draw these points over; "
+            "STEPKERNELS_FULL=1 measures every size"
+        )
         return Results(bench, points, env, live=True)
     return Results(bench, *recorded, live=False, measured=points, measured_env=env)
 
@@ -1393,11 +1526,23 @@ def run(
             return None
         results = Results(bench, *found, live=False)
     if draw:
-        plot(bench, results.points, results.env, results.live, results.measured,
-             results.measured_env)  # fmt: skip
+        plot(
+            bench,
+            results.points,
+            results.env,
+            results.live,
+            results.measured,
+            results.measured_env,
+        )
         show()
-        summarize(bench, results.points, results.env, results.live, results.measured,
-                  results.measured_env)  # fmt: skip
+        summarize(
+            bench,
+            results.points,
+            results.env,
+            results.live,
+            results.measured,
+            results.measured_env,
+        )
     return results
 
 

@@ -67,9 +67,8 @@ def worst_relative_error(ours: torch.Tensor, reference: torch.Tensor) -> float:
 def check(attention, q, k, v, causal=False, sm_scale=None, tolerance=None):
     """``attention(q, k, v, causal, sm_scale)`` and its gradients (for a random dO) against
     SDPA in fp64. Returns the output and (dq, dk, dv)."""
-    q, k, v = (
-        t.detach().requires_grad_() for t in (q, k, v)
-    )  # detach keeps the strides
+    # detach keeps the strides
+    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
     out = attention(q, k, v, causal=causal, sm_scale=sm_scale)
     exact = [t.detach().double().requires_grad_() for t in (q, k, v)]
     want = F.scaled_dot_product_attention(*exact, is_causal=causal, scale=sm_scale)
@@ -78,8 +77,10 @@ def check(attention, q, k, v, causal=False, sm_scale=None, tolerance=None):
     grads = torch.autograd.grad(out, (q, k, v), grad_out.to(q.device, q.dtype))
     wanted = torch.autograd.grad(want, exact, grad_out.to(want.device, torch.float64))
     tolerance = tolerance or TOLERANCE[q.dtype]
-    for name, ours, reference in zip(("out", "dq", "dk", "dv"), (out, *grads),
-                                     (want, *wanted), strict=True):  # fmt: skip
+    names = ("out", "dq", "dk", "dv")
+    for name, ours, reference in zip(
+        names, (out, *grads), (want, *wanted), strict=True
+    ):
         assert ours.shape == reference.shape, (name, ours.shape, reference.shape)
         error = worst_relative_error(ours, reference)
         assert error <= tolerance, (

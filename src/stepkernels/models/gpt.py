@@ -2,16 +2,83 @@
 
 # Generated from tutorials/12-gpt.py by tools/export.py: edit the chapter, then `make export`.
 
+import dataclasses
 import math
 
-from stepkernels.ops.attention import attention
+from stepkernels.ops.attention import MAX_HEAD_DIM, attention
 from stepkernels.ops.cross_entropy import cross_entropy
 from stepkernels.ops.dropout import dropout, dropout_bias_act
 from stepkernels.ops.layer_norm import layer_norm
 from stepkernels.ops.linear import linear
+from stepkernels.runtime.arguments import classes_in_range, sampling_arguments
 import torch
 from torch import nn
 import torch.nn.functional as F
+
+
+class ConfigError(ValueError):
+    """A configuration value out of range; ``field`` names it (a command-line option)."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(message)
+        self.field = field
+
+
+class ConfigTypeError(TypeError):
+    """A configuration value of the wrong type; ``field`` names it."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(message)
+        self.field = field
+
+
+@dataclasses.dataclass(frozen=True)
+class GPTConfig:
+    """The model's shape, given whole to every module."""
+
+    vocab_size: int  # tokens the model reads and predicts
+    block_size: int = 256  # the longest context, in tokens
+    n_layer: int = 6  # transformer blocks
+    n_head: int = 6  # attention heads per block
+    n_embd: int = 384  # the residual stream's width C
+    dropout: float = 0.0  # probability of dropping, where GPT-2 drops
+    bias: bool = True  # biases in the linear layers and norms (False: none)
+    use_triton: bool = True  # our kernels, else PyTorch's layers (same parameters)
+
+    def __post_init__(self):
+        for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
+            value = getattr(self, name)
+            if type(value) is not int:
+                raise ConfigTypeError(name, f"{name} must be an int, got {value!r}")
+            if value < 1:
+                raise ConfigError(name, f"{name} must be at least 1, got {value}")
+        if self.n_embd % self.n_head:
+            raise ConfigError(
+                "n_embd",
+                f"n_embd ({self.n_embd}) must be a multiple of n_head ({self.n_head})",
+            )
+        if self.n_embd // self.n_head > MAX_HEAD_DIM:
+            raise ConfigError(
+                "n_head",
+                f"heads of n_embd / n_head = {self.n_embd // self.n_head} values: our "
+                f"attention takes at most {MAX_HEAD_DIM}; use n_head >= "
+                f"{-(-self.n_embd // MAX_HEAD_DIM)}",
+            )
+        if not 0.0 <= self.dropout < 1.0:
+            raise ConfigError(
+                "dropout", f"dropout must be in [0, 1), got {self.dropout}"
+            )
+        for name in ("bias", "use_triton"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigTypeError(name, f"{name} must be True or False")
+
+
+def flops_per_token(config: GPTConfig) -> float:
+    """FLOPs of one training step (forward and backward) per token of the batch."""
+    C, L, T = config.n_embd, config.n_layer, config.block_size
+    # Weights of products: qkv 3C², out C², MLP 8C² a block, and the output layer.
+    matrices = L * 12 * C * C + config.vocab_size * C
+    return 6 * matrices + L * 3.5 * 2 * T * C  # attention: 4 T C / 2, times 3.5
 
 
 def compute_dtype(x: torch.Tensor) -> torch.dtype:
@@ -75,81 +142,102 @@ class TritonLayers:
         return cross_entropy(logits.float(), targets)
 
 
-class Block(nn.Module):
-    """Pre-norm transformer block: x + attention(norm(x)), then x + MLP(norm(x))."""
+class CausalSelfAttention(nn.Module):
+    """softmax(q kᵀ / √D) v for every head, each token seeing those before it, then the
+    projection back to the residual stream (dropped out in training)."""
 
-    def __init__(self, n_embd, n_head, dropout):
+    def __init__(self, config: GPTConfig):
         super().__init__()
-        self.n_head, self.dropout = n_head, dropout
-        self.norm_1, self.norm_2 = nn.LayerNorm(n_embd), nn.LayerNorm(n_embd)
-        self.qkv = nn.Linear(n_embd, 3 * n_embd)
-        self.attn_out = nn.Linear(n_embd, n_embd)
-        self.fc = nn.Linear(n_embd, 4 * n_embd)
-        self.fc_out = nn.Linear(4 * n_embd, n_embd)
+        self.n_head = config.n_head
+        self.qkv = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)
+        self.out = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
 
-    def forward(self, x, layers, seeds):
+    def forward(self, x, layers, p, seed):
         batch, time, width = x.shape
-        p = self.dropout if self.training else 0.0
-        qkv = layers.linear(layers.norm(x, self.norm_1), self.qkv)
+        qkv = layers.linear(x, self.qkv)
         # (B, T, 3, H, D) viewed as three (B, H, T, D): strided views, no copies
         heads = qkv.view(batch, time, 3, self.n_head, width // self.n_head)
         q, k, v = heads.permute(2, 0, 3, 1, 4).unbind(0)
         y = layers.attention(q, k, v).transpose(1, 2).reshape(batch, time, width)
-        x = x + layers.linear(y, self.attn_out, p=p, seed=seeds[0])
-        h = layers.linear(layers.norm(x, self.norm_2), self.fc, activation="gelu")
-        return x + layers.linear(h, self.fc_out, p=p, seed=seeds[1])
+        return layers.linear(y, self.out, p=p, seed=seed)
+
+
+class MLP(nn.Module):
+    """GELU(x W_fc + b_fc) W_out + b_out, 4C wide inside (dropped out in training)."""
+
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=config.bias)
+        self.out = nn.Linear(4 * config.n_embd, config.n_embd, bias=config.bias)
+
+    def forward(self, x, layers, p, seed):
+        hidden = layers.linear(x, self.fc, activation="gelu")
+        return layers.linear(hidden, self.out, p=p, seed=seed)
+
+
+class Block(nn.Module):
+    """x + attention(norm_1(x)), then x + mlp(norm_2(x)): GPT-2's pre-norm block."""
+
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.norm_1 = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.attention = CausalSelfAttention(config)
+        self.norm_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.mlp = MLP(config)
+
+    def forward(self, x, layers, p, seeds):
+        x = x + self.attention(layers.norm(x, self.norm_1), layers, p, seeds[0])
+        return x + self.mlp(layers.norm(x, self.norm_2), layers, p, seeds[1])
 
 
 class GPT(nn.Module):
-    """A decoder-only transformer (GPT-2's layout) whose layers run on our kernels
-    (``use_triton=True``) or on PyTorch's, with one set of parameters for both."""
+    """A decoder-only transformer (GPT-2's layout) of the shape ``config``, whose layers run
+    on our kernels or on PyTorch's, with one set of parameters for both. ``use_triton``
+    starts as the config's, and may be flipped on a built model."""
 
-    def __init__(self, vocab_size, block_size, n_layer, n_head, n_embd, dropout=0.0,
-                 use_triton=True):  # fmt: skip
+    def __init__(self, config: GPTConfig):
         super().__init__()
-        if n_head < 1 or n_embd % n_head:
-            raise ValueError(
-                f"n_embd ({n_embd}) must be a multiple of n_head ({n_head})"
+        if not all(hasattr(config, f.name) for f in dataclasses.fields(GPTConfig)):
+            raise TypeError(
+                f"GPT takes one GPTConfig, got {type(config).__name__}: "
+                "GPT(GPTConfig(vocab_size, block_size=..., n_layer=..., ...))"
             )
-        if not 0.0 <= dropout < 1.0:
-            raise ValueError(f"dropout must be in [0, 1), got {dropout}")
-        self.block_size, self.dropout, self.use_triton = block_size, dropout, use_triton
-        self.tokens = nn.Embedding(vocab_size, n_embd)
-        self.positions = nn.Embedding(block_size, n_embd)
-        self.blocks = nn.ModuleList(
-            Block(n_embd, n_head, dropout) for _ in range(n_layer)
-        )
-        self.norm = nn.LayerNorm(n_embd)
+        self.config, self.use_triton = config, config.use_triton
+        self.tokens = nn.Embedding(config.vocab_size, config.n_embd)
+        self.positions = nn.Embedding(config.block_size, config.n_embd)
+        self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
+        self.norm = nn.LayerNorm(config.n_embd, bias=config.bias)
         # Dropout seeds live on the device and advance inside the step, so a CUDA graph of
         # the step draws new masks at every replay (chapter 06). One per dropout site.
-        sites = 1 + 2 * n_layer
+        sites = 1 + 2 * config.n_layer
         first = torch.randint(2**62, (), dtype=torch.int64)
         self.register_buffer("seeds", first + torch.arange(sites), persistent=False)
         self.apply(self.init_weights)
-        for name, param in self.named_parameters():  # GPT-2: residual outputs scaled
-            if name.endswith(("attn_out.weight", "fc_out.weight")):
-                nn.init.normal_(param, std=0.02 / math.sqrt(2 * n_layer))
+        for block in self.blocks:  # GPT-2: the residual stream's inputs start smaller
+            for layer in (block.attention.out, block.mlp.out):
+                nn.init.normal_(layer.weight, std=0.02 / math.sqrt(2 * config.n_layer))
 
     @staticmethod
     def init_weights(module):
         if isinstance(module, (nn.Linear, nn.Embedding)):
             nn.init.normal_(module.weight, std=0.02)
-        if isinstance(module, nn.Linear):
+        if isinstance(module, nn.Linear) and module.bias is not None:
             nn.init.zeros_(module.bias)
 
     def forward(self, idx, targets=None):
         """Logits (B, T, vocab) for token ids ``idx`` (B, T), and the mean cross-entropy
         against ``targets`` (B, T) when given, else None. A target outside the vocabulary
-        (other than -100, ignored) gives a NaN loss with our kernels; PyTorch's raise."""
-        check_tokens(idx, targets, self.block_size)
+        (other than -100, ignored) is an error on both layers: a ValueError for CPU tensors,
+        checked first; on a GPU a device-side assert in the loss, ours or PyTorch's."""
+        check_tokens(idx, targets, self.config.block_size, self.config.vocab_size)
         layers = TritonLayers() if self.use_triton else TorchLayers()
-        p = self.dropout if self.training else 0.0
+        p = self.config.dropout if self.training else 0.0
         seeds = self.seeds.add_(len(self.seeds)) if p > 0 and self.use_triton else None
         site = (lambda i: seeds[i]) if seeds is not None else (lambda i: None)
         positions = torch.arange(idx.shape[1], device=idx.device)
         x = layers.dropout(self.tokens(idx) + self.positions(positions), p, site(0))
         for i, block in enumerate(self.blocks):
-            x = block(x, layers, (site(1 + 2 * i), site(2 + 2 * i)))
+            x = block(x, layers, p, (site(1 + 2 * i), site(2 + 2 * i)))
         # The output layer is the token embedding's matrix (GPT-2's weight tying).
         logits = layers.linear(layers.norm(x, self.norm), self.tokens)
         if targets is None:
@@ -159,18 +247,18 @@ class GPT(nn.Module):
 
     @torch.no_grad()
     def generate(self, idx, new_tokens, temperature=1.0, top_k=None, generator=None):
-        """Extend each row of ``idx`` (B, T) by ``new_tokens`` sampled one at a time."""
-        check_tokens(idx, None)  # a prompt of at least one token, as long as it likes
-        if not temperature > 0 or (top_k is not None and top_k < 1):
-            raise ValueError(
-                f"need temperature > 0, top_k >= 1: {temperature}, {top_k}"
-            )
+        """Extend each row of ``idx`` (B, T) by ``new_tokens`` sampled one at a time, from
+        the ``top_k`` likeliest tokens (all if None), logits divided by ``temperature``."""
+        # a prompt of at least one token, as long as it likes
+        check_tokens(idx, None, vocab_size=self.config.vocab_size)
+        sampling_arguments(new_tokens, temperature, top_k)
+        block_size = self.config.block_size
         for _ in range(new_tokens):
-            context = idx[:, -self.block_size :]
+            context = idx[:, -block_size:]
             length = context.shape[1]
             # Always a full context: one shape, so one autotuned launch per product. The
             # causal mask keeps the padding after the last token from changing its logits.
-            context = F.pad(context, (0, self.block_size - length))
+            context = F.pad(context, (0, block_size - length))
             logits = self(context)[0][:, length - 1, :].float() / temperature
             if top_k is not None:
                 kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, -1:]
@@ -184,19 +272,28 @@ class GPT(nn.Module):
 TOKEN_DTYPES = (torch.int64, torch.int32)
 
 
-def check_tokens(idx, targets, block_size=math.inf):
-    """idx (batch, time) with 1 <= time <= block_size, targets of its shape."""
+def check_tokens(idx, targets, block_size=math.inf, vocab_size=None):
+    """idx (batch, time) with 1 <= time <= block_size, targets of its shape; on CPU tensors,
+    their ids below ``vocab_size`` (targets may be -100, ignored)."""
     for name, tokens in (("idx", idx), ("targets", targets)):
         ids = isinstance(tokens, torch.Tensor) and tokens.dtype in TOKEN_DTYPES
-        if tokens is not None and not ids:
+        if (tokens is not None or name == "idx") and not ids:
             raise TypeError(f"{name} must be a tensor of token ids, int64 or int32")
     if idx.dim() != 2 or not 0 < idx.shape[1] <= block_size:
         too_long = idx.dim() == 2 and idx.shape[1] > block_size
         hint = f": crop with idx[:, -{block_size}:]" if too_long else ""
         hint = ": one sequence is idx[None]" if idx.dim() == 1 else hint
         limit = "" if block_size == math.inf else f" <= block_size ({block_size})"
-        raise ValueError(f"idx must be (batch, time) token ids, 1 <= time{limit}, got "
-                         f"shape {tuple(idx.shape)}{hint}")  # fmt: skip
+        raise ValueError(
+            f"idx must be (batch, time) token ids, 1 <= time{limit}, got shape "
+            f"{tuple(idx.shape)}{hint}"
+        )
     if targets is not None and targets.shape != idx.shape:
-        raise ValueError(f"targets must match idx's shape {tuple(idx.shape)}, got "
-                         f"{tuple(targets.shape)}")  # fmt: skip
+        raise ValueError(
+            f"targets must match idx's shape {tuple(idx.shape)}, got "
+            f"{tuple(targets.shape)}"
+        )
+    if vocab_size is not None:
+        classes_in_range(idx, vocab_size, "idx")
+        if targets is not None:
+            classes_in_range(targets, vocab_size, "targets", ignore_index=-100)

@@ -30,13 +30,16 @@ def layer_norm_forward_op(
 
 @triton_op("stepkernels::layer_norm_backward", mutates_args={})
 def layer_norm_backward_op(
-    dy2d: Tensor, x2d: Tensor, weight: Tensor | None, mean: Tensor, rstd: Tensor,
-    want_dw: bool, want_db: bool,
-) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+    dy2d: Tensor,
+    x2d: Tensor,
+    weight: Tensor | None,
+    mean: Tensor,
+    rstd: Tensor,
+    want_dw: bool,
+    want_db: bool,
+) -> tuple[Tensor, Tensor, Tensor]:
     dx, dw, db = layer_norm_backward(dy2d, x2d, weight, mean, rstd, want_dw, want_db)
-    none = lambda: x2d.new_empty(
-        0
-    )  # an operator returns fresh tensors: empty, not None
+    none = lambda: x2d.new_empty(0)  # an operator returns fresh tensors, never None
     return dx, none() if dw is None else dw, none() if db is None else db
 
 
@@ -63,8 +66,17 @@ layer_norm_forward_op.register_autograd(backward, setup_context=save_for_backwar
 
 def traced_layer_norm(x, normalized_shape, weight=None, bias=None, eps=1e-5):
     """``stepkernels.layer_norm`` as operators that ``torch.compile`` traces into."""
-    shape = layer_norm_arguments(x, normalized_shape, weight, bias, eps, "two-stage", None,
-                                 SUPPORTED_DTYPES, REDUCTIONS)  # fmt: skip
+    shape = layer_norm_arguments(
+        x,
+        normalized_shape,
+        weight,
+        bias,
+        eps,
+        "two-stage",
+        None,
+        SUPPORTED_DTYPES,
+        REDUCTIONS,
+    )
     x2d = rows_of(x, math.prod(shape))
     flat = lambda p: None if p is None else p.reshape(-1).contiguous()
     y, _, _ = layer_norm_forward_op(x2d, flat(weight), flat(bias), float(eps))

@@ -39,8 +39,8 @@ def row_span(row, row_stride, n_cols, ALIGN: tl.constexpr, ALIGNED: tl.constexpr
 
 @triton.jit
 def arrive_and_wait(counter_ptr, n_parts, MAX_POLLS: tl.constexpr):
-    """Count this program in (its stores ordered before), then poll until all ``n_parts``
-    have counted, at most MAX_POLLS times. True if they all did."""
+    """Count this program in (its stores ordered before), then poll until all
+    ``n_parts`` have counted, at most MAX_POLLS times. True if they all did."""
     tl.debug_barrier()  # every thread of this program has stored
     arrived = tl.atomic_add(counter_ptr, 1, sem="acq_rel") + 1
     polls = 0
@@ -52,7 +52,7 @@ def arrive_and_wait(counter_ptr, n_parts, MAX_POLLS: tl.constexpr):
 
 @triton.jit
 def combine_parts(part_stats, n_parts, PARTS_POW2: tl.constexpr):
-    """The row's maximum, sum of exp(x - maximum) and sum of x from its parts' triples."""
+    """The row's max, sum of exp(x - max) and sum of x, from its parts' triples."""
     parts = tl.arange(0, PARTS_POW2)
     present = parts < n_parts
     maxima = tl.load(part_stats + parts, present, -float("inf"), volatile=True)
@@ -85,17 +85,37 @@ def online_row_statistics(x_row, n_cols, BLOCK_N: tl.constexpr):
 @lean
 @triton.jit
 def cross_entropy_kernel(
-    logits_ptr, target_ptr, grad_ptr, loss_ptr, scale_ptr, stats_ptr, counter_ptr,
-    n_cols, n_parts, row_stride, scale_stride, ignore_index, smoothing,
-    PART: tl.constexpr, PARTS_POW2: tl.constexpr, SMOOTH: tl.constexpr,
-    WRITE_GRAD: tl.constexpr, HAS_SCALE: tl.constexpr, ALIGN: tl.constexpr,
-    ALIGNED: tl.constexpr, MAX_POLLS: tl.constexpr,
-):  # fmt: skip
+    logits_ptr,
+    target_ptr,
+    grad_ptr,
+    loss_ptr,
+    scale_ptr,
+    stats_ptr,
+    counter_ptr,
+    n_cols,
+    n_parts,
+    row_stride,
+    scale_stride,
+    ignore_index,
+    smoothing,
+    PART: tl.constexpr,
+    PARTS_POW2: tl.constexpr,
+    SMOOTH: tl.constexpr,
+    WRITE_GRAD: tl.constexpr,
+    HAS_SCALE: tl.constexpr,
+    ALIGN: tl.constexpr,
+    ALIGNED: tl.constexpr,
+    MAX_POLLS: tl.constexpr,
+):
     row, part = tl.program_id(0) // n_parts, tl.program_id(0) % n_parts
     span, lead, last, padded = row_span(row, row_stride, n_cols, ALIGN, ALIGNED)
     offsets = part * PART + tl.arange(0, PART)  # from the row's first group
-    x = tl.load(logits_ptr + span + offsets, offsets < padded, -float("inf"),
-                eviction_policy="evict_first").to(tl.float32)  # fmt: skip
+    x = tl.load(
+        logits_ptr + span + offsets,
+        offsets < padded,
+        -float("inf"),
+        eviction_policy="evict_first",
+    ).to(tl.float32)
     in_row = (offsets >= lead) & (offsets < n_cols + lead)
     edge = part == 0  # a part holding a group shared with a neighbouring row
     if not ALIGNED:
@@ -104,6 +124,7 @@ def cross_entropy_kernel(
             x = tl.where(in_row, x, -float("inf"))
     target = tl.load(target_ptr + row).to(tl.int64)
     in_range = (target >= 0) & (target < n_cols)
+    tl.device_assert(in_range | (target == ignore_index), "target outside [0, V)")
     # x_t before any program of the row writes its gradient, maybe over the logits
     x_target = tl.load(logits_ptr + span + lead + target, in_range, 0.0).to(tl.float32)
     part_max = tl.max(x, axis=0)
@@ -177,6 +198,7 @@ SCALE_BLOCK, SCALE_PROGRAMS_PER_SM = 4096, 4
 REDUCTIONS = ("mean", "sum", "none")
 MAX_POLLS = 100_000 if ON_GPU else 2  # tries before a program reads the row itself
 WAIT = 2**31 - 1 if ON_GPU else 2  # in place: wait as long as it takes
+ASSERTS = {"debug": True, "sanitize_overflow": False}  # asserts in, overflow checks out
 
 
 @lean
@@ -222,7 +244,7 @@ def default_launch(n_values: int, element_size: int, write_grad: bool, aligned: 
 
 
 def rows_aligned(t: torch.Tensor, align: int) -> bool:
-    """Does every row of ``t`` start and end on a 16-byte boundary (``align`` values)?"""
+    """Do the rows of ``t`` start and end on 16-byte boundaries (``align`` values)?"""
     return t.data_ptr() % 16 == 0 and t.stride(0) % align == t.shape[1] % align == 0
 
 
@@ -237,8 +259,9 @@ def empty_rows_like(t: torch.Tensor) -> torch.Tensor:
 
 
 def loss_rows(logits, target, options, grad=None, scale=None, launch=None):
-    """The loss of each row, fp32. Writes the gradient into ``grad`` if given (laid out as
-    ``logits``, or ``logits`` itself: in place), times ``scale``: one value or one per row."""
+    """The loss of each row, fp32. Writes the gradient into ``grad`` if given (laid out
+    as ``logits``, or ``logits`` itself: in place), times ``scale``: one value or one
+    per row."""
     n_rows, n_cols = logits.shape
     losses = torch.empty(n_rows, device=logits.device, dtype=torch.float32)
     if n_rows == 0:
@@ -255,22 +278,48 @@ def loss_rows(logits, target, options, grad=None, scale=None, launch=None):
     if n_parts > 1:
         stats = torch.empty(n_rows, 3, parts_pow2, device=logits.device)
         counters = torch.zeros(n_rows, device=logits.device, dtype=torch.int32)
+    in_place = grad is logits
+    if in_place and n_parts > 1 and not ON_GPU:
+        # The interpreter runs a grid's programs one at a time: none can wait for a sibling
+        # yet to run, and its way out would read parts the siblings before it have already
+        # overwritten. So the gradient goes to a buffer of its own, then over the logits.
+        grad = empty_rows_like(logits)
     has_scale = scale is not None
     scale = scale if has_scale else losses
     with quiet():
         cross_entropy_kernel[(n_rows * n_parts,)](
-            logits, target, logits if grad is None else grad, losses, scale, stats,
-            counters, n_cols, n_parts, logits.stride(0), scale.stride(0) if scale.dim() else 0,
-            options.ignore_index, options.smoothing, PART=part, PARTS_POW2=parts_pow2,
-            SMOOTH=options.smoothing > 0, WRITE_GRAD=write_grad, HAS_SCALE=has_scale,
-            ALIGN=align, ALIGNED=aligned, MAX_POLLS=WAIT if grad is logits else MAX_POLLS,
-            num_warps=launch.num_warps, maxnreg=launch.max_registers,
-        )  # fmt: skip
+            logits,
+            target,
+            logits if grad is None else grad,
+            losses,
+            scale,
+            stats,
+            counters,
+            n_cols,
+            n_parts,
+            logits.stride(0),
+            scale.stride(0) if scale.dim() else 0,
+            options.ignore_index,
+            options.smoothing,
+            PART=part,
+            PARTS_POW2=parts_pow2,
+            SMOOTH=options.smoothing > 0,
+            WRITE_GRAD=write_grad,
+            HAS_SCALE=has_scale,
+            ALIGN=align,
+            ALIGNED=aligned,
+            MAX_POLLS=WAIT if grad is logits else MAX_POLLS,
+            num_warps=launch.num_warps,
+            maxnreg=launch.max_registers,
+            **ASSERTS,
+        )
+    if in_place and grad is not logits:
+        logits.copy_(grad)
     return losses
 
 
 def scale_unless_one(tensor, factor):
-    """``tensor *= factor`` in place, skipped on the GPU (no synchronization) when it is 1."""
+    """``tensor *= factor`` in place; skipped on the GPU (no synchronization) if 1."""
     flat = tensor  # a gradient laid out as strided logits: with the gaps nobody reads
     if not tensor.is_contiguous():
         if tensor.stride(-1) != 1:  # not rows with gaps between them: torch's multiply
@@ -278,8 +327,12 @@ def scale_unless_one(tensor, factor):
         span = tensor.stride(0) * (len(tensor) - 1) + tensor.shape[1]
         flat = tensor.as_strided((span,), (1,))
     if flat.numel():
-        grid = (min(triton.cdiv(flat.numel(), SCALE_BLOCK),
-                    SCALE_PROGRAMS_PER_SM * sm_count()),)  # fmt: skip
+        grid = (
+            min(
+                triton.cdiv(flat.numel(), SCALE_BLOCK),
+                SCALE_PROGRAMS_PER_SM * sm_count(),
+            ),
+        )
         scale_unless_one_kernel[grid](flat, factor, flat.numel(), BLOCK=SCALE_BLOCK)
     return tensor
 
@@ -320,9 +373,9 @@ class CrossEntropyFunction(torch.autograd.Function):
         return grad, None, None
 
 
-def check_target(target, n_rows, ignore_index, label_smoothing, reduction) -> Options:
+def check_target(target, shape, ignore_index, label_smoothing, reduction) -> Options:
     checked = cross_entropy_arguments(
-        target, n_rows, ignore_index, label_smoothing, reduction, REDUCTIONS
+        target, *shape, ignore_index, label_smoothing, reduction, REDUCTIONS
     )
     return Options(*checked, reduction)
 
@@ -332,15 +385,17 @@ def cross_entropy(
 ):
     """``torch.nn.functional.cross_entropy`` for (tokens, vocabulary) logits in fp32, fp16 or
     bf16 and integer targets, computed in fp32, with autograd; no class weights (options by
-    keyword). A target outside [0, V) that is not ``ignore_index`` gives NaN for its row."""
+    keyword). A target outside [0, V), not ``ignore_index``: a ValueError for CPU tensors; on
+    a GPU a device-side assert, as PyTorch's, after which CUDA fails in this process."""
     check_tensor(logits, "logits", FLOAT_DTYPES)
     if logits.dim() != 2 or logits.shape[1] == 0:
         raise ValueError(
-            f"logits must be (tokens, vocabulary >= 1), got {tuple(logits.shape)}: flatten "
-            "with logits.reshape(-1, logits.shape[-1]) ((N, C, d1, ...): move C last first)"
+            f"logits must be (tokens, vocabulary >= 1), got {tuple(logits.shape)}: "
+            "flatten with logits.reshape(-1, logits.shape[-1]) ((N, C, d1, ...): "
+            "move C last first)"
         )
     options = check_target(
-        target, len(logits), ignore_index, label_smoothing, reduction
+        target, logits.shape, ignore_index, label_smoothing, reduction
     )
     logits, target = as_rows(logits), target.contiguous()
     if logits.stride(0) < logits.shape[1]:  # rows share memory: so would the gradient's

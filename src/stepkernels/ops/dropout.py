@@ -8,10 +8,12 @@ import math
 
 from stepkernels.runtime import activations, core
 from stepkernels.runtime.arguments import (
+    activation_argument,
     dropout_bias,
     dropout_input,
     dropout_p,
     dropout_seed,
+    flag_argument,
 )
 from stepkernels.runtime.launch import lean  # cheap repeated launches: chapter 08
 import torch
@@ -21,13 +23,18 @@ import triton.language as tl
 
 @triton.jit
 def keep_mask(seed, p, groups):
-    """For a block of group indices (int64, shape [G]), which of the [G, 4] elements to keep."""
-    # Counters as uint32: the same Philox variant on every Triton version (32-bit words).
+    """For a block of group indices (int64, shape [G]), which of the [G, 4] elements to
+    keep."""
+    # Counters as uint32: the same Philox variant on every Triton version (32-bit
+    # words).
     r0, r1, r2, r3 = tl.rand4x(seed, groups.to(tl.uint32))
     lane = tl.arange(0, 4)[None, :]
-    random = tl.where(lane == 0, r0[:, None], tl.where(lane == 1, r1[:, None],
-                      tl.where(lane == 2, r2[:, None], r3[:, None])))  # fmt: skip
-    # Uniform in [0, 1): P(random >= p) = 1 - p; p = 0 keeps everything and p = 1 nothing.
+    random = tl.where(
+        lane == 0,
+        r0[:, None],
+        tl.where(lane == 1, r1[:, None], tl.where(lane == 2, r2[:, None], r3[:, None])),
+    )
+    # Uniform in [0, 1): P(random >= p) = 1 - p; p = 0 keeps everything, p = 1 nothing.
     return random >= p
 
 
@@ -42,8 +49,9 @@ def group_offsets(BLOCK_SIZE: tl.constexpr):
 
 @lean
 @triton.jit(do_not_specialize=["seed"])
-def dropout_kernel(x_ptr, out_ptr, n_elements, p, scale, seed,
-                   BLOCK_SIZE: tl.constexpr):  # fmt: skip
+def dropout_kernel(
+    x_ptr, out_ptr, n_elements, p, scale, seed, BLOCK_SIZE: tl.constexpr
+):
     groups, offsets = group_offsets(BLOCK_SIZE)
     in_bounds = offsets < n_elements
     seed = tl.load(seed) if seed.dtype.is_ptr() else seed  # in memory: a tensor seed
@@ -63,14 +71,15 @@ def scale_for(p: float) -> float:
 
 
 def launch_dropout(x, p, seed, inplace=False, kernel=dropout_kernel) -> torch.Tensor:
-    """Dropout of ``x`` into a new tensor, or into ``x`` itself: in place when contiguous
-    (each element is read, then written, by the same program), else through a copy."""
+    """Dropout of ``x`` into a new tensor, or into ``x`` itself: in place when
+    contiguous (each element is read, then written, by the same program), else through
+    a copy."""
     source = x.contiguous()
     out = source if inplace else torch.empty_like(source)
     if x.numel():
         grid = (triton.cdiv(x.numel(), BLOCK_SIZE),)
-        kernel[grid](source, out, x.numel(), p, scale_for(p), seed, BLOCK_SIZE,
-                     num_warps=NUM_WARPS)  # fmt: skip
+        args = (source, out, x.numel(), p, scale_for(p), seed)
+        kernel[grid](*args, BLOCK_SIZE, num_warps=NUM_WARPS)
     return x.copy_(out) if inplace and out is not x else out
 
 
@@ -90,14 +99,17 @@ class SeededDropout(torch.autograd.Function):
 
 
 def dropout(x, p: float, seed, training: bool = True, inplace: bool = False):
-    """Drop each element of ``x`` with probability ``p`` and scale the rest by 1 / (1 - p).
+    """Drop each element of ``x`` with probability ``p``, scale the rest by 1 / (1 - p).
 
-    The mask, a function of ``seed`` (an int in [0, 2**63), or a one-element int64 tensor on
-    x's device, read by the kernel) and of the row-major position alone, is regenerated in the
-    backward. ``training=False`` or ``p=0`` return ``x``; ``inplace=True`` writes into ``x``.
+    The mask, a function of ``seed`` (an int in [0, 2**63), or a one-element int64
+    tensor on x's device, read by the kernel) and of the row-major position alone, is
+    regenerated in the backward. ``training=False`` or ``p=0`` return ``x``;
+    ``inplace=True`` writes into ``x``.
     """
     dropout_input(x, MAX_ELEMENTS, core.FLOAT_DTYPES)  # checks, raising what to do
     p, seed = dropout_p(p), dropout_seed(seed, x)
+    flag_argument("training", training)
+    flag_argument("inplace", inplace)
     if not training or p == 0.0:
         return x
     if not (torch.is_grad_enabled() and x.requires_grad):  # nothing for autograd
@@ -109,12 +121,14 @@ def dropout(x, p: float, seed, training: bool = True, inplace: bool = False):
 
 
 class Dropout(torch.nn.Module):
-    """Drop-in for ``torch.nn.Dropout`` that stores no mask, with a 63-bit seed a call from
-    PyTorch's generator (``manual_seed`` reproduces a run; 31 bits repeat in ~46,000 calls)."""
+    """Drop-in for ``torch.nn.Dropout`` that stores no mask, with a 63-bit seed a call
+    from PyTorch's generator (``manual_seed`` reproduces a run; 31 bits would repeat in
+    ~46,000 calls)."""
 
     def __init__(self, p: float = 0.5, inplace: bool = False):
         super().__init__()
-        self.p, self.inplace = dropout_p(p), bool(inplace)
+        flag_argument("inplace", inplace)
+        self.p, self.inplace = dropout_p(p), inplace
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.training or self.p == 0.0:
@@ -127,8 +141,9 @@ class Dropout(torch.nn.Module):
 
 @triton.jit
 def philox(seed, counters):
-    """Philox-4x32-10, the bits of ``tl.randint4x``, each round's two 32 x 32-bit products
-    taken whole in 64 bits: one multiply gives both halves, where ``umulhi`` takes another."""
+    """Philox-4x32-10, the bits of ``tl.randint4x``, each round's two 32 x 32-bit
+    products taken whole in 64 bits: one multiply gives both halves, where ``umulhi``
+    takes another."""
     seed = seed.to(tl.uint64)  # an int32 seed shifted by 32 would be undefined
     k0, k1 = seed.to(tl.uint32), (seed >> 32).to(tl.uint32)
     c0, c1, c2, c3 = counters, counters * 0, counters * 0, counters * 0
@@ -142,7 +157,8 @@ def philox(seed, counters):
 
 @triton.jit
 def keep_eight(seed, threshold, groups):
-    """Keep [G, 8]: a Philox call a group gives 4 words, each 2 draws of 16 bits (low first)."""
+    """Keep [G, 8]: a Philox call a group gives 4 words, each 2 draws of 16 bits (low
+    first)."""
     r0, r1, r2, r3 = philox(seed, groups.to(tl.uint32))
     words = tl.reshape(tl.join(tl.join(r0, r2), tl.join(r1, r3)), (groups.shape[0], 4))
     draws = tl.reshape(tl.join(words & 0xFFFF, words >> 16), (groups.shape[0], 8))
@@ -168,9 +184,19 @@ def row_tile(row, col_groups, cols, n_rows, n_cols):
 @lean
 @triton.jit(do_not_specialize=["seed"])
 def bias_act_dropout_kernel(
-    x_ptr, bias_ptr, out_ptr, n_rows, n_cols, rows_per_program, threshold, scale, seed,
-    ACTIVATION: tl.constexpr, BLOCK_COLS: tl.constexpr, NUM_STAGES: tl.constexpr,
-):  # fmt: skip
+    x_ptr,
+    bias_ptr,
+    out_ptr,
+    n_rows,
+    n_cols,
+    rows_per_program,
+    threshold,
+    scale,
+    seed,
+    ACTIVATION: tl.constexpr,
+    BLOCK_COLS: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
+):
     col_groups, cols = column_block(BLOCK_COLS)
     bias = tl.load(bias_ptr + cols, mask=cols < n_cols).to(tl.float32)
     seed = tl.load(seed) if seed.dtype.is_ptr() else seed  # as in dropout_kernel
@@ -189,10 +215,24 @@ def bias_act_dropout_kernel(
 @lean
 @triton.jit(do_not_specialize=["seed"])
 def bias_act_dropout_backward_kernel(
-    grad_out_ptr, x_ptr, bias_ptr, grad_in_ptr, bias_sum_ptr, counter_ptr, grad_bias_ptr,
-    n_rows, n_cols, rows_per_program, threshold, scale, seed, ACTIVATION: tl.constexpr,
-    BLOCK_COLS: tl.constexpr, NUM_STAGES: tl.constexpr, DETERMINISTIC: tl.constexpr,
-):  # fmt: skip
+    grad_out_ptr,
+    x_ptr,
+    bias_ptr,
+    grad_in_ptr,
+    bias_sum_ptr,
+    counter_ptr,
+    grad_bias_ptr,
+    n_rows,
+    n_cols,
+    rows_per_program,
+    threshold,
+    scale,
+    seed,
+    ACTIVATION: tl.constexpr,
+    BLOCK_COLS: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
+    DETERMINISTIC: tl.constexpr,
+):
     col_groups, cols = column_block(BLOCK_COLS)
     cols_in = cols < n_cols
     seed = tl.load(seed) if seed.dtype.is_ptr() else seed  # as in dropout_kernel
@@ -217,7 +257,7 @@ def bias_act_dropout_backward_kernel(
     if DETERMINISTIC:  # a row of partial sums a program, for PyTorch to add in order
         partial_row = tl.program_id(0).to(tl.int64) * n_cols
         tl.store(bias_sum_ptr + partial_row + cols, bias_sum, mask=cols_in)
-    else:  # added into fp32 sums in arrival order; the column block's last program casts
+    else:  # into fp32 sums in arrival order; the column block's last program casts
         tl.atomic_add(bias_sum_ptr + cols, bias_sum, mask=cols_in, sem="relaxed")
         tl.debug_barrier()  # every thread of this program has added
         arrived = tl.atomic_add(counter_ptr + tl.program_id(1), 1, sem="acq_rel")
@@ -231,17 +271,18 @@ def bias_act_dropout_backward_kernel(
 
 
 FUSED_COLS = {False: 2048, True: 1024}  # most columns a program: forward, backward
-FORWARD_OPTIONS = {"NUM_STAGES": 1, "num_warps": 4}  # fused_dropout_cheaper.log
+FORWARD_OPTIONS = {"NUM_STAGES": 1, "num_warps": 4}  # the best launch measured (H100)
 BACKWARD_PROGRAMS_PER_SM = 4  # the backward's strips: long enough for about this many
-BACKWARD_STAGES = {4: 3, 2: 4}  # by bytes an element (fused_dropout_db.log)
+BACKWARD_STAGES = {4: 3, 2: 4}  # by bytes an element: the best measured (H100)
 
 
 def fused_launch(n_rows: int, n_cols: int, backward: bool) -> tuple[int, int, tuple]:
-    """(BLOCK_COLS, rows per program, grid) for a non-empty input: a forward program takes a
-    row block (more rows if they are short), a backward program a strip of rows, for db."""
+    """(BLOCK_COLS, rows per program, grid) for a non-empty input: a forward program
+    takes a row block (more rows if they are short, never more than there are), a
+    backward program a strip of rows, for db."""
     block_cols = min(FUSED_COLS[backward], max(8, triton.next_power_of_2(n_cols)))
     col_blocks = triton.cdiv(n_cols, block_cols)
-    rows_per_program = FUSED_COLS[backward] // block_cols
+    rows_per_program = min(FUSED_COLS[backward] // block_cols, n_rows)
     if backward:
         wanted = triton.cdiv(BACKWARD_PROGRAMS_PER_SM * core.sm_count(), col_blocks)
         rows_per_program = triton.cdiv(n_rows, min(n_rows, wanted))
@@ -255,10 +296,11 @@ def bias_act_dropout(x, bias, p, activation, seed):
     out = torch.empty_like(x2d)
     if x2d.numel():  # an empty input launches nothing
         block_cols, rows_per_program, grid = fused_launch(*x2d.shape, backward=False)
+        dropping = (round(p * 2**16), scale_for(p), seed)  # threshold, scale, seed
+        options = dict(ACTIVATION=activation, BLOCK_COLS=block_cols, **FORWARD_OPTIONS)
         bias_act_dropout_kernel[grid](
-            x2d, bias, out, *x2d.shape, rows_per_program, round(p * 2**16), scale_for(p), seed,
-            ACTIVATION=activation, BLOCK_COLS=block_cols, **FORWARD_OPTIONS,
-        )  # fmt: skip
+            x2d, bias, out, *x2d.shape, rows_per_program, *dropping, **options
+        )
     return out.view(x.shape)
 
 
@@ -287,25 +329,34 @@ class BiasActDropout(torch.autograd.Function):
         else:  # scratch that the kernel leaves zeroed
             sums = core.zeroed(bias.device, ctx.shape2d[1], torch.float32)
             counters = core.zeroed(bias.device, grid[1])
+        tensors = (grad_2d, x2d, bias, grad_in, sums, counters, grad_bias)
+        dropping = (round(ctx.p * 2**16), scale_for(ctx.p), ctx.seed)
         bias_act_dropout_backward_kernel[grid](
-            grad_2d, x2d, bias, grad_in, sums, counters, grad_bias, *ctx.shape2d,
-            rows_per_program, round(ctx.p * 2**16), scale_for(ctx.p), ctx.seed,
-            ACTIVATION=ctx.activation, BLOCK_COLS=block_cols, DETERMINISTIC=deterministic,
-            NUM_STAGES=BACKWARD_STAGES[grad_2d.element_size()], num_warps=4,
-        )  # fmt: skip
+            *tensors,
+            *ctx.shape2d,
+            rows_per_program,
+            *dropping,
+            ACTIVATION=ctx.activation,
+            BLOCK_COLS=block_cols,
+            DETERMINISTIC=deterministic,
+            NUM_STAGES=BACKWARD_STAGES[grad_2d.element_size()],
+            num_warps=4,
+        )
         if deterministic:
             grad_bias = sums.sum(0).to(bias.dtype)
         return grad_in.view(grad_out.shape), grad_bias, None, None, None
 
 
 def dropout_bias_act(x, bias, p: float, activation, seed, training: bool = True):
-    """``dropout(act(x + bias), p)`` in one kernel, forward and backward; bias over the last
-    dimension. Its mask, of (seed, row, column), is never stored; seed: as for ``dropout``.
-    The mask draws 16 bits: it drops with probability p rounded to a multiple of 2^-16."""
-    activations.check_activation(activation)
+    """``dropout(act(x + bias), p)`` in one kernel, forward and backward; bias over the
+    last dimension. Its mask, of (seed, row, column), is never stored; seed: as for
+    ``dropout``. The mask draws 16 bits: it drops with probability p rounded to a
+    multiple of 2^-16."""
+    activation_argument(activation)
     dropout_input(x, MAX_ELEMENTS, core.FLOAT_DTYPES)
     p, seed = dropout_p(p), dropout_seed(seed, x)
     dropout_bias(x, bias, core.FLOAT_DTYPES)
+    flag_argument("training", training)
     # The p the mask draws, which the scale 1 / (1 - p) must match
     p = round(p * 2**16) / 2**16 if training else 0.0
     x, bias = x.contiguous(), bias.contiguous()

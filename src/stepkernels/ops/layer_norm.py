@@ -25,11 +25,26 @@ import triton.language as tl
 
 @lean
 @triton.jit
-def layer_norm_forward_kernel(x_ptr, y_ptr, weight_ptr, bias_ptr, mean_ptr, rstd_ptr,
-        x_row_stride, y_row_stride, M, N, eps, BLOCK_N: tl.constexpr,
-        ROWS_PER_PROGRAM: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
-        NUM_STAGES: tl.constexpr):  # fmt: skip
-    # Row blocks p, p + grid size, ...: NUM_STAGES > 1 loads the next during this one's math
+def layer_norm_forward_kernel(
+    x_ptr,
+    y_ptr,
+    weight_ptr,
+    bias_ptr,
+    mean_ptr,
+    rstd_ptr,
+    x_row_stride,
+    y_row_stride,
+    M,
+    N,
+    eps,
+    BLOCK_N: tl.constexpr,
+    ROWS_PER_PROGRAM: tl.constexpr,
+    HAS_WEIGHT: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
+):
+    # Row blocks p, p + grid size, ...: with NUM_STAGES > 1 the next block's loads are
+    # issued before this one's arithmetic.
     program_id, grid_size = tl.program_id(axis=0), tl.num_programs(axis=0)
     n_blocks = tl.cdiv(M, ROWS_PER_PROGRAM)
     for block in tl.range(program_id, n_blocks, grid_size, num_stages=NUM_STAGES):
@@ -75,19 +90,28 @@ def forward_config(n_cols, n_rows, block_size=None, itemsize=4, param_bytes=0) -
         return dict(BLOCK_N=min(max_block, SPLIT_CHUNK), num_warps=4)
     row_bytes = block * itemsize
     if block > FORWARD_SHORT_ROW and row_bytes != 32 * 1024:  # a row a program, no cap
-        return dict(BLOCK_N=block, ROWS_PER_PROGRAM=1, NUM_STAGES=1,
-                    num_warps=8 if row_bytes < 32 * 1024 else 32)  # fmt: skip
+        return dict(
+            BLOCK_N=block,
+            ROWS_PER_PROGRAM=1,
+            NUM_STAGES=1,
+            num_warps=8 if row_bytes < 32 * 1024 else 32,
+        )
     tile = FORWARD_SHORT_TILE if block <= FORWARD_SHORT_ROW else FORWARD_TILE
     rows = max(1, min(tile // block, triton.next_power_of_2(n_rows)))
     per_stage = rows * block * itemsize + block * param_bytes  # x, weight and bias
     stages = max(1, min(FORWARD_STAGES, 1 + stage_bytes() // per_stage))
-    return dict(BLOCK_N=block, ROWS_PER_PROGRAM=rows, NUM_STAGES=stages,
-                num_warps=max(1, min(16, rows * block // 1024)),
-                programs=FORWARD_PROGRAMS_PER_SM * sm_count())  # fmt: skip
+    return dict(
+        BLOCK_N=block,
+        ROWS_PER_PROGRAM=rows,
+        NUM_STAGES=stages,
+        num_warps=max(1, min(16, rows * block // 1024)),
+        programs=FORWARD_PROGRAMS_PER_SM * sm_count(),
+    )
 
 
 def layer_norm_forward(x2d, weight, bias, eps, block_size=None, config=None):
-    """y, mean, rstd of a 2-D ``x2d`` with contiguous rows; ``config`` replaces the rule's."""
+    """y, mean, rstd of a 2-D ``x2d`` with contiguous rows; ``config`` replaces the
+    launch rule's choice."""
     (n_rows, n_cols), device = x2d.shape, x2d.device
     y = torch.empty((n_rows, n_cols), device=device, dtype=x2d.dtype)
     mean, rstd = (torch.empty(n_rows, device=device, dtype=torch.float32) for _ in "mr")
@@ -96,8 +120,14 @@ def layer_norm_forward(x2d, weight, bias, eps, block_size=None, config=None):
     size = x2d.element_size()
     params = sum(p.element_size() for p in (weight, bias) if p is not None)
     config = dict(config or forward_config(n_cols, n_rows, block_size, size, params))
-    tensors = (x2d, y, x2d if weight is None else weight, x2d if bias is None else bias, mean,
-               rstd)  # fmt: skip
+    tensors = (
+        x2d,
+        y,
+        x2d if weight is None else weight,
+        x2d if bias is None else bias,
+        mean,
+        rstd,
+    )
     affine = dict(HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None)
     strides = (x2d.stride(0), y.stride(0))
     if config["BLOCK_N"] < triton.next_power_of_2(n_cols):  # a row in chunks: split
@@ -105,17 +135,36 @@ def layer_norm_forward(x2d, weight, bias, eps, block_size=None, config=None):
         return y, mean, rstd
     grid = triton.cdiv(n_rows, config["ROWS_PER_PROGRAM"])
     grid = min(grid, config.pop("programs", None) or grid)  # a cap on the grid
-    layer_norm_forward_kernel[(grid,)](*tensors, *strides, n_rows, n_cols, eps, **affine,
-                                       **config)  # fmt: skip
+    layer_norm_forward_kernel[(grid,)](
+        *tensors, *strides, n_rows, n_cols, eps, **affine, **config
+    )
     return y, mean, rstd
 
 
 @lean
 @triton.jit
-def layer_norm_backward_kernel(x_ptr, dy_ptr, dx_ptr, weight_ptr, mean_ptr, rstd_ptr,
-        partial_ptr, lock_ptr, x_row_stride, dy_row_stride, dx_row_stride, M, N, num_locks,
-        BLOCK_N: tl.constexpr, ROWS_PER_PROGRAM: tl.constexpr, HAS_WEIGHT: tl.constexpr,
-        REDUCTION: tl.constexpr, GROUP_SIZE_M: tl.constexpr, NUM_STAGES: tl.constexpr):  # fmt: skip
+def layer_norm_backward_kernel(
+    x_ptr,
+    dy_ptr,
+    dx_ptr,
+    weight_ptr,
+    mean_ptr,
+    rstd_ptr,
+    partial_ptr,
+    lock_ptr,
+    x_row_stride,
+    dy_row_stride,
+    dx_row_stride,
+    M,
+    N,
+    num_locks,
+    BLOCK_N: tl.constexpr,
+    ROWS_PER_PROGRAM: tl.constexpr,
+    HAS_WEIGHT: tl.constexpr,
+    REDUCTION: tl.constexpr,
+    GROUP_SIZE_M: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
+):
     program_id = tl.program_id(axis=0)
     first_row = program_id * ROWS_PER_PROGRAM
     slot = program_id % GROUP_SIZE_M if REDUCTION == "lock" else program_id
@@ -140,15 +189,25 @@ def layer_norm_backward_kernel(x_ptr, dy_ptr, dx_ptr, weight_ptr, mean_ptr, rstd
         tl.store(dx_ptrs, dx.to(dx_ptr.dtype.element_ty), mask=mask)
         dw, db = dw + dy * x_hat, db + dy  # masked lanes: dy = 0
     if REDUCTION != "none":
-        flush_partials(partial_ptr, lock_ptr, dw, db, cols, col_mask, N, slot, slot,
-                       num_locks, REDUCTION)  # fmt: skip
+        buffers, slots = (partial_ptr, lock_ptr), (slot, slot, num_locks)
+        flush_partials(buffers, (dw, db), (cols, col_mask), N, slots, REDUCTION)
 
 
 @lean
 @triton.jit
-def sum_partials_kernel(partial_ptr, visits_ptr, dw_ptr, db_ptr, num_partials, N,
-        HAS_COUNTS: tl.constexpr, HAS_DW: tl.constexpr, HAS_DB: tl.constexpr,
-        BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
+def sum_partials_kernel(
+    partial_ptr,
+    visits_ptr,
+    dw_ptr,
+    db_ptr,
+    num_partials,
+    N,
+    HAS_COUNTS: tl.constexpr,
+    HAS_DW: tl.constexpr,
+    HAS_DB: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
     cols = tl.program_id(axis=0) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_mask = cols < N
     dw = tl.zeros([BLOCK_P, BLOCK_N], dtype=tl.float32)
@@ -192,8 +251,12 @@ def backward_config(n_cols, n_rows, block_size=None, rows_per_program=None, item
         groups = 4 if INTERPRET else 32  # of up to 128 rows; CPU: few
         rows = rows_per_program or triton.next_power_of_2(triton.cdiv(n_rows, groups))
         rows = min(128, max(batch, rows))
-        return dict(BLOCK_N=chunk, ROWS_PER_PROGRAM=rows,
-                    BATCH=batch if rows % batch == 0 else 1, num_warps=4)  # fmt: skip
+        return dict(
+            BLOCK_N=chunk,
+            ROWS_PER_PROGRAM=rows,
+            BATCH=batch if rows % batch == 0 else 1,
+            num_warps=4,
+        )
     if rows_per_program is None:
         programs = 4 if INTERPRET else max(1, 4096 // block) * sm_count()  # CPU: few
         wanted = triton.cdiv(n_rows, programs)
@@ -201,19 +264,36 @@ def backward_config(n_cols, n_rows, block_size=None, rows_per_program=None, item
     per_stage = 2 * block * itemsize  # a row of x and one of dy
     budget = min(BACKWARD_STAGE_BYTES, stage_bytes())
     stages = max(1, min(BACKWARD_STAGES, budget // per_stage))
-    return dict(BLOCK_N=block, ROWS_PER_PROGRAM=rows_per_program,
-                NUM_STAGES=stages, num_warps=max(4, min(16, block // 1024)))  # fmt: skip
+    return dict(
+        BLOCK_N=block,
+        ROWS_PER_PROGRAM=rows_per_program,
+        NUM_STAGES=stages,
+        num_warps=max(4, min(16, block // 1024)),
+    )
 
 
-def layer_norm_backward(dy2d, x2d, weight, mean, rstd, want_dw=True, want_db=True,
-        reduction="two-stage", group_size_m=None, rows_per_program=None, block_size=None,
-        config=None):  # fmt: skip
+def layer_norm_backward(
+    dy2d,
+    x2d,
+    weight,
+    mean,
+    rstd,
+    want_dw=True,
+    want_db=True,
+    reduction="two-stage",
+    group_size_m=None,
+    rows_per_program=None,
+    block_size=None,
+    config=None,
+):
     """dx, dW, dB (None unless wanted); ``config`` replaces the launch rule's choice."""
     (n_rows, n_cols), device = x2d.shape, x2d.device
     grad_dtype = x2d.dtype if weight is None else weight.dtype
     dx = torch.empty((n_rows, n_cols), device=device, dtype=x2d.dtype)
-    dw, db = (torch.empty(n_cols, device=device, dtype=grad_dtype) if wanted else None
-              for wanted in (want_dw, want_db))  # fmt: skip
+    dw, db = (
+        torch.empty(n_cols, device=device, dtype=grad_dtype) if wanted else None
+        for wanted in (want_dw, want_db)
+    )
     if n_rows == 0:  # sums over no rows
         return dx, *(None if grad is None else grad.zero_() for grad in (dw, db))
     size, per_program = x2d.element_size(), rows_per_program
@@ -230,8 +310,16 @@ def layer_norm_backward(dy2d, x2d, weight, mean, rstd, want_dw=True, want_db=Tru
     elif mode == "two-stage":
         shape = (n_programs, 2, n_cols)
         partials = locks = torch.empty(shape, device=device, dtype=torch.float32)
-    tensors = (x2d, dy2d, dx, x2d if weight is None else weight, mean, rstd, partials,
-               locks)  # fmt: skip
+    tensors = (
+        x2d,
+        dy2d,
+        dx,
+        x2d if weight is None else weight,
+        mean,
+        rstd,
+        partials,
+        locks,
+    )
     strides = (x2d.stride(0), dy2d.stride(0), dx.stride(0))
     options = dict(HAS_WEIGHT=weight is not None, REDUCTION=mode, GROUP_SIZE_M=group)
     if config["BLOCK_N"] < triton.next_power_of_2(n_cols):  # a row in chunks: split
@@ -239,17 +327,28 @@ def layer_norm_backward(dy2d, x2d, weight, mean, rstd, want_dw=True, want_db=Tru
             tensors, strides, options, n_rows, n_cols, num_locks, config
         )
     else:
-        layer_norm_backward_kernel[(n_programs,)](*tensors, *strides, n_rows, n_cols,
-                                                  num_locks, **options, **config)  # fmt: skip
+        layer_norm_backward_kernel[(n_programs,)](
+            *tensors, *strides, n_rows, n_cols, num_locks, **options, **config
+        )
     if mode != "none":  # narrow column blocks: two programs per SM whenever N allows
         block_n = triton.next_power_of_2(triton.cdiv(n_cols, 2 * sm_count()))
         block_n = min(128, max(16, block_n))
         n_partials = partials.shape[0]  # in tiles of up to 4,096 sums, loaded together
         block_p = min(triton.next_power_of_2(n_partials), max(32, 4096 // block_n))
-        sum_partials_kernel[(triton.cdiv(n_cols, block_n),)](partials, locks[num_locks:],
-            dx if dw is None else dw, dx if db is None else db, n_partials, n_cols,
-            HAS_COUNTS=mode == "lock", HAS_DW=want_dw, HAS_DB=want_db, BLOCK_P=block_p,
-            BLOCK_N=block_n, num_warps=4)  # fmt: skip
+        sum_partials_kernel[(triton.cdiv(n_cols, block_n),)](
+            partials,
+            locks[num_locks:],
+            dx if dw is None else dw,
+            dx if db is None else db,
+            n_partials,
+            n_cols,
+            HAS_COUNTS=mode == "lock",
+            HAS_DW=want_dw,
+            HAS_DB=want_db,
+            BLOCK_P=block_p,
+            BLOCK_N=block_n,
+            num_warps=4,
+        )
     return dx, dw, db
 
 
@@ -278,18 +377,29 @@ class LayerNormFunction(torch.autograd.Function):
         x2d, weight, mean, rstd = ctx.saved_tensors
         want_dw = weight is not None and ctx.needs_input_grad[1]
         want_db = ctx.has_bias and ctx.needs_input_grad[2]
-        dx, dw, db = layer_norm_backward(rows_of(dy, x2d.shape[1]), x2d, weight, mean, rstd,
-                                         want_dw, want_db, **ctx.options)  # fmt: skip
+        saved = (x2d, weight, mean, rstd)
+        dx, dw, db = layer_norm_backward(
+            rows_of(dy, x2d.shape[1]), *saved, want_dw, want_db, **ctx.options
+        )
         dw, db = (None if g is None else g.view(ctx.normalized_shape) for g in (dw, db))
         return dx.view(dy.shape), dw, db, None, None, None, None
 
 
-def layer_norm(x, normalized_shape, weight=None, bias=None, eps=1e-5, *,
-        reduction="two-stage", block_size=None):  # fmt: skip
-    """``torch.nn.functional.layer_norm`` in Triton. ``reduction``: "two-stage" (the same bits
-    every run) or "lock"; ``block_size``: a power of two, the most of a row loaded at once."""
-    shape = layer_norm_arguments(x, normalized_shape, weight, bias, eps, reduction, block_size,
-                                 SUPPORTED_DTYPES, REDUCTIONS)  # fmt: skip
+def layer_norm(
+    x,
+    normalized_shape,
+    weight=None,
+    bias=None,
+    eps=1e-5,
+    *,
+    reduction="two-stage",
+    block_size=None,
+):
+    """``torch.nn.functional.layer_norm`` in Triton. ``reduction``: "two-stage" (the
+    same bits every run) or "lock"; ``block_size``: a power of two, the most of a row
+    loaded at once."""
+    given = (x, normalized_shape, weight, bias, eps, reduction, block_size)
+    shape = layer_norm_arguments(*given, SUPPORTED_DTYPES, REDUCTIONS)  # or raises
     args = (x, weight, bias, shape, float(eps), reduction, block_size)
     grads = any(t is not None and t.requires_grad for t in (x, weight, bias))
     if grads and torch.is_grad_enabled():
@@ -298,7 +408,8 @@ def layer_norm(x, normalized_shape, weight=None, bias=None, eps=1e-5, *,
 
 
 class LayerNorm(torch.nn.LayerNorm):
-    """``torch.nn.LayerNorm`` on these kernels: same arguments, parameters and state dict."""
+    """``torch.nn.LayerNorm`` on these kernels: same arguments, parameters and state
+    dict."""
 
     def __init__(self, *args, reduction="two-stage", **kwargs):
         super().__init__(*args, **kwargs)
@@ -306,8 +417,8 @@ class LayerNorm(torch.nn.LayerNorm):
         self.reduction = reduction
 
     def forward(self, x):
-        return layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps,
-                          reduction=self.reduction)  # fmt: skip
+        args = (x, self.normalized_shape, self.weight, self.bias, self.eps)
+        return layer_norm(*args, reduction=self.reduction)
 
     def extra_repr(self):
         return f"{super().extra_repr()}, reduction={self.reduction!r}"

@@ -4,8 +4,8 @@
 # `make export`.
 
 from stepkernels.ops.matmul import copies_for_tf32, matmul
-from stepkernels.runtime.activations import activation_derivative, check_activation
-from stepkernels.runtime.arguments import linear_arguments
+from stepkernels.runtime.activations import activation_derivative
+from stepkernels.runtime.arguments import linear_arguments, linear_options
 from stepkernels.runtime.core import refuse_double_backward
 from stepkernels.runtime.launch import lean
 import torch
@@ -17,12 +17,23 @@ import triton.language as tl
 @lean  # cheap repeated launches: chapter 08
 @triton.jit
 def activation_backward_kernel(
-    grad_y_ptr, z_ptr, grad_z_ptr, grad_z_t_ptr, bias_partial_ptr,
-    M, N,
-    stride_grad_y_m, stride_grad_y_n, stride_z_m, stride_z_n,
-    ACTIVATION: tl.constexpr, BIAS_GRAD: tl.constexpr, TRANSPOSED: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-):  # fmt: skip
+    grad_y_ptr,
+    z_ptr,
+    grad_z_ptr,
+    grad_z_t_ptr,
+    bias_partial_ptr,
+    M,
+    N,
+    stride_grad_y_m,
+    stride_grad_y_n,
+    stride_z_m,
+    stride_z_n,
+    ACTIVATION: tl.constexpr,
+    BIAS_GRAD: tl.constexpr,
+    TRANSPOSED: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
     block_m = tl.program_id(axis=0)
     rows = block_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     columns = tl.program_id(axis=1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -32,7 +43,7 @@ def activation_backward_kernel(
     )
     grad_y_ptrs = grad_y_ptr + grad_y_offsets
     z_ptrs = z_ptr + rows[:, None] * stride_z_m + columns[None, :] * stride_z_n
-    # fp32 arithmetic whatever the storage dtype (and bf16 must be converted first anyway).
+    # fp32 arithmetic whatever the storage dtype (bf16 must be converted first anyway).
     grad_y = tl.load(grad_y_ptrs, mask=mask, other=0.0).to(tl.float32)
     z = tl.load(z_ptrs, mask=mask, other=0.0).to(tl.float32)
     grad_z = grad_y * activation_derivative(z, ACTIVATION, grad_z_ptr.dtype.element_ty)
@@ -49,8 +60,9 @@ def activation_backward_kernel(
 ACTIVATION_BACKWARD_BLOCK = {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4}
 
 
-def activation_backward(grad_y, z, activation, bias_grad: bool, over_z=False,
-        transposed=False):  # fmt: skip
+def activation_backward(
+    grad_y, z, activation, bias_grad: bool, over_z=False, transposed=False
+):
     """dZ = dY * act'(Z) in Z's dtype (over Z if ``over_z``); db (fp32) from block sums;
     dZ^T, contiguous, if ``transposed`` (else None)."""
     M, N = z.shape
@@ -60,12 +72,12 @@ def activation_backward(grad_y, z, activation, bias_grad: bool, over_z=False,
     partial = torch.empty((blocks_m, N), device=z.device, dtype=torch.float32)
     if grad_z.numel() > 0:
         grid = (blocks_m, triton.cdiv(N, ACTIVATION_BACKWARD_BLOCK["BLOCK_N"]))
+        outputs = (grad_z, grad_z if grad_z_t is None else grad_z_t, partial)
+        strides = (*grad_y.stride(), *z.stride())
+        flags = dict(ACTIVATION=activation, BIAS_GRAD=bias_grad, TRANSPOSED=transposed)
         activation_backward_kernel[grid](
-            grad_y, z, grad_z, grad_z if grad_z_t is None else grad_z_t, partial, M, N,
-            grad_y.stride(0), grad_y.stride(1), z.stride(0), z.stride(1),
-            ACTIVATION=activation, BIAS_GRAD=bias_grad, TRANSPOSED=transposed,
-            **ACTIVATION_BACKWARD_BLOCK,
-        )  # fmt: skip
+            grad_y, z, *outputs, M, N, *strides, **flags, **ACTIVATION_BACKWARD_BLOCK
+        )
     return grad_z, (partial.sum(dim=0) if bias_grad else None), grad_z_t
 
 
@@ -88,12 +100,12 @@ def fused_linear_backward(grad_y, x, weight, bias, z, activation, needs_grad):
         grad_z, grad_bias, grad_z_t = activation_backward(
             grad_y, z, activation, need_bias, again, transposed
         )
-    return (
+    grad_z_t = grad_z.mT if grad_z_t is None else grad_z_t  # a view, or the kernel's
+    return (  # a new empty tensor for each gradient not asked for: none may alias
         matmul(grad_z, weight) if need_x else x.new_empty(0),
-        matmul(grad_z.mT if grad_z_t is None else grad_z_t, x)  # dZ^T: a view, or a copy
-        if need_weight else x.new_empty(0),
+        matmul(grad_z_t, x) if need_weight else x.new_empty(0),
         grad_bias.to(x.dtype) if need_bias else x.new_empty(0),
-    )  # fmt: skip
+    )
 
 
 @torch.library.custom_op("stepkernels::fused_linear", mutates_args=())
@@ -111,9 +123,14 @@ def _(x, weight, bias, activation, keep_z):
 
 @torch.library.custom_op("stepkernels::fused_linear_backward", mutates_args=())
 def fused_linear_backward_op(
-    grad_y: Tensor, x: Tensor, weight: Tensor, bias: Tensor | None, z: Tensor | None,
-    activation: str | None, needs_grad: list[bool],
-) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+    grad_y: Tensor,
+    x: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    z: Tensor | None,
+    activation: str | None,
+    needs_grad: list[bool],
+) -> tuple[Tensor, Tensor, Tensor]:
     return fused_linear_backward(grad_y, x, weight, bias, z, activation, needs_grad)
 
 
@@ -159,10 +176,12 @@ class FusedLinearFunction(torch.autograd.Function):
 
 
 def linear(x, weight, bias=None, activation=None, *, recompute=False):
-    """``activation(x @ weight.T + bias)`` in one kernel, differentiable, for weight and bias
-    as ``nn.Linear`` holds them; ``recompute``: recompute x @ weight.T + bias in the backward
-    instead of keeping it from the forward."""
-    linear_arguments(x, weight, bias, activation)  # raises, saying what to do
+    """``activation(x @ weight.T + bias)`` in one kernel, differentiable, for weight and
+    bias as ``nn.Linear`` holds them; ``recompute``: recompute x @ weight.T + bias in
+    the backward instead of keeping it from the forward."""
+    linear_arguments(
+        x, weight, bias, activation, recompute
+    )  # raises, saying what to do
     tensors = (x, weight) if bias is None else (x, weight, bias)
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
     rows = x.reshape(x.shape[:-1].numel(), x.shape[-1])
@@ -179,10 +198,18 @@ def linear(x, weight, bias=None, activation=None, *, recompute=False):
 class FusedLinear(nn.Linear):
     """``nn.Linear`` followed by an activation, fused into one Triton kernel."""
 
-    def __init__(self, in_features, out_features, bias=True, activation=None,
-                 recompute=False, device=None, dtype=None):  # fmt: skip
+    def __init__(
+        self,
+        in_features,
+        out_features,
+        bias=True,
+        activation=None,
+        recompute=False,
+        device=None,
+        dtype=None,
+    ):
         super().__init__(in_features, out_features, bias, device=device, dtype=dtype)
-        check_activation(activation)
+        linear_options(activation, recompute)  # refused now, not at the first call
         self.activation, self.recompute = activation, recompute
 
     def forward(self, x):
@@ -190,4 +217,5 @@ class FusedLinear(nn.Linear):
         return linear(*args, recompute=self.recompute)
 
     def extra_repr(self):
-        return f"{super().extra_repr()}, activation={self.activation!r}, recompute={self.recompute}"
+        mine = f"activation={self.activation!r}, recompute={self.recompute}"
+        return f"{super().extra_repr()}, {mine}"

@@ -29,10 +29,12 @@ def chunk_rows(n_rows: int, n_cols: int, itemsize: int, chunk_tokens=None) -> in
     return max(1, min(n_rows, chunk_tokens))
 
 
-def linear_loss_pass(x, weight, bias, target, options, needs, chunk_tokens=None,
-                     grad_scale=None):  # fmt: skip
-    """One pass over chunks of tokens: the loss per row, and the gradients that ``needs``
-    asks for (of x, weight, bias) times ``grad_scale``: None (1), one value or one per row."""
+def linear_loss_pass(
+    x, weight, bias, target, options, needs, chunk_tokens=None, grad_scale=None
+):
+    """One pass over chunks of tokens: the loss per row, and the gradients that
+    ``needs`` asks for (of x, weight, bias) times ``grad_scale``: None (1), one value or
+    one per row."""
     n_rows, n_cols = x.shape[0], weight.shape[0]
     chunk = chunk_rows(n_rows, n_cols, x.element_size(), chunk_tokens)
     grad_x = torch.empty(x.shape, device=x.device, dtype=x.dtype) if needs[0] else None
@@ -71,9 +73,15 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         early = options.reduction != "none"  # the gradients now, as for cross_entropy
         scale = None if count is None else count.reciprocal()
         losses, grads = linear_loss_pass(
-            x, weight, bias, target, options, needs if early else (False,) * 3,
-            chunk_tokens, grad_scale=scale,
-        )  # fmt: skip
+            x,
+            weight,
+            bias,
+            target,
+            options,
+            needs if early else (False,) * 3,
+            chunk_tokens,
+            grad_scale=scale,
+        )
         ctx.save_for_backward(x, weight, bias, target, count)
         ctx.options, ctx.chunk_tokens, ctx.grads = options, chunk_tokens, grads
         ctx.early = early
@@ -91,17 +99,34 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         x, weight, bias, target, count = ctx.saved_tensors
         row_scale = (grad_loss if count is None else grad_loss / count).float()
         _, grads = linear_loss_pass(
-            x, weight, bias, target, ctx.options, ctx.needs_input_grad[:3],
-            ctx.chunk_tokens, grad_scale=row_scale,
-        )  # fmt: skip
+            x,
+            weight,
+            bias,
+            target,
+            ctx.options,
+            ctx.needs_input_grad[:3],
+            ctx.chunk_tokens,
+            grad_scale=row_scale,
+        )
         return *grads, *none
 
 
-def linear_cross_entropy(x, weight, target, bias=None, *, ignore_index=-100,
-                         label_smoothing=0.0, reduction="mean", chunk_tokens=None):  # fmt: skip
+def linear_cross_entropy(
+    x,
+    weight,
+    target,
+    bias=None,
+    *,
+    ignore_index=-100,
+    label_smoothing=0.0,
+    reduction="mean",
+    chunk_tokens=None,
+):
     """``cross_entropy(x @ weight.T + bias, target)`` for x (tokens, hidden) and weight
     (vocabulary, hidden) of one dtype, with autograd, never holding more than
-    ``chunk_tokens`` rows of logits (default: 256 MiB of them)."""
+    ``chunk_tokens`` rows of logits (default: 256 MiB of them). A target outside [0, V)
+    that is not ``ignore_index`` is an error, as for ``cross_entropy``: a ValueError for CPU
+    tensors, a device-side assert on a GPU."""
     check_tensor(x, "x", FLOAT_DTYPES)
     check_tensor(weight, "weight", FLOAT_DTYPES)
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
@@ -110,19 +135,25 @@ def linear_cross_entropy(x, weight, target, bias=None, *, ignore_index=-100,
             f"{tuple(x.shape)} and weight {tuple(weight.shape)}: flatten x with "
             "x.reshape(-1, x.shape[-1])"
         )
-    if weight.shape[0] == 0 or x.dtype != weight.dtype:
-        raise ValueError(f"weight needs at least one row and x's dtype, got "
-                         f"{tuple(weight.shape)} {weight.dtype}; x is {x.dtype}")  # fmt: skip
+    if weight.shape[0] == 0:
+        raise ValueError(f"weight needs at least one row, got {tuple(weight.shape)}")
+    if x.dtype != weight.dtype:
+        raise TypeError(
+            f"weight is {weight.dtype} but x is {x.dtype}: one dtype for both, "
+            "convert one with .to(...)"
+        )
     if bias is not None:
         check_tensor(bias, "bias", (x.dtype,))
         if bias.shape != weight.shape[:1]:
-            raise ValueError(f"bias must have shape ({weight.shape[0]},), got "
-                             f"{tuple(bias.shape)}")  # fmt: skip
-    if chunk_tokens is not None and (type(chunk_tokens) is not int or chunk_tokens < 1):
-        raise ValueError(
-            f"chunk_tokens must be an int of at least 1, got {chunk_tokens!r}"
-        )
-    options = check_target(target, x.shape[0], ignore_index, label_smoothing, reduction)
+            raise ValueError(
+                f"bias must have shape ({weight.shape[0]},), got {tuple(bias.shape)}"
+            )
+    if chunk_tokens is not None and type(chunk_tokens) is not int:
+        raise TypeError(f"chunk_tokens must be an int or None, got {chunk_tokens!r}")
+    if chunk_tokens is not None and chunk_tokens < 1:
+        raise ValueError(f"chunk_tokens must be at least 1, got {chunk_tokens}")
+    shape = (x.shape[0], weight.shape[0])  # the logits'
+    options = check_target(target, shape, ignore_index, label_smoothing, reduction)
     return LinearCrossEntropyFunction.apply(
         x, weight, bias, target.contiguous(), options, chunk_tokens
     )

@@ -33,14 +33,28 @@ def walked_statistics(x_row, N, BLOCK_N: tl.constexpr):
 
 @lean
 @triton.jit
-def layer_norm_forward_split_kernel(x_ptr, y_ptr, weight_ptr, bias_ptr, mean_ptr, rstd_ptr,
-        stats_ptr, counter_ptr, x_row_stride, y_row_stride, N, n_chunks, eps,
-        BLOCK_N: tl.constexpr, CHUNKS_POW2: tl.constexpr, HAS_WEIGHT: tl.constexpr,
-        HAS_BIAS: tl.constexpr, MAX_POLLS: tl.constexpr):  # fmt: skip
-    row, chunk = (
-        (tl.program_id(0) // n_chunks).to(tl.int64),
-        tl.program_id(0) % n_chunks,
-    )
+def layer_norm_forward_split_kernel(
+    x_ptr,  # x and y (M x N), weight and bias (N)
+    y_ptr,
+    weight_ptr,
+    bias_ptr,
+    mean_ptr,  # M fp32 each, written for the backward
+    rstd_ptr,
+    stats_ptr,  # (M, 2, CHUNKS_POW2) fp32: each chunk's mean and M2
+    counter_ptr,  # M int32 zeros: the chunks of a row that have published
+    x_row_stride,
+    y_row_stride,
+    N,
+    n_chunks,  # programs a row
+    eps,
+    BLOCK_N: tl.constexpr,  # values a chunk
+    CHUNKS_POW2: tl.constexpr,  # n_chunks rounded up to a power of two
+    HAS_WEIGHT: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    MAX_POLLS: tl.constexpr,  # reads of the counter before the way out
+):
+    row = (tl.program_id(0) // n_chunks).to(tl.int64)
+    chunk = tl.program_id(0) % n_chunks
     cols = chunk * BLOCK_N + tl.arange(0, BLOCK_N)
     in_row, x_row = cols < N, x_ptr + row * x_row_stride
     x = tl.load(x_row + cols, mask=in_row, other=0.0).to(tl.float32)
@@ -54,8 +68,9 @@ def layer_norm_forward_split_kernel(x_ptr, y_ptr, weight_ptr, bias_ptr, mean_ptr
         chunks = tl.arange(0, CHUNKS_POW2)
         present = chunks < n_chunks
         means = tl.load(row_stats + chunks, mask=present, other=0.0, volatile=True)
-        m2s = tl.load(row_stats + CHUNKS_POW2 + chunks, mask=present, other=0.0,
-                      volatile=True)  # fmt: skip
+        m2s = tl.load(
+            row_stats + CHUNKS_POW2 + chunks, mask=present, other=0.0, volatile=True
+        )
         counts = tl.minimum(tl.maximum(N - chunks * BLOCK_N, 0), BLOCK_N).to(tl.float32)
         mean = tl.sum(means * counts, axis=0) / N
         m2 = tl.sum(m2s + counts * (means - mean) * (means - mean), axis=0)
@@ -77,16 +92,27 @@ def layer_norm_forward_split_kernel(x_ptr, y_ptr, weight_ptr, bias_ptr, mean_ptr
 
 
 def split_forward(tensors, strides, affine, n_rows, n_cols, eps, config):
-    """Chapter 03's ``layer_norm_forward`` calls this for rows past ``FORWARD_MAX_BLOCK``:
-    ``tensors`` are x, y, weight, bias, mean, rstd; ``config`` holds BLOCK_N and num_warps."""
+    """Chapter 03's ``layer_norm_forward`` calls this for rows past
+    ``FORWARD_MAX_BLOCK``: ``tensors`` are x, y, weight, bias, mean, rstd; ``config``
+    holds BLOCK_N and num_warps."""
     device = tensors[0].device
     n_chunks = triton.cdiv(n_cols, config["BLOCK_N"])
     chunks_pow2 = triton.next_power_of_2(n_chunks)
     stats = torch.empty((n_rows, 2, chunks_pow2), device=device, dtype=torch.float32)
     counters = torch.zeros(n_rows, device=device, dtype=torch.int32)  # one per row
-    layer_norm_forward_split_kernel[(n_rows * n_chunks,)](*tensors, stats, counters, *strides,
-        n_cols, n_chunks, eps, CHUNKS_POW2=chunks_pow2, MAX_POLLS=MAX_POLLS, **affine,
-        **config)  # fmt: skip
+    layer_norm_forward_split_kernel[(n_rows * n_chunks,)](
+        *tensors,
+        stats,
+        counters,
+        *strides,
+        n_cols,
+        n_chunks,
+        eps,
+        CHUNKS_POW2=chunks_pow2,
+        MAX_POLLS=MAX_POLLS,
+        **affine,
+        **config,
+    )
 
 
 # PTX: NVIDIA's GPUs only; the interpreter runs no inline assembly
@@ -98,8 +124,9 @@ def opaque(x):
     """x, through a move the compiler cannot see into (16-bit values two a register)."""
     if OPAQUE_MOVES:
         pack: tl.constexpr = 2 if x.dtype.primitive_bitwidth == 16 else 1
-        return tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [x], dtype=x.dtype,
-                                         is_pure=False, pack=pack)  # fmt: skip
+        return tl.inline_asm_elementwise(
+            "mov.b32 $0, $1;", "=r,r", [x], dtype=x.dtype, is_pure=False, pack=pack
+        )
     return x
 
 
@@ -111,12 +138,33 @@ def load_rows(ptr, row_stride, rows, cols, mask):
 
 @lean
 @triton.jit
-def layer_norm_backward_split_kernel(x_ptr, dy_ptr, dx_ptr, weight_ptr, mean_ptr, rstd_ptr,
-        partial_ptr, lock_ptr, sums_ptr, counter_ptr, x_row_stride, dy_row_stride,
-        dx_row_stride, M, N, num_locks, n_chunks, BLOCK_N: tl.constexpr,
-        ROWS_PER_PROGRAM: tl.constexpr, BATCH: tl.constexpr, CHUNKS_POW2: tl.constexpr,
-        HAS_WEIGHT: tl.constexpr, REDUCTION: tl.constexpr, GROUP_SIZE_M: tl.constexpr,
-        MAX_POLLS: tl.constexpr):  # fmt: skip
+def layer_norm_backward_split_kernel(
+    x_ptr,  # x, dy and dx (M x N), weight (N)
+    dy_ptr,
+    dx_ptr,
+    weight_ptr,
+    mean_ptr,  # M fp32 each, from the forward
+    rstd_ptr,
+    partial_ptr,  # dW and dB partial sums and locks, as in chapter 03's backward
+    lock_ptr,
+    sums_ptr,  # (M, 2, CHUNKS_POW2) fp32: each chunk's part of a row's two sums
+    counter_ptr,  # int32 zeros: one counter a batch of rows
+    x_row_stride,
+    dy_row_stride,
+    dx_row_stride,
+    M,
+    N,
+    num_locks,
+    n_chunks,  # programs a group of rows
+    BLOCK_N: tl.constexpr,  # columns a chunk
+    ROWS_PER_PROGRAM: tl.constexpr,  # rows a group
+    BATCH: tl.constexpr,  # rows a batch: one publication and one wait for them all
+    CHUNKS_POW2: tl.constexpr,
+    HAS_WEIGHT: tl.constexpr,
+    REDUCTION: tl.constexpr,  # of dW and dB: "two-stage", "lock" or "none"
+    GROUP_SIZE_M: tl.constexpr,
+    MAX_POLLS: tl.constexpr,
+):
     group, chunk = tl.program_id(0) // n_chunks, tl.program_id(0) % n_chunks
     cols = chunk * BLOCK_N + tl.arange(0, BLOCK_N)
     col_mask, in_batch = cols < N, tl.arange(0, BATCH)
@@ -188,13 +236,15 @@ def layer_norm_backward_split_kernel(x_ptr, dy_ptr, dx_ptr, weight_ptr, mean_ptr
             db += tl.sum(dy, axis=0)
     if REDUCTION != "none":
         slot = group % GROUP_SIZE_M if REDUCTION == "lock" else group
-        flush_partials(partial_ptr, lock_ptr, dw, db, cols, col_mask, N, slot,
-                       chunk * GROUP_SIZE_M + slot, num_locks, REDUCTION)  # fmt: skip
+        buffers = (partial_ptr, lock_ptr)
+        slots = (slot, chunk * GROUP_SIZE_M + slot, num_locks)
+        flush_partials(buffers, (dw, db), (cols, col_mask), N, slots, REDUCTION)
 
 
 def split_backward(tensors, strides, options, n_rows, n_cols, num_locks, config):
-    """Chapter 03's ``layer_norm_backward`` calls this for rows past ``BACKWARD_MAX_BLOCK``:
-    ``tensors`` are x, dy, dx, weight, mean, rstd, partials, locks, as its own kernel takes."""
+    """Chapter 03's ``layer_norm_backward`` calls this for rows past
+    ``BACKWARD_MAX_BLOCK``: ``tensors`` are x, dy, dx, weight, mean, rstd, partials,
+    locks, as its own kernel takes."""
     device, rows_per_group = tensors[0].device, config["ROWS_PER_PROGRAM"]
     n_groups = triton.cdiv(n_rows, rows_per_group)
     n_chunks = triton.cdiv(n_cols, config["BLOCK_N"])
@@ -202,6 +252,17 @@ def split_backward(tensors, strides, options, n_rows, n_cols, num_locks, config)
     sums = torch.empty((n_rows, 2, chunks_pow2), device=device, dtype=torch.float32)
     batches = n_groups * triton.cdiv(rows_per_group, config["BATCH"])
     counters = torch.zeros(batches, device=device, dtype=torch.int32)  # one per batch
-    layer_norm_backward_split_kernel[(n_groups * n_chunks,)](*tensors, sums, counters,
-        *strides, n_rows, n_cols, num_locks, n_chunks, CHUNKS_POW2=chunks_pow2,
-        MAX_POLLS=MAX_POLLS, **options, **config)  # fmt: skip
+    layer_norm_backward_split_kernel[(n_groups * n_chunks,)](
+        *tensors,
+        sums,
+        counters,
+        *strides,
+        n_rows,
+        n_cols,
+        num_locks,
+        n_chunks,
+        CHUNKS_POW2=chunks_pow2,
+        MAX_POLLS=MAX_POLLS,
+        **options,
+        **config,
+    )

@@ -27,21 +27,41 @@ import triton.language as tl
 @triton.heuristics({"EVEN_K": lambda args: args["K"] % args["BLOCK_K"] == 0})
 @triton.jit
 def matmul_kernel(
-    a_ptr, b_ptr, c_ptr, bias_ptr, pre_ptr,
-    M, N, K,
-    stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn, stride_bias,
-    ACTIVATION: tl.constexpr, HAS_BIAS: tl.constexpr, STORE_PREACTIVATION: tl.constexpr,
-    INPUT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, EVEN_K: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUP_SIZE_M: tl.constexpr, ACCUMULATE: tl.constexpr = False,
-):  # fmt: skip
+    a_ptr,
+    b_ptr,
+    c_ptr,
+    bias_ptr,
+    pre_ptr,
+    M,
+    N,
+    K,
+    stride_am,
+    stride_ak,
+    stride_bk,
+    stride_bn,
+    stride_cm,
+    stride_cn,
+    stride_bias,
+    ACTIVATION: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    STORE_PREACTIVATION: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_SIZE_M: tl.constexpr,
+    ACCUMULATE: tl.constexpr = False,
+):
     tiles_m, tiles_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
     pid_m, pid_n = tile_of_program(tl.program_id(0), tiles_m, tiles_n, GROUP_SIZE_M)
 
     offs_m = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
-    # Wrap, do not mask: rows past M (columns past N) re-read valid data that we never store.
+    # Wrap, do not mask: rows past M (columns past N) re-read valid data that we never
+    # store.
     rows, columns = offs_m % M, offs_n % N
     a_ptrs = a_ptr + rows[:, None] * stride_am + offs_k[None, :] * stride_ak
     b_ptrs = b_ptr + offs_k[:, None] * stride_bk + columns[None, :] * stride_bn
@@ -72,31 +92,50 @@ def matmul_kernel(
     tl.store(c_ptr + c_offsets, out.to(c_ptr.dtype.element_ty), mask=c_mask)
 
 
-# (BLOCK_M, BLOCK_N, BLOCK_K, num_stages, num_warps) by itemsize; the interpreter takes 2's first
+# (BLOCK_M, BLOCK_N, BLOCK_K, num_stages, num_warps) by itemsize; the interpreter takes
+# the first tile of itemsize 2 for every dtype
 PORTABLE_TILES = {
-    2: [(128, 128, 64, 4, 8), (128, 256, 64, 3, 8), (256, 128, 64, 3, 8),
-        (128, 128, 64, 4, 4), (64, 128, 64, 4, 4), (64, 64, 64, 5, 4)],
-    1: [(128, 256, 128, 3, 8), (256, 128, 128, 3, 8), (128, 128, 128, 4, 8),
-        (64, 128, 128, 4, 4)],
+    2: [
+        (128, 128, 64, 4, 8),
+        (128, 256, 64, 3, 8),
+        (256, 128, 64, 3, 8),
+        (128, 128, 64, 4, 4),
+        (64, 128, 64, 4, 4),
+        (64, 64, 64, 5, 4),
+    ],
+    1: [
+        (128, 256, 128, 3, 8),
+        (256, 128, 128, 3, 8),
+        (128, 128, 128, 4, 8),
+        (64, 128, 128, 4, 4),
+    ],
     4: [(128, 128, 32, 3, 8), (128, 64, 32, 4, 4), (64, 64, 32, 4, 4)],
-}  # fmt: skip
-PORTABLE_CONFIGS = [tile_config(*tile, itemsize=size)
-                    for size, tiles in PORTABLE_TILES.items() for tile in tiles]  # fmt: skip
+}
+PORTABLE_CONFIGS = [
+    tile_config(*tile, itemsize=size)
+    for size, tiles in PORTABLE_TILES.items()
+    for tile in tiles
+]
 
 
-matmul_portable_tuned = lean(triton.autotune(  # lean: cheap repeated launches (chapter 08)
-    configs=autotune_configs(PORTABLE_CONFIGS),
-    key=["M", "N", "K", "INPUT_PRECISION"],
-    restore_value=["c_ptr"],  # tuning launches it again and again: keep C for ACCUMULATE
-    prune_configs_by={"early_config_prune": keep_configs_for_dtype},
-)(matmul_kernel))  # fmt: skip
+# Tuning launches the kernel again and again: restore_value keeps C for ACCUMULATE.
+# lean: cheap repeated launches (chapter 08).
+matmul_portable_tuned = lean(
+    triton.autotune(
+        configs=autotune_configs(PORTABLE_CONFIGS),
+        key=["M", "N", "K", "INPUT_PRECISION"],
+        restore_value=["c_ptr"],
+        prune_configs_by={"early_config_prune": keep_configs_for_dtype},
+    )(matmul_kernel)
+)
 
 
 def matmul_portable(
     a, b, activation=None, *, bias=None, return_preactivation=False, config=None
 ):
-    """``activation(a @ b + bias)`` with the portable kernel, autotuned unless ``config``
-    (a dict of BLOCK_M, BLOCK_N, BLOCK_K, GROUP_SIZE_M, num_warps, num_stages) is given."""
+    """``activation(a @ b + bias)`` with the portable kernel, autotuned unless
+    ``config`` (a dict of BLOCK_M, BLOCK_N, BLOCK_K, GROUP_SIZE_M, num_warps and
+    num_stages) is given."""
     check_inputs(a, b, activation, bias)
     return launch_portable(a, b, activation, bias, return_preactivation, config)
 
@@ -112,15 +151,17 @@ def launch_portable(
             triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]),
         )
         kernel = matmul_portable_tuned if config is None else matmul_kernel
-        kernel[grid](
-            a, b, out, bias, pre, M, N, K,
-            a.stride(0), a.stride(1), b.stride(0), b.stride(1),
-            out.stride(0), out.stride(1), bias.stride(0) if bias is not None else 0,
-            ACTIVATION=activation, HAS_BIAS=bias is not None,
-            STORE_PREACTIVATION=pre is not None, INPUT_PRECISION=dot_precision(a.dtype),
+        bias_stride = 0 if bias is None else bias.stride(0)
+        strides = (*a.stride(), *b.stride(), *out.stride(), bias_stride)
+        flags = dict(
+            ACTIVATION=activation,
+            HAS_BIAS=bias is not None,
+            STORE_PREACTIVATION=pre is not None,
+            INPUT_PRECISION=dot_precision(a.dtype),
             UPCAST=INTERPRET and a.dtype == torch.bfloat16,
-            ACCUMULATE=accumulate is not None, **(config or {}),
-        )  # fmt: skip
+            ACCUMULATE=accumulate is not None,
+        )
+        kernel[grid](a, b, out, bias, pre, M, N, K, *strides, **flags, **(config or {}))
     return (out, pre) if return_preactivation else out
 
 
@@ -147,11 +188,12 @@ def matmul(
     a, b, activation=None, *, bias=None, return_preactivation=False, accumulate=None
 ):
     """``activation(a @ b + bias)`` for 2-D ``a`` (M, K), ``b`` (K, N) of any strides:
-    fp16, bf16, fp32 (exact or tf32 as ``torch.get_float32_matmul_precision()`` says) and
-    fp8 e4m3 (bf16 output), accumulated in fp32, bias (N,) and activation applied in fp32
-    before one rounding. ``return_preactivation``: ``(out, a @ b + bias)``, one kernel.
-    ``accumulate``: a contiguous (M, N) tensor that gets ``a @ b (+ bias)`` added in place."""
-    check_inputs(a, b, activation, bias)
+    fp16, bf16, fp32 (exact or tf32 as ``torch.get_float32_matmul_precision()`` says)
+    and fp8 e4m3 (bf16 output), accumulated in fp32, bias (N,) and activation applied in
+    fp32 before one rounding. ``return_preactivation``: ``(out, a @ b + bias)``, one
+    kernel. ``accumulate``: a contiguous (M, N) tensor that gets ``a @ b (+ bias)``
+    added in place."""
+    check_inputs(a, b, activation, bias, return_preactivation)
     if accumulate is not None:
         accumulate_arguments(
             accumulate, a, b, activation, return_preactivation, output_dtype(a.dtype)

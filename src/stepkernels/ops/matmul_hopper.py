@@ -4,6 +4,8 @@ persistent programs, fp8."""
 # Generated from tutorials/07-hopper-matmul.py by tools/export.py: edit the chapter, then `make
 # export`.
 
+from typing import NamedTuple
+
 from stepkernels.ops.matmul_tuning import (
     MAX_SPLITS,
     SHARE_STEPS,
@@ -27,19 +29,48 @@ import triton
 import triton.language as tl
 
 
+class Epilogue(NamedTuple):
+    """What a tile's epilogue does, as ``finish_columns`` takes it (chapter 04's
+    flags)."""
+
+    ACTIVATION: tl.constexpr  # None, "relu", "gelu"...
+    HAS_BIAS: tl.constexpr
+    STORE_PREACTIVATION: tl.constexpr  # also write A B + bias, for the backward
+    ACCUMULATE: tl.constexpr  # C += A B
+
+
 @triton.jit
 def matmul_tma_kernel(
-    a_ptr, b_ptr, c_ptr, bias_ptr, pre_ptr, partial_ptr, counter_ptr,
-    M, N, K,
-    stride_a, stride_b, stride_bias,
-    A_COLUMN_MAJOR: tl.constexpr, B_COLUMN_MAJOR: tl.constexpr,
-    ACTIVATION: tl.constexpr, HAS_BIAS: tl.constexpr, STORE_PREACTIVATION: tl.constexpr,
-    INPUT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, NUM_SMS: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUP_SIZE_M: tl.constexpr, ACCUMULATE: tl.constexpr = False,
-    SPLIT_TAIL: tl.constexpr = False, MAX_SPLITS: tl.constexpr = MAX_SPLITS,
+    a_ptr,  # A (M x K), B (K x N), C (M x N)
+    b_ptr,
+    c_ptr,
+    bias_ptr,  # N values, or unused
+    pre_ptr,  # the pre-activation (M x N), or unused
+    partial_ptr,  # fp32 scratch: the partial tiles of a split tail
+    counter_ptr,  # int32 zeros: one counter a tail tile
+    M,
+    N,
+    K,
+    stride_a,  # between rows of A, or its columns if A_COLUMN_MAJOR
+    stride_b,
+    stride_bias,
+    A_COLUMN_MAJOR: tl.constexpr,
+    B_COLUMN_MAJOR: tl.constexpr,
+    ACTIVATION: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    STORE_PREACTIVATION: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr,  # of tl.dot: "ieee", "tf32"...
+    UPCAST: tl.constexpr,  # bf16 to fp32 before tl.dot (the interpreter's)
+    NUM_SMS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_SIZE_M: tl.constexpr,  # chapter 04's program order
+    ACCUMULATE: tl.constexpr = False,
+    SPLIT_TAIL: tl.constexpr = False,  # the last wave split along K (below)
+    MAX_SPLITS: tl.constexpr = MAX_SPLITS,
     PROGRAMS_PER_SM: tl.constexpr = 1,
-):  # fmt: skip
+):
     NUM_PROGRAMS: tl.constexpr = NUM_SMS * PROGRAMS_PER_SM  # the grid
     # One descriptor per tensor. A column-major operand is described as its transpose.
     if A_COLUMN_MAJOR:
@@ -67,6 +98,10 @@ def matmul_tma_kernel(
         pre_desc = tl.make_tensor_descriptor(
             pre_ptr, shape=[M, N], strides=[N, 1], block_shape=[BLOCK_M, BLOCK_N // 2]
         )
+    outputs, bias = (c_desc, pre_desc), (bias_ptr, N, stride_bias)
+    EPILOGUE: tl.constexpr = Epilogue(
+        ACTIVATION, HAS_BIAS, STORE_PREACTIVATION, ACCUMULATE
+    )
 
     tiles_m = tl.cdiv(M, BLOCK_M)
     tiles_n = tl.cdiv(N, BLOCK_N)
@@ -112,31 +147,24 @@ def matmul_tma_kernel(
             )
         if finish:  # two halves of the columns in turn: fewer registers live at once
             left, right = acc.reshape(BLOCK_M, 2, BLOCK_N // 2).permute(0, 2, 1).split()
-            finish_columns(
-                left, c_desc, pre_desc, off_m, off_n, bias_ptr, N, stride_bias,
-                ACTIVATION, HAS_BIAS, STORE_PREACTIVATION, ACCUMULATE,
-            )  # fmt: skip
-            finish_columns(
-                right, c_desc, pre_desc, off_m, off_n + BLOCK_N // 2, bias_ptr, N,
-                stride_bias, ACTIVATION, HAS_BIAS, STORE_PREACTIVATION, ACCUMULATE,
-            )  # fmt: skip
+            finish_columns(left, outputs, off_m, off_n, bias, EPILOGUE)
+            finish_columns(right, outputs, off_m, off_n + BLOCK_N // 2, bias, EPILOGUE)
 
 
 @triton.jit
-def finish_columns(
-    acc, c_desc, pre_desc, off_m, off_n, bias_ptr, N, stride_bias,
-    ACTIVATION: tl.constexpr, HAS_BIAS: tl.constexpr, STORE_PREACTIVATION: tl.constexpr,
-    ACCUMULATE: tl.constexpr,
-):  # fmt: skip
+def finish_columns(acc, outputs, off_m, off_n, bias, EPILOGUE: tl.constexpr):
     """The epilogue of the columns of a tile from ``off_n``: bias, C + A B, the
-    pre-activation, the activation, the store."""
+    pre-activation, the activation, the store. ``outputs``: the descriptors of C and of
+    the pre-activation; ``bias``: its pointer, N and its stride."""
+    c_desc, pre_desc = outputs
+    bias_ptr, N, stride_bias = bias
     offs_n = off_n + tl.arange(0, acc.shape[1])
-    acc = add_bias(acc, bias_ptr, offs_n, N, stride_bias, HAS_BIAS)
-    if ACCUMULATE:  # C += A B (chapter 04)
+    acc = add_bias(acc, bias_ptr, offs_n, N, stride_bias, EPILOGUE.HAS_BIAS)
+    if EPILOGUE.ACCUMULATE:  # C += A B (chapter 04)
         acc += c_desc.load([off_m, off_n]).to(tl.float32)
-    if STORE_PREACTIVATION:
+    if EPILOGUE.STORE_PREACTIVATION:
         pre_desc.store([off_m, off_n], acc.to(pre_desc.dtype))
-    out = apply_activation(acc, ACTIVATION, c_desc.dtype)
+    out = apply_activation(acc, EPILOGUE.ACTIVATION, c_desc.dtype)
     c_desc.store([off_m, off_n], out.to(c_desc.dtype))
 
 
@@ -153,9 +181,14 @@ def tail_split(tiles, k_steps, NUM_PROGRAMS: tl.constexpr, MAX_SPLITS: tl.conste
 
 @triton.jit
 def add_shares(
-    acc, partial_ptr, counter_ptr, share, splits,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-):  # fmt: skip
+    acc,
+    partial_ptr,
+    counter_ptr,
+    share,
+    splits,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
     """For a share of a tail tile (``share`` >= 0): store it and count it in. The last
     share of its tile to arrive gets the sum of all of them and True, the others False.
     A whole tile (``share`` < 0) gets its own ``acc`` and True."""
@@ -210,7 +243,8 @@ def with_constants(config, **constants):
 
 
 def scratch_per_sm(config: dict) -> int:
-    """Partial-tile values that ``config``'s programs on one SM may store (split tail)."""
+    """Partial-tile values that ``config``'s programs on one SM may store (split
+    tail)."""
     return config.get("PROGRAMS_PER_SM", 1) * config["BLOCK_M"] * config["BLOCK_N"]
 
 
@@ -226,8 +260,16 @@ MOST_PER_SM = max(c.kwargs.get("PROGRAMS_PER_SM", 1) for c in TMA_CONFIGS)
 
 @lean
 @triton.jit
-def row_major_kernel(src_ptr, dst_ptr, R, C, src_stride_r, src_stride_c,
-        BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):  # fmt: skip
+def row_major_kernel(
+    src_ptr,
+    dst_ptr,
+    R,
+    C,
+    src_stride_r,
+    src_stride_c,
+    BLOCK_R: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+):
     rows = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
     cols = (tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)).to(tl.int64)
     mask = (rows < R)[:, None] & (cols < C)[None, :]
@@ -237,17 +279,25 @@ def row_major_kernel(src_ptr, dst_ptr, R, C, src_stride_r, src_stride_c,
 
 
 def row_major(t, block_r=64, block_c=64, num_warps=4):
-    """A row-major copy of the 2-D ``t``: a transpose in memory when ``t`` is column-major."""
+    """A row-major copy of the 2-D ``t``: a transpose in memory when ``t`` is
+    column-major."""
     out = torch.empty(t.shape, device=t.device, dtype=t.dtype)
     if out.numel():
         grid = (triton.cdiv(t.shape[0], block_r), triton.cdiv(t.shape[1], block_c))
-        row_major_kernel[grid](t, out, *t.shape, *t.stride(), BLOCK_R=block_r,
-                               BLOCK_C=block_c, num_warps=num_warps)  # fmt: skip
+        row_major_kernel[grid](
+            t,
+            out,
+            *t.shape,
+            *t.stride(),
+            BLOCK_R=block_r,
+            BLOCK_C=block_c,
+            num_warps=num_warps,
+        )
     return out
 
 
 def tma_scratch(size: int, alignment: int, stream):
-    """Scratch memory for descriptors made inside kernels: Triton asks for it at launch."""
+    """Scratch for descriptors made inside kernels: Triton asks for it at launch."""
     return torch.empty(size, device="cpu" if INTERPRET else "cuda", dtype=torch.int8)
 
 
@@ -295,15 +345,15 @@ def tma_operands(a, b):
 def matmul_tma(
     a, b, activation=None, *, bias=None, return_preactivation=False, config=None
 ):
-    """``activation(a @ b + bias)`` with the persistent descriptor kernel, autotuned unless
-    ``config`` (as for ``matmul_portable``) is given."""
+    """``activation(a @ b + bias)`` with the persistent descriptor kernel, autotuned
+    unless ``config`` (as for ``matmul_portable``) is given."""
     check_inputs(a, b, activation, bias)
     operands = tma_operands(a, b)
     if operands is None:
         raise ValueError(
-            "the descriptor kernel needs each operand contiguous along rows or columns, "
-            "other strides multiples of 16 bytes, and N * itemsize a multiple of 16 bytes: "
-            "call matmul(), which falls back to the portable kernel"
+            "the descriptor kernel needs each operand contiguous along rows or "
+            "columns, other strides multiples of 16 bytes, and N * itemsize a multiple "
+            "of 16 bytes: call matmul(), which falls back to the portable kernel"
         )
     return launch_tma(*operands, activation, bias, return_preactivation, config)
 
@@ -329,14 +379,28 @@ def launch_tma(
     partials = torch.empty(sms * scratch, device=a.device, dtype=torch.float32)
     kernel = matmul_tma_tuned if config is None else matmul_tma_kernel
     kernel[lambda meta: (programs(meta),)](
-        a, b, out, bias, pre, partials, zeroed(a.device, most), M, N, K,
+        a,
+        b,
+        out,
+        bias,
+        pre,
+        partials,
+        zeroed(a.device, most),
+        M,
+        N,
+        K,
         a.stride(1) if a_column_major else a.stride(0),
         b.stride(1) if b_column_major else b.stride(0),
         bias.stride(0) if bias is not None else 0,
-        A_COLUMN_MAJOR=a_column_major, B_COLUMN_MAJOR=b_column_major,
-        ACTIVATION=activation, HAS_BIAS=bias is not None,
-        STORE_PREACTIVATION=pre is not None, INPUT_PRECISION=dot_precision(a.dtype),
-        UPCAST=INTERPRET and a.dtype == torch.bfloat16, NUM_SMS=sms,
-        ACCUMULATE=accumulate is not None, **(config or {}),
-    )  # fmt: skip
+        A_COLUMN_MAJOR=a_column_major,
+        B_COLUMN_MAJOR=b_column_major,
+        ACTIVATION=activation,
+        HAS_BIAS=bias is not None,
+        STORE_PREACTIVATION=pre is not None,
+        INPUT_PRECISION=dot_precision(a.dtype),
+        UPCAST=INTERPRET and a.dtype == torch.bfloat16,
+        NUM_SMS=sms,
+        ACCUMULATE=accumulate is not None,
+        **(config or {}),
+    )
     return (out, pre) if return_preactivation else out

@@ -5,8 +5,8 @@ learned bias and a fresh 63-bit seed per call.
 """
 
 from stepkernels.ops.dropout import dropout_bias_act
-from stepkernels.runtime import activations, core
-from stepkernels.runtime.arguments import dropout_p
+from stepkernels.runtime import core
+from stepkernels.runtime.arguments import activation_argument, dropout_p
 import torch
 
 
@@ -16,7 +16,7 @@ class DropoutBiasAct(torch.nn.Module):
 
     def __init__(self, features, p=0.1, activation="gelu", device=None, dtype=None):
         super().__init__()
-        activations.check_activation(activation)
+        activation_argument(activation)
         self.p, self.activation = dropout_p(p), activation
         zeros = torch.zeros(features, device=device or core.DEVICE, dtype=dtype)
         self.bias = torch.nn.Parameter(zeros)

@@ -20,9 +20,16 @@ import triton.language as tl
 @lean
 @triton.jit
 def softmax_kernel(
-    x_ptr, y_ptr, n_rows, n_cols, x_row_stride, y_row_stride,
-    ROWS: tl.constexpr, BLOCK_N: tl.constexpr, LOG: tl.constexpr,
-):  # fmt: skip
+    x_ptr,
+    y_ptr,
+    n_rows,
+    n_cols,
+    x_row_stride,
+    y_row_stride,
+    ROWS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    LOG: tl.constexpr,
+):
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, BLOCK_N)[None, :]
     in_bounds = (rows < n_rows)[:, None] & (cols < n_cols)
@@ -43,8 +50,8 @@ def softmax_kernel(
 
 @triton.jit
 def online_max_and_sum(x_row, n_cols, BLOCK_N: tl.constexpr, NUM_STAGES: tl.constexpr):
-    """One pass over the ``n_cols`` values at ``x_row`` in chunks of ``BLOCK_N``: the row's
-    maximum and its sum of exp(x - maximum), the online softmax's running pair."""
+    """One pass over the ``n_cols`` values at ``x_row`` in chunks of ``BLOCK_N``: the
+    row's maximum and its sum of exp(x - maximum), the online softmax's running pair."""
     cols = tl.arange(0, BLOCK_N)
     running_max = -float("inf")
     lane_sum = tl.zeros([BLOCK_N], tl.float32)
@@ -74,10 +81,19 @@ def load_f32(ptrs, mask, other, HINT: tl.constexpr):  # HINT: the L2 eviction po
 @lean
 @triton.jit
 def softmax_split_kernel(
-    x_ptr, y_ptr, stats_ptr, counter_ptr, n_cols, n_chunks, x_row_stride, y_row_stride,
-    BLOCK_N: tl.constexpr, CHUNKS_POW2: tl.constexpr, LOG: tl.constexpr,
+    x_ptr,
+    y_ptr,
+    stats_ptr,
+    counter_ptr,
+    n_cols,
+    n_chunks,
+    x_row_stride,
+    y_row_stride,
+    BLOCK_N: tl.constexpr,
+    CHUNKS_POW2: tl.constexpr,
+    LOG: tl.constexpr,
     MAX_POLLS: tl.constexpr,
-):  # fmt: skip
+):
     row = (tl.program_id(0) // n_chunks).to(tl.int64)
     chunk = tl.program_id(0) % n_chunks
     cols = chunk * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -119,9 +135,18 @@ def softmax_split_kernel(
 @lean
 @triton.jit
 def softmax_backward_kernel(
-    y_ptr, dy_ptr, dx_ptr, n_rows, n_cols, y_row_stride, dy_row_stride, dx_row_stride,
-    ROWS: tl.constexpr, BLOCK_N: tl.constexpr, LOG: tl.constexpr,
-):  # fmt: skip
+    y_ptr,
+    dy_ptr,
+    dx_ptr,
+    n_rows,
+    n_cols,
+    y_row_stride,
+    dy_row_stride,
+    dx_row_stride,
+    ROWS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    LOG: tl.constexpr,
+):
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, BLOCK_N)[None, :]
     in_bounds = (rows < n_rows)[:, None] & (cols < n_cols)
@@ -139,11 +164,21 @@ def softmax_backward_kernel(
 @lean
 @triton.jit
 def softmax_backward_split_kernel(
-    y_ptr, dy_ptr, dx_ptr, partial_ptr, counter_ptr, n_cols, n_chunks,
-    y_row_stride, dy_row_stride, dx_row_stride,
-    BLOCK_N: tl.constexpr, CHUNKS_POW2: tl.constexpr, LOG: tl.constexpr,
+    y_ptr,
+    dy_ptr,
+    dx_ptr,
+    partial_ptr,
+    counter_ptr,
+    n_cols,
+    n_chunks,
+    y_row_stride,
+    dy_row_stride,
+    dx_row_stride,
+    BLOCK_N: tl.constexpr,
+    CHUNKS_POW2: tl.constexpr,
+    LOG: tl.constexpr,
     MAX_POLLS: tl.constexpr,
-):  # fmt: skip
+):
     row = (tl.program_id(0) // n_chunks).to(tl.int64)
     chunk = tl.program_id(0) % n_chunks
     cols = chunk * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -219,9 +254,16 @@ def launch_rows(tensors: tuple, log: bool, launch: Launch, backward: bool) -> No
         counters = torch.zeros(n_rows, device=partials.device, dtype=torch.int32)
         kernel = softmax_backward_split_kernel if backward else softmax_split_kernel
         kernel[(n_rows * n_chunks,)](
-            *tensors, partials, counters, n_cols, n_chunks, *strides,
-            CHUNKS_POW2=chunks_pow2, MAX_POLLS=MAX_POLLS, **meta,
-        )  # fmt: skip
+            *tensors,
+            partials,
+            counters,
+            n_cols,
+            n_chunks,
+            *strides,
+            CHUNKS_POW2=chunks_pow2,
+            MAX_POLLS=MAX_POLLS,
+            **meta,
+        )
     elif launch.kernel == "fused" and launch.block_n >= n_cols:
         kernel = softmax_backward_kernel if backward else softmax_kernel
         grid = (triton.cdiv(n_rows, launch.rows),)
@@ -268,15 +310,17 @@ class SoftmaxFunction(torch.autograd.Function):
         return softmax_backward(y, dy, ctx.log), None
 
 
-def softmax(x: torch.Tensor, *, log: bool = False) -> torch.Tensor:
-    """``torch.softmax(x, dim=-1)`` (``log=True``: ``log_softmax``) for fp32, fp16 and
-    bf16, with autograd."""
-    softmax_arguments(x, log, SUPPORTED_DTYPES)  # raises, saying what to do
+def softmax(x: torch.Tensor, dim: int = -1, *, log: bool = False) -> torch.Tensor:
+    """``torch.softmax(x, dim)`` (``log=True``: ``log_softmax``) for fp32, fp16 and bf16,
+    with autograd; a ``dim`` but the last (the fastest) is moved there, then back."""
+    dim = softmax_arguments(x, dim, log, SUPPORTED_DTYPES)  # raises, saying what to do
+    if dim != x.dim() - 1:
+        return softmax(x.movedim(dim, -1), log=log).movedim(-1, dim)
     if x.requires_grad and torch.is_grad_enabled():
         return SoftmaxFunction.apply(x, log)
     return softmax_forward(x, log)  # autograd's machinery costs the CPU ~15 µs: skip it
 
 
-def log_softmax(x: torch.Tensor) -> torch.Tensor:
-    """``torch.log_softmax(x, dim=-1)`` for fp32, fp16 and bf16, with autograd."""
-    return softmax(x, log=True)
+def log_softmax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """``torch.log_softmax(x, dim)`` for fp32, fp16 and bf16, with autograd (as softmax)."""
+    return softmax(x, dim, log=True)

@@ -12,17 +12,27 @@ ACTIVATIONS = (None, "relu", "leaky_relu", "gelu", "squared_relu")
 
 @triton.jit
 def normal_tail(z, ACCURATE: tl.constexpr):
-    """Phi(-|z|) from erfc: to about 1e-7 (ACCURATE, for fp32), else 1e-4 (chapter 06)."""
+    """Phi(-|z|) from erfc: to about 1e-7 (ACCURATE, for fp32), else 1e-4 (chapter
+    06)."""
     a = tl.abs(z) * 0.7071067811865476  # Phi(-|z|) = erfc(a) / 2
     t = tl.math.rsqrt(1.0 + 0.5 * a)
     t = t * t  # 1 / (1 + a / 2) without a division's range checks
     if ACCURATE:  # erfc(a) = t exp(-a^2 + P(t)): Numerical Recipes' P, degree 9
-        poly = -1.26551223 + t * (1.00002368 + t * (0.37409196 + t * (0.09678418 + t * (
-            -0.18628806 + t * (0.27886807 + t * (-1.13520398 + t * (1.48851587 + t * (
-                -0.82215223 + t * 0.17087277))))))))  # fmt: skip
+        poly = -0.82215223 + t * 0.17087277  # by Horner's rule, from the highest power
+        poly = 1.48851587 + t * poly
+        poly = -1.13520398 + t * poly
+        poly = 0.27886807 + t * poly
+        poly = -0.18628806 + t * poly
+        poly = 0.09678418 + t * poly
+        poly = 0.37409196 + t * poly
+        poly = 1.00002368 + t * poly
+        poly = -1.26551223 + t * poly
     else:  # our fit of degree 5: fractional error under 8.6e-5, below fp16's rounding
-        poly = -1.26555438 + t * (1.0035986 + t * (0.326171283 + t * (0.317568607 + t * (
-            -0.554100522 + t * 0.172230977))))  # fmt: skip
+        poly = -0.554100522 + t * 0.172230977
+        poly = 0.317568607 + t * poly
+        poly = 0.326171283 + t * poly
+        poly = 1.0035986 + t * poly
+        poly = -1.26555438 + t * poly
     return t * tl.math.exp2(1.4426950408889634 * (poly - a * a) - 1.0)  # - 1: erfc / 2
 
 

@@ -137,10 +137,18 @@ class LeanKernel:
         grid = cached_grid or grid
         stream = current_stream(device)
         compiled.run(
-            grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1,
-            stream, compiled.function, compiled.packed_metadata, None, None, None,
-            *args, *tail,
-        )  # fmt: skip
+            grid[0],
+            grid[1] if len(grid) > 1 else 1,
+            grid[2] if len(grid) > 2 else 1,
+            stream,
+            compiled.function,
+            compiled.packed_metadata,
+            None,
+            None,
+            None,
+            *args,
+            *tail,
+        )
         return compiled
 
     def bind_runtime(self):

@@ -9,8 +9,18 @@ import triton.language as tl
 
 
 @triton.jit
-def flush_partials(partial_ptr, lock_ptr, dw, db, cols, col_mask, N, slot, lock_index,
-        num_locks, REDUCTION: tl.constexpr):  # fmt: skip
+def flush_partials(buffers, sums, columns, N, slots, REDUCTION: tl.constexpr):
+    """Hand a program's sums over its rows, ``sums`` = (dw, db), to the ``REDUCTION``.
+
+    ``buffers``: (partial_ptr, lock_ptr), rows of 2 N fp32 sums (N for dW, then N for
+    dB), and for "lock" the locks followed by as many visit counters; ``columns``:
+    (cols, col_mask), the columns of the row that ``sums`` cover; ``slots``: (slot,
+    lock_index, num_locks), the partial row written ("two-stage") or added into under
+    lock ``lock_index`` of ``num_locks`` ("lock")."""
+    partial_ptr, lock_ptr = buffers
+    dw, db = sums
+    cols, col_mask = columns
+    slot, lock_index, num_locks = slots
     row_ptr = partial_ptr + slot.to(tl.int64) * 2 * N  # N dW sums, then N dB sums, fp32
     if REDUCTION == "two-stage":
         tl.store(row_ptr + cols, dw, mask=col_mask)

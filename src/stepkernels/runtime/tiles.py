@@ -13,7 +13,7 @@ import triton.language as tl
 
 @triton.jit
 def tile_of_program(tile_id, tiles_m, tiles_n, GROUP_SIZE_M: tl.constexpr):
-    # Groups of GROUP_SIZE_M tile rows; inside a group, tiles are numbered column by column.
+    # Groups of GROUP_SIZE_M tile rows, whose tiles are numbered column by column.
     tiles_per_group = GROUP_SIZE_M * tiles_n
     first_row = (tile_id // tiles_per_group) * GROUP_SIZE_M
     rows_in_group = min(tiles_m - first_row, GROUP_SIZE_M)  # the last may be short
@@ -56,8 +56,8 @@ FP8_DTYPES = (torch.float8_e4m3fn,) if profile().fp8 else ()
 SUPPORTED_DTYPES = FLOAT_DTYPES + FP8_DTYPES
 
 
-def check_inputs(a, b, activation, bias):
-    matmul_arguments(a, b, activation, bias, SUPPORTED_DTYPES)  # raising what to do
+def check_inputs(a, b, activation, bias, return_preactivation=False):
+    matmul_arguments(a, b, activation, bias, SUPPORTED_DTYPES, return_preactivation)
 
 
 def output_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -65,7 +65,7 @@ def output_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def dot_precision(dtype: torch.dtype) -> str:
-    """``tl.dot``'s input precision: fp32 follows torch's setting, as torch.matmul does."""
+    """``tl.dot``'s input precision: fp32 follows torch's setting, as torch.matmul."""
     exact = dtype == torch.float32 and torch.get_float32_matmul_precision() == "highest"
     return "ieee" if exact else "tf32"  # "tf32", the default, means nothing for 16 bits
 

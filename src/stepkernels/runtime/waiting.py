@@ -8,15 +8,15 @@ from stepkernels.runtime.core import ON_GPU
 import triton
 import triton.language as tl
 
-MAX_POLLS = (
-    100_000 if ON_GPU else 2
-)  # split kernels: tries before a program reads the row
+# Split kernels: the tries before a program stops waiting and reads the row itself.
+MAX_POLLS = 100_000 if ON_GPU else 2
 
 
 @triton.jit
 def publish_and_wait(counter_ptr, row, n_chunks, MAX_POLLS: tl.constexpr):
-    """Announce this program's stores to the other programs of its row, then wait (at most
-    MAX_POLLS tries) until all ``n_chunks`` have announced theirs. True if they all did."""
+    """Announce this program's stores to the other programs of its row, then wait (at
+    most MAX_POLLS tries) until all ``n_chunks`` have announced theirs. True if they all
+    did."""
     publish(counter_ptr, row)
     return wait_for(counter_ptr, row, n_chunks, MAX_POLLS)
 

@@ -1,0 +1,179 @@
+"""Training on two GPUs: GPT-2 small's shape on 1 and 2 GPUs, through the command itself.
+
+Run on a machine with 2 GPUs from the repository root (``PYTHONPATH=src``, data prepared by
+``make data`` or ``$STEPKERNELS_DATA``)::
+
+    python lab/data_parallel.py [--steps 300] [--out runs/data-parallel] [--record]
+
+Every run has the same global batch (32 sequences of 1,024 tokens a step), seed and schedule,
+``--config gpt2-small`` in bf16 on our kernels:
+
+* ``1 GPU, grad-accum 2``: one process, two micro-batches of 16 a step, eager;
+* ``1 GPU, grad-accum 2, CUDA graph``: the same, the whole step replayed from a CUDA graph;
+* ``2 GPUs, DDP`` and ``2 GPUs, FSDP2``: ``torchrun --nproc-per-node 2``, 16 sequences a GPU,
+  the step eager (the command does not record a graph across processes);
+* ``2 GPUs, DDP, resumed on 1 GPU``: DDP's checkpoint continued for 50 steps on one GPU.
+
+Each run writes its ``log.jsonl`` (and a checkpoint) into ``--out/<run>/``; the script prints
+each command, then a table: tokens/s once warm, MFU, peak memory of rank 0, and the
+validation loss at the end. ``--record`` writes ``gpt-data-parallel.csv`` (tokens/s by run)
+and ``gpt-data-parallel-loss.csv`` (validation loss by tokens seen, by run) into
+``src/stepkernels/results/<gpu>/``, which chapter 12 shows. ``--smoke``: the same runs of
+the tiny preset on the CPU (gloo, Triton's interpreter), to check the script; it records
+nothing.
+"""
+
+import argparse
+import json
+import os
+from pathlib import Path
+import re
+import shutil
+import subprocess
+import sys
+
+TOKENS = 32 * 1024  # a step's tokens: 32 sequences of 1,024
+RESUMED = "2 GPUs, DDP, resumed on 1 GPU"
+RUNS = {  # name: (processes, options beside the common ones)
+    "1 GPU, grad-accum 2": (1, ["--grad-accum", "2", "--step", "eager"]),
+    "1 GPU, grad-accum 2, CUDA graph": (1, ["--grad-accum", "2", "--step", "graph"]),
+    "2 GPUs, DDP": (2, ["--parallel", "ddp"]),
+    "2 GPUs, FSDP2": (2, ["--parallel", "fsdp"]),
+}
+
+
+def folder_name(run: str) -> str:
+    return re.sub(r"[^a-z0-9]+", "-", run.lower()).strip("-")
+
+
+def command(processes: int, options: list[str]) -> list[str]:
+    if processes == 1:
+        return [sys.executable, "-m", "stepkernels.train", *options]
+    launch = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node"]
+    return [sys.executable, *launch, str(processes), "-m", "stepkernels.train", *options]
+
+
+def common(args, steps: int | None = None) -> list[str]:
+    if args.smoke:  # the tiny preset: 4 sequences of 16 a step, on the CPU
+        shape = ["--config", "tiny", "--batch-size", "4", "--eval-batches", "1"]
+    else:
+        shape = ["--config", "gpt2-small", "--batch-size", "32", "--eval-batches", "10"]
+    return [
+        *shape,
+        *("--max-steps", str(steps or args.steps), "--eval-interval", str(args.steps // 2)),
+        *("--log-interval", str(max(1, args.steps // 12)), "--sample-tokens", "0"),
+        *("--time-limit-s", str(args.time_limit_s)),
+    ]
+
+
+def run_all(args) -> None:
+    for run, (processes, options) in RUNS.items():
+        if args.smoke and "CUDA graph" in run:
+            continue  # no graphs on a CPU
+        out = args.out / folder_name(run)
+        full = command(processes, [*common(args), *options, "--overwrite"])
+        execute(run, [*full, "--out-dir", str(out)], args)
+    # DDP's checkpoint, continued on one GPU with the same global batch.
+    resumed = args.out / folder_name(RESUMED)
+    shutil.rmtree(resumed, ignore_errors=True)
+    shutil.copytree(args.out / folder_name("2 GPUs, DDP"), resumed)
+    steps = args.steps + max(2, args.steps // 6)
+    options = [*common(args, steps), "--grad-accum", "2", "--resume"]
+    execute(RESUMED, [*command(1, options), "--out-dir", str(resumed)], args)
+
+
+def execute(run: str, argv: list[str], args) -> None:
+    print(f"\n=== {run}\n$ {' '.join(argv)}", flush=True)
+    done = subprocess.run(argv, timeout=args.time_limit_s + 600)
+    if done.returncode:
+        sys.exit(f"{run}: exit status {done.returncode}")
+
+
+def summary(out: Path) -> dict:
+    """A run's log: its evaluations, and its last start's and end's figures."""
+    events = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
+    end = [e for e in events if e["event"] == "end"][-1]
+    logs = [e for e in events if e["event"] == "log"]
+    evals = [e for e in events if e["event"] == "eval"]
+    return {
+        "tokens_per_s": end["tokens_per_s"],
+        "mfu": logs[-1]["mfu"] if logs else None,
+        "peak_memory_gib": end["peak_memory_gib"],
+        "steps": end["step"],
+        "evals": [(e["tokens"], e["val_loss"]) for e in evals],
+    }
+
+
+def table(args) -> dict:
+    runs = {}
+    for run in [*RUNS, RESUMED]:
+        if (args.out / folder_name(run) / "log.jsonl").is_file():
+            runs[run] = summary(args.out / folder_name(run))
+    print(f"\n{'run':>32} | steps | tokens/s | MFU   | peak GiB | val loss")
+    for run, s in runs.items():
+        rate = f"{s['tokens_per_s']:>8,.0f}" if s["tokens_per_s"] else f"{'-':>8}"
+        mfu = f"{s['mfu']:.1%}" if s["mfu"] is not None else "-"
+        peak = f"{s['peak_memory_gib']:.2f}" if s["peak_memory_gib"] is not None else "-"
+        print(f"{run:>32} | {s['steps']:>5} | {rate} | {mfu:>5} | {peak:>8} | {s['evals'][-1][1]:.4f}")
+    return runs
+
+
+def record(runs: dict) -> None:
+    """The recordings chapter 12 shows, with this machine's environment."""
+    from stepkernels.lessons import bench
+    import torch
+
+    env = bench.environment()
+    env["gpus"] = torch.cuda.device_count()
+    speed = bench.Benchmark(
+        name="gpt-data-parallel",
+        x_name="tokens per step (32 sequences of 1,024, GPT-2 small's shape)",
+        x_values=[TOKENS],
+        providers=list(RUNS),
+        make=None,
+        work=None,
+        unit="tokens/s",
+        dtypes=(torch.bfloat16,),
+    )
+    points = [
+        bench.Point(run, "bfloat16", TOKENS, s["tokens_per_s"])
+        for run, s in runs.items()
+        if run in RUNS and s["tokens_per_s"]
+    ]
+    print(bench.record(speed, points, env))
+    loss = bench.Benchmark(
+        name="gpt-data-parallel-loss",
+        x_name="tokens seen",
+        x_values=sorted({tokens for s in runs.values() for tokens, _ in s["evals"]}),
+        providers=list(runs),
+        make=None,
+        work=None,
+        unit="validation loss",
+        dtypes=(torch.bfloat16,),
+    )
+    points = [bench.Point(run, "bfloat16", tokens, value) for run, s in runs.items() for tokens, value in s["evals"]]
+    print(bench.record(loss, points, env))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--time-limit-s", type=float, default=240.0)
+    parser.add_argument("--out", type=Path, default=Path("runs/data-parallel"))
+    parser.add_argument("--record", action="store_true", help="write the recordings")
+    parser.add_argument("--smoke", action="store_true", help="the tiny preset on a CPU")
+    parser.add_argument("--table", action="store_true", help="only the table of --out")
+    args = parser.parse_args()
+    if args.smoke and args.record:
+        parser.error("--smoke records nothing: the CPU's numbers are no results")
+    if args.smoke:
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    if not args.table:
+        run_all(args)
+    runs = table(args)
+    if args.record:
+        record(runs)
+
+
+if __name__ == "__main__":
+    main()
