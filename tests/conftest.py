@@ -37,8 +37,10 @@ def pytest_xdist_make_scheduler(config, log):
 
     class NotebooksWhole(LoadScopeScheduling):
         # LoadScopeScheduling hands out the largest units first: the notebooks, then the tests.
+        # test_targets.py goes whole too: its tests share one compile of every launch.
         def _split_scope(self, nodeid):
             path = nodeid.split("::", 1)[0]
-            return path if path.endswith(".ipynb") else nodeid
+            whole = path.endswith((".ipynb", "test_targets.py"))
+            return path if whole else nodeid
 
     return NotebooksWhole(config, log)

@@ -36,6 +36,14 @@ def test_every_launch_fits_the_gpu(results, profile):
     assert not broken, "\n".join(broken)
 
 
+def test_every_kernel_is_exercised(results):
+    # A kernel no exercise launches is checked on no GPU: a new operation needs its
+    # exercise in tools/target_exercises.py.
+    launched = {r["kernel"] for rs in results.values() for r in rs}
+    missing = sorted(check_targets.package_kernels() - launched)
+    assert not missing, f"launched by no exercise in tools/target_exercises.py: {missing}"
+
+
 def kernels(results, profile, name):
     return [r for r in results[profile] if check_targets.kernel_name(r) == name]
 
@@ -49,6 +57,16 @@ def test_the_launches_follow_the_profile(results):
                               for a in r["args"] if isinstance(a, dict)}  # fmt: skip
     assert "float8_e4m3fn" not in dtypes("sm80") | dtypes("sm86")
     assert "float8_e4m3fn" in dtypes("sm89")
+    # Attention's host descriptors before sm_90: Triton reads the tiles with plain loads
+    # (no TMA copy in the PTX, which problems() holds against every launch); on sm_90
+    # with TMA copies, and chapter 07's kernel with TMA copies and wgmma.
+    for r in kernels(results, "sm90", "attention_forward_kernel"):
+        assert "cp.async.bulk.tensor" in r["hopper"], check_targets.launch_summary(r)
+    for r in kernels(results, "sm90", "matmul_tma_kernel"):
+        if r["args"][0]["tensor"] in ("float16", "bfloat16"):
+            assert {"cp.async.bulk.tensor", "wgmma.mma_async"} <= set(r["hopper"])
+    for profile in ("sm80", "sm86", "sm89"):
+        assert all(not r["hopper"] for r in results[profile] if "error" not in r)
     # Persistent grids by the profile's SM count: chapter 07's NUM_SMS on sm_90.
     assert {r["kwargs"]["NUM_SMS"] for r in kernels(results, "sm90", "matmul_tma_kernel")} == {132}
 

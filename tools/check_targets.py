@@ -7,7 +7,7 @@
 
 For each device profile (``runtime/device.py``: sm80, sm86, sm89, sm90), a Python under
 Triton's interpreter with ``STEPKERNELS_DEVICE_PROFILE`` set runs every public operation over
-the shapes and dtypes of ``workload()``, forward and backward, so that the launch rules
+the shapes and dtypes of ``tools/target_exercises.py``, forward and backward, so that the launch rules
 choose as on that GPU. Each kernel launch is recorded (the kernel, its constexprs,
 ``num_warps``, ``num_stages`` and ``maxnreg``, each argument's dtype and 16-byte alignment
 and each integer's specialization) instead of run; an autotuned kernel records every
@@ -51,122 +51,8 @@ TARGETS = {"sm80": 80, "sm86": 86, "sm89": 89, "sm90": 90}  # profile -> compute
 # ops/long_rows and ops/cross_entropy's MAX_POLLS; cross_entropy's in-place WAIT).
 GPU_VALUES = {"MAX_POLLS": (2, 100_000), "WAIT": (2, 2**31 - 1)}
 KB = 1024
-
-
-# -- The workload: every public operation, as a learner calls it ------------------------
-
-
-def workload() -> None:
-    """Each public operation over shapes and dtypes that reach every branch of its launch
-    rule, forward and backward. The largest launch of each branch comes in every dtype,
-    the rest in one; every config the matmul autotuner times comes from products of 2**23
-    multiply-adds or more (smaller ones take one config), plain and with the heaviest
-    epilogue. Kernels are recorded, not run: the values computed are garbage."""
-    import stepkernels as sk
-    from stepkernels.runtime.core import DEVICE
-    from stepkernels.runtime.tiles import SUPPORTED_DTYPES
-    import torch
-
-    half, bf16, fp32 = torch.float16, torch.bfloat16, torch.float32
-    every = (half, bf16, fp32)
-
-    def tensor(*shape, dtype=fp32, grad=True):
-        return torch.randn(shape).to(DEVICE, dtype).requires_grad_(grad)
-
-    def backward(y):
-        y.float().sum().backward()
-
-    # 01: vector add
-    for dtype in every:
-        sk.add(tensor(5000, dtype=dtype, grad=False), tensor(5000, dtype=dtype, grad=False))
-    # 02: softmax: tiles of short rows, a row a program (forward to 32,768 columns,
-    # backward to 16,384), rows split over programs past those
-    for n_cols, dtypes, grad in ((100, (half,), True), (1000, every, True),
-                                 (16384, every, True), (32768, every, False),
-                                 (40000, every, True)):  # fmt: skip
-        for dtype in dtypes:
-            y = sk.softmax(tensor(3, n_cols, dtype=dtype, grad=grad))
-            backward(y) if grad else None
-    backward(sk.log_softmax(tensor(3, 1000, dtype=half)))
-    # 03, 13: layer norm: tiles of short rows, a row a program, rows of 32 KB, rows split
-    # over programs (chapter 13); without weight and bias; dW, dB through a lock
-    # (enough rows that each backward program takes several, whose loads it pipelines;
-    # weight and bias in x's dtype, or in fp32 beside 16-bit x)
-    for n_cols, n_rows, dtypes in ((384, 4096, every), (1000, 2048, (half,)),
-                                   (4096, 2048, every), (8192, 2048, every),
-                                   (16384, 256, every), (40000, 256, every)):  # fmt: skip
-        for dtype in dtypes:
-            x = tensor(n_rows, n_cols, dtype=dtype)
-            w, b = tensor(n_cols, dtype=dtype), tensor(n_cols, dtype=dtype)
-            backward(sk.layer_norm(x, (n_cols,), w, b))
-    for n_cols, n_rows in ((384, 4096), (16384, 256)):
-        x, w, b = tensor(n_rows, n_cols, dtype=bf16), tensor(n_cols), tensor(n_cols)
-        backward(sk.layer_norm(x, (n_cols,), w, b))
-    backward(sk.layer_norm(tensor(2048, 1000, dtype=half), (1000,)))
-    for n_cols, n_rows in ((1000, 2048), (16384, 256)):
-        backward(sk.layer_norm(tensor(n_rows, n_cols, dtype=half), (n_cols,), reduction="lock"))
-    # 04, 05, 07: products small and large (on sm_90 the large ones and fp8 go to the
-    # descriptor kernel), a fused epilogue, and linear's backward
-    for dtype in every:
-        a, b = tensor(100, 72, dtype=dtype, grad=False), tensor(72, 48, dtype=dtype, grad=False)
-        sk.matmul(a, b)
-        a, b = tensor(2048, 512, dtype=dtype, grad=False), tensor(512, 2048, dtype=dtype, grad=False)
-        sk.matmul(a, b)
-    bias = tensor(2048, dtype=half, grad=False)
-    sk.matmul(a.half(), b.half(), "gelu", bias=bias, return_preactivation=True)
-    for dtype in SUPPORTED_DTYPES:
-        if dtype.itemsize == 1:  # fp8, where the GPU has it: bf16 out
-            a = torch.randn(2048, 512).to(DEVICE, dtype)
-            sk.matmul(a, torch.randn(2048, 512).to(DEVICE, dtype).mT)
-            sk.matmul(a[:96], torch.randn(64, 512).to(DEVICE, dtype).mT)
-    for dtype in (half, fp32):
-        x, w, b = tensor(100, 72, dtype=dtype), tensor(48, 72, dtype=dtype), tensor(48, dtype=dtype)
-        backward(sk.linear(x, w, b, "gelu"))
-        backward(sk.linear(x, w, b, "relu", recompute=True))
-    # 06: dropout, and bias + activation + dropout (short rows, rows in column blocks)
-    for dtype in every:
-        backward(sk.dropout(tensor(5000, dtype=dtype), 0.1, 7))
-        x, b = tensor(50, 1030, dtype=dtype), tensor(1030, dtype=dtype)
-        backward(sk.dropout_bias_act(x, b, 0.1, "gelu", 7))
-    for n_cols, activation in ((20, "gelu"), (4096, "gelu"), (1030, None)):
-        x, b = tensor(50, n_cols, dtype=half), tensor(n_cols, dtype=half)
-        backward(sk.dropout_bias_act(x, b, 0.1, activation, 7))
-    # 09, 10: cross-entropy: rows in one program, rows in parts, rows off the 16-byte grid,
-    # the loss alone; linear + cross-entropy
-    for n_cols, dtypes in ((65, (half,)), (5000, (half,)), (40000, (half,)), (140000, every)):
-        for dtype in dtypes:
-            target = torch.randint(n_cols - 1, (8,), device=DEVICE)
-            logits = tensor(8, n_cols, dtype=dtype)
-            backward(sk.cross_entropy(logits, target))
-            sk.cross_entropy(logits.detach(), target)
-            backward(sk.cross_entropy(logits[:, 1:], target))
-    x, w = tensor(16, 64, dtype=bf16), tensor(1000, 64, dtype=bf16)
-    backward(sk.linear_cross_entropy(x, w, torch.randint(1000, (16,), device=DEVICE)))
-    # 11: attention: head dims up to 64 and 128, causal or not, each dtype
-    for head_dim in (64, 128):
-        for dtype in every:
-            for causal in (False, True):
-                q, k, v = (tensor(1, 2, 200, head_dim, dtype=dtype) for _ in "qkv")
-                backward(sk.attention(q, k, v, causal=causal))
-    # 04, 11: fp32 products as tf32 (torch.set_float32_matmul_precision("high"))
-    torch.set_float32_matmul_precision("high")
-    try:
-        a, b = tensor(2048, 512, grad=False), tensor(512, 2048, grad=False)
-        sk.matmul(a, b)
-        sk.matmul(a[:100, :72], b[:72, :48])
-        for head_dim in (64, 128):
-            q, k, v = (tensor(1, 2, 200, head_dim) for _ in "qkv")
-            backward(sk.attention(q, k, v, causal=True))
-    finally:
-        torch.set_float32_matmul_precision("highest")
-    # 12: a GPT training step at chapter 12's widths under bf16 autocast, as it trains
-    # (few tokens: its products' autotuned configs all come from the large products above)
-    torch.manual_seed(0)
-    model = sk.GPT(65, 256, 1, 6, 384, 0.2).to(DEVICE)
-    idx = torch.randint(65, (1, 8), device=DEVICE)
-    with torch.autocast(DEVICE.type, torch.bfloat16):
-        _, loss = model(idx, idx)
-    loss.backward()
+# PTX that only sm_90 runs: tensor-memory copies (TMA) and warp-group products.
+HOPPER_INSTRUCTIONS = ("cp.async.bulk.tensor", "wgmma.mma_async")
 
 
 # -- Recording launches under the interpreter -------------------------------------------
@@ -272,7 +158,7 @@ def choose_as_on_a_gpu() -> None:
 
 
 def recorded_launches() -> list[dict]:
-    """The distinct launches of ``workload()`` in this Python (under the interpreter, with
+    """The distinct launches of the exercises in this Python (under the interpreter, with
     the profile set), each as {"kernel": "module:name", "args": [...], "kwargs": {...}}."""
     from triton.runtime.autotuner import Autotuner
     from triton.runtime.interpreter import InterpretedFunction
@@ -302,10 +188,11 @@ def recorded_launches() -> list[dict]:
         self.nargs = None
 
     import stepkernels  # noqa: F401  (every operation's module, to choose as on a GPU)
+    import target_exercises  # tools/target_exercises.py: one exercise an operation
 
     choose_as_on_a_gpu()
     with _patched(InterpretedFunction, "run", keep), _patched(Autotuner, "run", tune):
-        workload()
+        target_exercises.run()
     return list(launches.values())
 
 
@@ -320,7 +207,7 @@ def _patched(owner, name, replacement):
 
 
 def record(profile: str) -> list[dict]:
-    """The launches of ``workload()`` as chosen for ``profile``, from a fresh Python."""
+    """The launches of the exercises as chosen for ``profile``, from a fresh Python."""
     env = {**os.environ, "TRITON_INTERPRET": "1", "STEPKERNELS_DEVICE_PROFILE": profile}
     with tempfile.TemporaryDirectory() as folder:
         out = Path(folder) / "launches.json"
@@ -396,19 +283,22 @@ def _compiled(job: tuple) -> dict:
     started = time.perf_counter()
     source, target, options, key = _source(launch, capability)
     cached = CACHE / f"{key}.json"
-    if cached.exists():
-        result = json.loads(cached.read_text())
-    else:
+    result = json.loads(cached.read_text()) if cached.exists() else {}
+    if "error" not in result and "hopper" not in result:  # none, or from before "hopper"
         try:
             compiled = triton.compile(source, target=target, options=options.__dict__)
             registers, spilled = _resources(compiled.asm["cubin"])
             result = {"shared": compiled.metadata.shared, "registers": registers,
-                      "spilled": spilled, "num_warps": compiled.metadata.num_warps}  # fmt: skip
+                      "spilled": spilled, "num_warps": compiled.metadata.num_warps,
+                      "hopper": sorted(i for i in HOPPER_INSTRUCTIONS
+                                       if i in compiled.asm["ptx"])}  # fmt: skip
         except Exception as error:  # a launch that does not compile is a finding too
             result = {"error": f"{type(error).__name__}: {str(error)[:2000]}"}
         result["seconds"] = round(time.perf_counter() - started, 1)
         cached.parent.mkdir(parents=True, exist_ok=True)
-        cached.write_text(json.dumps(result))
+        partial = cached.with_suffix(f".{os.getpid()}.part")  # whole, for runs side by side
+        partial.write_text(json.dumps(result))
+        os.replace(partial, cached)
         result["compiled"] = True
     return {**launch, **result, "key": key, "estimate": estimate}
 
@@ -486,6 +376,8 @@ def problems(result: dict, profile: str) -> list[str]:
         found.append(f"{result['registers']} registers a thread > 255")
     if result["registers"] * threads > limits.registers:
         found.append(f"{result['registers']} registers x {threads} threads > 64K")
+    if TARGETS[profile] < 90 and result.get("hopper"):
+        found.append(f"sm_90 instructions on sm_{TARGETS[profile]}: {', '.join(result['hopper'])}")
     if result["estimate"] is not None and result["shared"] > result["estimate"]:
         found.append(f"shared memory {result['shared']} B > the rule's estimate "
                      f"{result['estimate']} B")  # fmt: skip
@@ -493,13 +385,40 @@ def problems(result: dict, profile: str) -> list[str]:
 
 
 def check(profiles=tuple(TARGETS), jobs: int | None = None) -> dict[str, list[dict]]:
-    """Every launch of the workload, recorded and compiled for each profile's GPU: the
+    """Every launch of the exercises, recorded and compiled for each profile's GPU: the
     profiles side by side, their compiles shared among ``jobs`` processes (default: one a
     CPU)."""
     each = max(1, (jobs or os.cpu_count() or 1) // len(profiles))
     with concurrent.futures.ThreadPoolExecutor(len(profiles)) as pool:
         done = pool.map(lambda p: compile_launches(record(p), p, each), profiles)
         return dict(zip(profiles, done, strict=True))
+
+
+def package_kernels() -> set[str]:
+    """Every kernel of the package's operations and runtime ("module:name"): the Triton
+    functions whose names end in ``_kernel``, Triton's convention for what a grid launches
+    (device functions are called from kernels, and compiled with them)."""
+    import importlib
+    import inspect
+    import pkgutil
+
+    import stepkernels
+
+    found = set()
+    for wing in ("ops", "runtime"):
+        package = importlib.import_module(f"stepkernels.{wing}")
+        for info in pkgutil.iter_modules(package.__path__):
+            module = importlib.import_module(f"{package.__name__}.{info.name}")
+            for value in vars(module).values():
+                for _ in range(4):  # lean, heuristics and autotuners wrap the function
+                    if inspect.isfunction(value):
+                        break
+                    value = getattr(value, "kernel", None) or getattr(value, "fn", None)
+                kernel = inspect.isfunction(value) and value.__name__.endswith("_kernel")
+                if kernel and value.__module__ == module.__name__:
+                    found.add(f"{value.__module__}:{value.__qualname__}")
+    assert stepkernels  # imported first: it chooses the interpreter where there is no GPU
+    return found
 
 
 def kernel_name(result: dict) -> str:
