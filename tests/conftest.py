@@ -2,7 +2,14 @@ import matplotlib.pyplot as plt
 import pytest
 import stepkernels  # noqa: F401  (first: without a GPU it selects Triton's interpreter)
 from stepkernels.runtime.core import DEVICE
+from stepkernels.runtime.device import describe
 import torch
+
+
+def pytest_report_header(config):
+    # STEPKERNELS_DEVICE_PROFILE=sm80 (sm86, sm89, sm90) makes the launch rules choose as
+    # on that GPU: on the H100, the suite then runs what an A100 (A10, L4) would launch.
+    return f"stepkernels launch rules choose for: {describe()}"
 
 
 def random_tensor(shape, dtype=torch.float32, seed=0, scale=1.0, shift=0.0):
@@ -30,8 +37,10 @@ def pytest_xdist_make_scheduler(config, log):
 
     class NotebooksWhole(LoadScopeScheduling):
         # LoadScopeScheduling hands out the largest units first: the notebooks, then the tests.
+        # test_targets.py goes whole too: its tests share one compile of every launch.
         def _split_scope(self, nodeid):
             path = nodeid.split("::", 1)[0]
-            return path if path.endswith(".ipynb") else nodeid
+            whole = path.endswith((".ipynb", "test_targets.py"))
+            return path if whole else nodeid
 
     return NotebooksWhole(config, log)

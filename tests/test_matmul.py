@@ -15,16 +15,16 @@ import pytest
 from stepkernels import matmul
 from stepkernels.lessons import check_matmul
 from stepkernels.lessons.check_matmul import matmul_reference, tolerance
-from stepkernels.ops.matmul import matmul_portable
+from stepkernels.ops.matmul import ON_HOPPER, matmul_portable
 from stepkernels.ops.matmul_hopper import TMA_CONFIGS, launch_tma, matmul_tma, row_major, sm_count, tma_operands
 from stepkernels.ops.matmul_tuning import keep_tma_configs, programs, tail_shares
 from stepkernels.runtime.activations import ACTIVATIONS
-from stepkernels.runtime.core import DEVICE, INTERPRET, ON_GPU, capability, zeroed
+from stepkernels.runtime.core import DEVICE, INTERPRET, ON_GPU, zeroed
+from stepkernels.runtime.tiles import FP8_DTYPES
 import torch
 
 DTYPES = [torch.float16, torch.float32] + ([torch.bfloat16] if ON_GPU else [])
-HAS_FP8 = INTERPRET or capability() >= (8, 9)
-ON_HOPPER = ON_GPU and capability()[0] == 9
+HAS_FP8 = bool(FP8_DTYPES)  # the device profile's (STEPKERNELS_DEVICE_PROFILE=sm80: none)
 SMALL = {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16, "GROUP_SIZE_M": 2, "num_warps": 4, "num_stages": 2}
 
 
@@ -433,8 +433,10 @@ def test_accumulate_sharing_memory_with_an_operand_is_refused():
 
 
 # Shapes whose last wave the descriptor kernel splits along K with 16 x 16 x 16 tiles: one
-# tile more than a full wave (the interpreter has 4 "SMs", an H100 132), and a single tile.
-TAIL_SHAPES = [(16, 16, 256)] + ([(112, 304, 512)] if ON_GPU else [(80, 16, 256)])
+# tile more than a full wave (the interpreter has 4 "SMs", an H100 132; the device
+# profile's, STEPKERNELS_DEVICE_PROFILE), and a single tile.
+FULL_WAVE_AND_ONE = (112, 304, 512) if sm_count() == 132 else (16 * (sm_count() + 1), 16, 256)
+TAIL_SHAPES = [(16, 16, 256), FULL_WAVE_AND_ONE]
 SPLIT = {**SMALL, "SPLIT_TAIL": True}
 
 
@@ -492,11 +494,12 @@ def test_two_programs_an_sm_give_the_product(split):
 
 
 # Squares whose last wave no fp16 tile splits, and one where some do (132 SMs, or the
-# interpreter's 4).
-SPLIT_SIZES = [(4096, False), (3072, True)] if ON_GPU else [(1024, False), (1152, True)]
+# interpreter's 4; a profile of another SM count skips the test).
+SPLIT_SIZES = {132: [(4096, False), (3072, True)], 4: [(1024, False), (1152, True)]}.get(sm_count())
 
 
-@pytest.mark.parametrize("size, splits_somewhere", SPLIT_SIZES)
+@pytest.mark.skipif(SPLIT_SIZES is None, reason=f"sizes chosen for 132 or 4 SMs, not {sm_count()}")
+@pytest.mark.parametrize("size, splits_somewhere", SPLIT_SIZES or [(0, False)])
 def test_the_autotuner_times_split_configs_only_where_they_split(size, splits_somewhere):
     named = {"a_ptr": torch.empty(1, dtype=torch.float16), "M": size, "N": size, "K": size}
     kept = keep_tma_configs(TMA_CONFIGS, named)

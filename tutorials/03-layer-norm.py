@@ -70,6 +70,7 @@ from stepkernels.runtime.arguments import (  # checks
     reduction_argument,
 )
 from stepkernels.runtime.core import INTERPRET, refuse_double_backward, sm_count
+from stepkernels.runtime.device import profile
 from stepkernels.runtime.launch import (  # cheap repeated launches: chapter 08
     cdiv,
     lean,
@@ -131,11 +132,17 @@ SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 FORWARD_MAX_BLOCK, SPLIT_CHUNK = 32768, 8192  # longer rows: split in chunks
 FORWARD_TILE, FORWARD_SHORT_TILE, FORWARD_SHORT_ROW = 8192, 4096, 2048
 FORWARD_PROGRAMS_PER_SM = 8
-FORWARD_STAGES, FORWARD_STAGE_BYTES = 2, 128 * 1024  # loads in flight, in shared memory
+FORWARD_STAGES = 2  # loads in flight: Triton keeps NUM_STAGES - 1 blocks of them
+
+
+def stage_bytes() -> int:
+    """Shared memory for loads in flight: the device's (runtime/device.py), less 1 KB for
+    the reductions' scratch (tools/check_targets.py checks the launches against it)."""
+    return profile().shared_memory - 1024
 
 
 @functools.cache  # once per shape: off the call's path
-def forward_config(n_cols, n_rows, block_size=None, itemsize=4) -> dict:
+def forward_config(n_cols, n_rows, block_size=None, itemsize=4, param_bytes=0) -> dict:
     max_block = block_size or FORWARD_MAX_BLOCK  # block_size: a cap, for tests
     block = triton.next_power_of_2(n_cols)
     if block > max_block:  # too long for a program: split over several, chapter 13
@@ -150,8 +157,8 @@ def forward_config(n_cols, n_rows, block_size=None, itemsize=4) -> dict:
         )
     tile = FORWARD_SHORT_TILE if block <= FORWARD_SHORT_ROW else FORWARD_TILE
     rows = max(1, min(tile // block, triton.next_power_of_2(n_rows)))
-    per_stage = rows * block * itemsize
-    stages = max(1, min(FORWARD_STAGES, FORWARD_STAGE_BYTES // per_stage))
+    per_stage = rows * block * itemsize + block * param_bytes  # x, weight and bias
+    stages = max(1, min(FORWARD_STAGES, 1 + stage_bytes() // per_stage))
     return dict(
         BLOCK_N=block,
         ROWS_PER_PROGRAM=rows,
@@ -170,7 +177,8 @@ def layer_norm_forward(x2d, weight, bias, eps, block_size=None, config=None):
     if n_rows == 0:
         return y, mean, rstd
     size = x2d.element_size()
-    config = dict(config or forward_config(n_cols, n_rows, block_size, size))
+    params = sum(p.element_size() for p in (weight, bias) if p is not None)
+    config = dict(config or forward_config(n_cols, n_rows, block_size, size, params))
     tensors = (
         x2d,
         y,
@@ -387,7 +395,8 @@ def backward_config(n_cols, n_rows, block_size=None, rows_per_program=None, item
         wanted = triton.cdiv(n_rows, programs)
         rows_per_program = min(64, triton.next_power_of_2(wanted))
     per_stage = 2 * block * itemsize  # a row of x and one of dy
-    stages = max(1, min(BACKWARD_STAGES, BACKWARD_STAGE_BYTES // per_stage))
+    budget = min(BACKWARD_STAGE_BYTES, stage_bytes())
+    stages = max(1, min(BACKWARD_STAGES, budget // per_stage))
     return dict(
         BLOCK_N=block,
         ROWS_PER_PROGRAM=rows_per_program,

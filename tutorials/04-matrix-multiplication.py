@@ -79,7 +79,8 @@ for group_size_m in (1, 8):
 
 # @save runtime/tiles
 from stepkernels.runtime.arguments import matmul_arguments
-from stepkernels.runtime.core import FLOAT_DTYPES, INTERPRET, capability
+from stepkernels.runtime.core import FLOAT_DTYPES
+from stepkernels.runtime.device import profile
 import torch
 import triton
 import triton.language as tl
@@ -224,11 +225,10 @@ from stepkernels.runtime.activations import apply_activation
 from stepkernels.runtime.arguments import accumulate_arguments
 from stepkernels.runtime.core import (
     INTERPRET,
-    ON_GPU,
     autotune_configs,
-    capability,
     sm_count,
 )
+from stepkernels.runtime.device import profile
 from stepkernels.runtime.launch import cdiv, lean
 from stepkernels.runtime.tiles import (
     add_bias,
@@ -403,7 +403,8 @@ matmul_portable_tuned = lean(
 # measured faster. The checks, dtypes and outputs are chapter 07's too (``runtime/tiles``).
 
 # @save runtime/tiles
-FP8_DTYPES = (torch.float8_e4m3fn,) if INTERPRET or capability() >= (8, 9) else ()
+# fp8 tensor cores: sm_89 on (the interpreter emulates them)
+FP8_DTYPES = (torch.float8_e4m3fn,) if profile().fp8 else ()
 SUPPORTED_DTYPES = FLOAT_DTYPES + FP8_DTYPES
 
 
@@ -468,7 +469,7 @@ def launch_portable(
     return (out, pre) if return_preactivation else out
 
 
-ON_HOPPER = ON_GPU and capability()[0] == 9
+ON_HOPPER = profile().tma  # NVIDIA's sm_90: runtime/device.py
 
 
 def fills_the_gpu(M: int, N: int) -> bool:

@@ -63,6 +63,7 @@ DEVICE = tutorial.DEVICE
 
 # @save ops/long_rows
 from stepkernels.runtime.core import INTERPRET
+from stepkernels.runtime.device import profile
 from stepkernels.runtime.launch import lean
 from stepkernels.runtime.partials import flush_partials
 from stepkernels.runtime.waiting import MAX_POLLS, publish, publish_and_wait, wait_for
@@ -209,7 +210,8 @@ def split_forward(tensors, strides, affine, n_rows, n_cols, eps, config):
 
 
 # @save ops/long_rows
-OPAQUE_MOVES = tl.constexpr(not INTERPRET)  # the interpreter runs no inline assembly
+# PTX: NVIDIA's GPUs only; the interpreter runs no inline assembly
+OPAQUE_MOVES = tl.constexpr(not INTERPRET and profile().nvidia)
 
 
 @triton.jit

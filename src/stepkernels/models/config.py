@@ -17,7 +17,7 @@ from pathlib import Path
 from stepkernels.models.distributed import PARALLEL
 from stepkernels.models.gpt import ConfigError, GPTConfig
 from stepkernels.runtime import core
-import torch
+from stepkernels.runtime.device import profile
 
 STEPS = ("eager", "graph", "compile")
 DTYPES = ("bfloat16", "float32")
@@ -81,7 +81,7 @@ class Config:
         choices=PARALLEL,
     )
     dtype: str = option(
-        "bfloat16" if core.ON_GPU else "float32",
+        "bfloat16" if core.ON_GPU and profile().bf16 else "float32",
         "products under autocast in this dtype on a GPU; float32: no autocast (a CPU)",
         choices=DTYPES,
     )
@@ -208,7 +208,8 @@ def check_config(cfg: Config, world: int = 1) -> None:
             "dtype",
             "bfloat16 is autocast on a GPU; on a CPU choose float32 (no autocast)",
         )
-    if cfg.dtype == "bfloat16" and not torch.cuda.is_bf16_supported():
+    # bf16 in hardware: torch.cuda.is_bf16_supported() says yes on a T4 too (emulated)
+    if cfg.dtype == "bfloat16" and not profile().bf16:
         raise ConfigError(
             "dtype", "this GPU has no bf16 (before Ampere): choose float32"
         )

@@ -8,6 +8,7 @@ import functools
 import math
 from typing import NamedTuple
 
+from stepkernels.ops.attention_launches import fit_to_device  # each GPU's shared memory
 from stepkernels.runtime.arguments import is_number
 from stepkernels.runtime.core import (
     FLOAT_DTYPES,
@@ -301,6 +302,7 @@ class Launch:
 
 
 @functools.cache
+@fit_to_device  # these are the H100's: fewer stages or smaller blocks where they do not fit
 def default_launches(head_dim: int, element_size: int, causal: bool):
     """(forward, key gradients, query gradient) for a head dim padded to a power of
     two."""

@@ -4,6 +4,7 @@
 # export`.
 
 from stepkernels.runtime.core import INTERPRET
+from stepkernels.runtime.device import profile
 from stepkernels.runtime.launch import lean
 from stepkernels.runtime.partials import flush_partials
 from stepkernels.runtime.waiting import MAX_POLLS, publish, publish_and_wait, wait_for
@@ -114,7 +115,8 @@ def split_forward(tensors, strides, affine, n_rows, n_cols, eps, config):
     )
 
 
-OPAQUE_MOVES = tl.constexpr(not INTERPRET)  # the interpreter runs no inline assembly
+# PTX: NVIDIA's GPUs only; the interpreter runs no inline assembly
+OPAQUE_MOVES = tl.constexpr(not INTERPRET and profile().nvidia)
 
 
 @triton.jit

@@ -8,11 +8,10 @@ from stepkernels.runtime.activations import apply_activation
 from stepkernels.runtime.arguments import accumulate_arguments
 from stepkernels.runtime.core import (
     INTERPRET,
-    ON_GPU,
     autotune_configs,
-    capability,
     sm_count,
 )
+from stepkernels.runtime.device import profile
 from stepkernels.runtime.launch import cdiv, lean
 from stepkernels.runtime.tiles import (
     add_bias,
@@ -170,7 +169,7 @@ def launch_portable(
     return (out, pre) if return_preactivation else out
 
 
-ON_HOPPER = ON_GPU and capability()[0] == 9
+ON_HOPPER = profile().tma  # NVIDIA's sm_90: runtime/device.py
 
 
 def fills_the_gpu(M: int, N: int) -> bool:

@@ -4,38 +4,41 @@ chapters (see tools/export.py)."""
 
 from __future__ import annotations
 
-import functools
-import os
 import threading
 
+# Where kernels run: defined with the device profile, used by every operation from here.
+from stepkernels.runtime.device import DEVICE, INTERPRET, ON_GPU, profile  # noqa: F401
 import torch
 
-# Without a GPU the kernels run under Triton's interpreter on CPU tensors (the package's
-# __init__ chooses it before triton is imported).
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-ON_GPU = torch.cuda.is_available() and not INTERPRET
-DEVICE = torch.device("cuda" if ON_GPU else "cpu")
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
-@functools.cache
 def sm_count() -> int:
-    """Streaming multiprocessors of the current GPU; 4 under the interpreter, which has none
-    (a small number, so that persistent loops still take several turns there)."""
-    if not ON_GPU:
-        return 4
-    return torch.cuda.get_device_properties(DEVICE).multi_processor_count
+    """Streaming multiprocessors of the device profile (``runtime.device``): the GPU's, or
+    the override's; 4 under the interpreter, which has none (a small number, so that
+    persistent loops still take several turns there)."""
+    return profile().sm_count
 
 
-@functools.cache
 def capability() -> tuple[int, int]:
-    """The GPU's compute capability, (0, 0) under the interpreter."""
-    return torch.cuda.get_device_capability() if ON_GPU else (0, 0)
+    """The device profile's compute capability, (0, 0) under the interpreter. Features
+    (TMA, fp8, bf16) are better read from ``runtime.device.profile()``, which knows the
+    vendor: an AMD GPU reports capability numbers too."""
+    return profile().capability
+
+
+class TunedConfigs(list):
+    """The configs an autotuner times here; ``every``: those it times on a GPU, which
+    ``tools/check_targets.py`` compiles for each target without one."""
+
+    every: list
 
 
 def autotune_configs(configs: list) -> list:
     """All configs on a GPU; the first alone under the interpreter, which cannot time kernels."""
-    return list(configs) if ON_GPU else list(configs)[:1]
+    chosen = TunedConfigs(list(configs) if ON_GPU else list(configs)[:1])
+    chosen.every = list(configs)
+    return chosen
 
 
 def loss_dtype(tensor: torch.Tensor) -> torch.dtype:

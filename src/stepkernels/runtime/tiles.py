@@ -4,7 +4,8 @@
 # `make export`.
 
 from stepkernels.runtime.arguments import matmul_arguments
-from stepkernels.runtime.core import FLOAT_DTYPES, INTERPRET, capability
+from stepkernels.runtime.core import FLOAT_DTYPES
+from stepkernels.runtime.device import profile
 import torch
 import triton
 import triton.language as tl
@@ -50,7 +51,8 @@ def keep_configs_for_dtype(configs, named_args, **kwargs):
     return [min(kept, key=lambda c: c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"])]
 
 
-FP8_DTYPES = (torch.float8_e4m3fn,) if INTERPRET or capability() >= (8, 9) else ()
+# fp8 tensor cores: sm_89 on (the interpreter emulates them)
+FP8_DTYPES = (torch.float8_e4m3fn,) if profile().fp8 else ()
 SUPPORTED_DTYPES = FLOAT_DTYPES + FP8_DTYPES
 
 
