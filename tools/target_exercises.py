@@ -187,6 +187,51 @@ def gpt():  # chapter 12: a training step at chapter 12's widths under bf16 auto
     loss.backward()
 
 
+@exercise
+def rms_norm():  # chapter 14: a row a program, to its longest row
+    for n_cols in (384, 4096, 65536):
+        for dtype in EVERY if n_cols == 4096 else (HALF,):
+            x, w = tensor(64, n_cols, dtype=dtype), tensor(n_cols, dtype=dtype)
+            backward(sk.rms_norm(x, (n_cols,), w))
+
+
+@exercise
+def rotary_embedding():  # chapter 14: one tensor, and q and k in one launch
+    for head_dim in (64, 128):
+        for dtype in EVERY:
+            q, k = tensor(2, 4, 100, head_dim, dtype=dtype), tensor(2, 2, 100, head_dim, dtype=dtype)
+            cos, sin = (tensor(100, head_dim, dtype=dtype, grad=False) for _ in range(2))
+            backward(sk.rotary_embedding(q, cos, sin))
+            q_rotated, k_rotated = sk.rotary_embedding_qk(q, k, cos, sin)
+            backward(q_rotated.float().sum() + k_rotated.float().sum())
+
+
+@exercise
+def silu_mul():  # chapter 14: SwiGLU's product
+    for dtype in EVERY:
+        gate, up = tensor(64, 1000, dtype=dtype), tensor(64, 1000, dtype=dtype)
+        backward(sk.silu_mul(gate, up))
+
+
+@exercise
+def add_layer_norm():  # chapter 15: rows to its longest block, in each dtype
+    for n_cols in (384, 4096, 8192):
+        for dtype in EVERY if n_cols == 4096 else (HALF,):
+            x, residual = tensor(64, n_cols, dtype=dtype), tensor(64, n_cols, dtype=dtype)
+            w, b = tensor(n_cols, dtype=dtype), tensor(n_cols, dtype=dtype)
+            h, y = sk.add_layer_norm(x, residual, (n_cols,), w, b)
+            backward(h.float().sum() + y.float().sum())
+
+
+@exercise
+def fused_adamw():  # chapter 15: one launch a group
+    params = [tensor(384, 384), tensor(384)]
+    optimizer = sk.FusedAdamW([{"params": params[:1]}, {"params": params[1:], "weight_decay": 0.0}])
+    for p in params:
+        p.grad = torch.randn_like(p)
+    optimizer.step()
+
+
 class tf32:
     """fp32 products as tf32 inside the block (torch's "high" precision)."""
 
