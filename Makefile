@@ -22,13 +22,16 @@ export MPLBACKEND := agg
 export STEPKERNELS_DATA := $(CURDIR)/data
 SHAKESPEARE := $(STEPKERNELS_DATA)/shakespeare/meta.json
 
-.PHONY: help html notebooks test lint export data wheel bench results-table clean distclean
+.PHONY: help html notebooks test targets lint export data wheel bench results-table clean distclean
 help:
 	@echo "make html           build the gallery into build/html, executing every chapter, with"
 	@echo "                    the package's wheel beside its notebooks"
 	@echo "make test           run every check: ruff, the package against its chapters, pytest"
 	@echo "                    and nbval on every notebook (each chapter runs once, JOBS=N"
 	@echo "                    processes), the gallery build (not executing the chapters again)"
+	@echo "make targets        compile every kernel launch offline for sm_80, sm_86, sm_89 and"
+	@echo "                    sm_90 and hold it to that GPU's limits (no GPU needed; about an"
+	@echo "                    hour on 2 cores the first time, build/targets/ keeps the rest)"
 	@echo "make export         write the package's modules (src/stepkernels) from the chapters"
 	@echo "make data           download and prepare the GPT's training data (Shakespeare) into"
 	@echo "                    data/, once; html, notebooks, test and bench do it first"
@@ -83,6 +86,12 @@ test: lint notebooks $(SHAKESPEARE)
 	$(PY) tools/export.py --check
 	$(PYTEST) --nbval-lax --nbval-current-env build/notebooks tests
 	$(SPHINX) -D plot_gallery=0 -b html docs build/html
+
+# The offline check of every launch for four GPUs (tools/check_targets.py); make test runs
+# only its recorded part, since a cold compile takes about an hour on 2 cores.
+targets: $(VENV)/.tests
+	STEPKERNELS_TARGETS=1 $(PY) -m pytest -q tests/test_targets.py
+	$(PY) tools/check_targets.py
 
 # setuptools builds in build/lib: emptied first, so no module removed from src/ comes along.
 wheel: $(VENV)/.runtime
