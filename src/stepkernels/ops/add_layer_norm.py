@@ -143,38 +143,82 @@ def backward_config(n_cols, n_rows):
     return dict(BLOCK_N=block, ROWS_PER_PROGRAM=rows, num_warps=max(4, block // 1024))
 
 
+def add_layer_norm_forward(x, residual, weight, bias, eps, out_dtype):
+    """h, y, and each row's mean and 1 / std (fp32) for (M, N) rows x and residual."""
+    (n_rows, n_cols), device = x.shape, x.device
+    dtype = torch.promote_types(x.dtype, residual.dtype)
+    h = torch.empty((n_rows, n_cols), device=device, dtype=dtype)
+    y = torch.empty_like(h, dtype=out_dtype or dtype)
+    mean, rstd = (torch.empty(n_rows, device=device) for _ in "mr")
+    forward = forward_config(n_cols, n_rows)
+    grid = (triton.cdiv(n_rows, forward["ROWS_PER_PROGRAM"]),)
+    affine = dict(HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None)
+    add_layer_norm_forward_kernel[grid](
+        x,
+        residual,
+        h,
+        y,
+        weight if weight is not None else h,
+        bias if bias is not None else h,
+        mean,
+        rstd,
+        x.stride(0),
+        residual.stride(0),
+        n_rows,
+        n_cols,
+        eps,
+        **affine,
+        **forward,
+    )
+    return h, y, mean, rstd
+
+
+def add_layer_norm_backward(h, dy, dh, weight, mean, rstd):
+    """dx in h's dtype (the gradient of x and of the update), and the (2, N) fp32 sums
+    of dW and dB; dy and dh (None: h not used further) as rows."""
+    (n_rows, n_cols), device = h.shape, h.device
+    backward = backward_config(n_cols, n_rows)
+    programs = triton.cdiv(n_rows, backward["ROWS_PER_PROGRAM"])
+    partials = torch.empty((programs, 2, n_cols), device=device)
+    dx = torch.empty_like(h)
+    add_layer_norm_backward_kernel[(programs,)](
+        h,
+        dy,
+        dh if dh is not None else dy,
+        dx,
+        weight if weight is not None else h,
+        mean,
+        rstd,
+        partials,
+        dy.stride(0),
+        dy.stride(0) if dh is None else dh.stride(0),
+        n_rows,
+        n_cols,
+        HAS_WEIGHT=weight is not None,
+        HAS_DH=dh is not None,
+        REDUCTION="two-stage",
+        **backward,
+    )
+    return dx, partials.sum(dim=0)  # (2, N): dW, dB in fp32, rounded once by callers
+
+
+def weight_grads(sums, h, weight, has_bias):
+    """dW and dB from their fp32 sums, each rounded once; None where there is none."""
+    grad_dtype = h.dtype if weight is None else weight.dtype
+    dw = sums[0].to(grad_dtype) if weight is not None else None
+    db = sums[1].to(grad_dtype) if has_bias else None
+    return dw, db
+
+
 class AddLayerNormFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, residual, weight, bias, eps, out_dtype):
-        (n_rows, n_cols), device = x.shape, x.device
-        dtype = torch.promote_types(x.dtype, residual.dtype)
-        h = torch.empty((n_rows, n_cols), device=device, dtype=dtype)
-        y = torch.empty_like(h, dtype=out_dtype or dtype)
-        mean, rstd = (torch.empty(n_rows, device=device) for _ in "mr")
-        forward = forward_config(n_cols, n_rows)
-        grid = (triton.cdiv(n_rows, forward["ROWS_PER_PROGRAM"]),)
-        affine = dict(HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None)
-        add_layer_norm_forward_kernel[grid](
-            x,
-            residual,
-            h,
-            y,
-            weight if weight is not None else h,
-            bias if bias is not None else h,
-            mean,
-            rstd,
-            x.stride(0),
-            residual.stride(0),
-            n_rows,
-            n_cols,
-            eps,
-            **affine,
-            **forward,
+        h, y, mean, rstd = add_layer_norm_forward(
+            x, residual, weight, bias, eps, out_dtype
         )
         if ctx is not None:
-            ctx.set_materialize_grads(
-                False
-            )  # an unused output's gradient: None, not zeros
+            # an unused output's gradient: None, not zeros
+            ctx.set_materialize_grads(False)
             ctx.save_for_backward(h, weight, mean, rstd)
             ctx.dtypes, ctx.has_bias = (x.dtype, residual.dtype), bias is not None
         return h, y
@@ -183,37 +227,12 @@ class AddLayerNormFunction(torch.autograd.Function):
     def backward(ctx, dh, dy):
         refuse_double_backward("add_layer_norm", "torch.nn.functional.layer_norm")
         h, weight, mean, rstd = ctx.saved_tensors
-        (n_rows, n_cols), device = h.shape, h.device
         dx_dtype, residual_dtype = ctx.dtypes
         if dy is None:  # y unused: the sum's gradient passes through, none for w and b
             return dh.to(dx_dtype), dh.to(residual_dtype), None, None, None, None
         dy, dh = as_rows(dy), None if dh is None else as_rows(dh)
-        backward = backward_config(n_cols, n_rows)
-        programs = triton.cdiv(n_rows, backward["ROWS_PER_PROGRAM"])
-        partials = torch.empty((programs, 2, n_cols), device=device)
-        dx = torch.empty_like(h)
-        add_layer_norm_backward_kernel[(programs,)](
-            h,
-            dy,
-            dh if dh is not None else dy,
-            dx,
-            weight if weight is not None else h,
-            mean,
-            rstd,
-            partials,
-            dy.stride(0),
-            dy.stride(0) if dh is None else dh.stride(0),
-            n_rows,
-            n_cols,
-            HAS_WEIGHT=weight is not None,
-            HAS_DH=dh is not None,
-            REDUCTION="two-stage",
-            **backward,
-        )
-        sums = partials.sum(dim=0)  # (2, N): dW, dB in fp32, rounded once below
-        grad_dtype = h.dtype if weight is None else weight.dtype
-        dw = sums[0].to(grad_dtype) if weight is not None else None
-        db = sums[1].to(grad_dtype) if ctx.has_bias else None
+        dx, sums = add_layer_norm_backward(h, dy, dh, weight, mean, rstd)
+        dw, db = weight_grads(sums, h, weight, ctx.has_bias)
         return dx.to(dx_dtype), dx.to(residual_dtype), dw, db, None, None
 
 
@@ -255,9 +274,70 @@ def add_layer_norm(
     x2d, residual2d = (as_rows(t.reshape(-1, n_cols)) for t in (x, residual))
     flat = lambda p: None if p is None else p.reshape(-1).contiguous()
     args = (x2d, residual2d, flat(weight), flat(bias), float(eps), out_dtype)
+    if torch.compiler.is_compiling():  # an operator the compiler traces (below)
+        h, y, _, _ = add_layer_norm_forward_op(*args)
+        return h.view(x.shape), y.view(x.shape)
     grads = any(t is not None and t.requires_grad for t in (x, residual, weight, bias))
     if grads and torch.is_grad_enabled():
         h, y = AddLayerNormFunction.apply(*args)
     else:
         h, y = AddLayerNormFunction.forward(None, *args)
     return h.view(x.shape), y.view(x.shape)
+
+
+from stepkernels.runtime.launch import concrete  # a kernel per shape, as in eager calls
+from torch import Tensor
+from torch.library import triton_op
+
+
+@triton_op("stepkernels::add_layer_norm_forward", mutates_args={})
+def add_layer_norm_forward_op(
+    x2d: Tensor,
+    residual2d: Tensor,
+    weight: Tensor | None,
+    bias: Tensor | None,
+    eps: float,
+    out_dtype: torch.dtype | None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    rows = (concrete(x2d), concrete(residual2d))
+    return add_layer_norm_forward(
+        *rows, weight, bias, eps, out_dtype
+    )  # h, y, mean, rstd
+
+
+@triton_op("stepkernels::add_layer_norm_backward", mutates_args={})
+def add_layer_norm_backward_op(
+    h: Tensor,
+    dy: Tensor,
+    dh: Tensor | None,
+    weight: Tensor | None,
+    mean: Tensor,
+    rstd: Tensor,
+) -> tuple[Tensor, Tensor]:
+    rows = (concrete(h), concrete(dy), None if dh is None else concrete(dh))
+    return add_layer_norm_backward(*rows, weight, mean, rstd)  # dx, the sums of dW, dB
+
+
+def add_layer_norm_setup(ctx, inputs, output):
+    x2d, residual2d, weight, bias, _, _ = inputs
+    h, _, mean, rstd = output
+    ctx.save_for_backward(h, weight, mean, rstd)
+    ctx.dtypes, ctx.has_bias = (x2d.dtype, residual2d.dtype), bias is not None
+    ctx.set_materialize_grads(False)  # as in the Function: None for an unused output
+
+
+def add_layer_norm_op_backward(ctx, dh, dy, _mean_grad, _rstd_grad):
+    refuse_double_backward("add_layer_norm", "torch.nn.functional.layer_norm")
+    h, weight, mean, rstd = ctx.saved_tensors
+    dx_dtype, residual_dtype = ctx.dtypes
+    if dy is None:  # y unused: the sum's gradient passes through, none for w and b
+        return dh.to(dx_dtype), dh.to(residual_dtype), None, None, None, None
+    dy, dh = as_rows(dy), None if dh is None else as_rows(dh)
+    dx, sums = add_layer_norm_backward_op(h, dy, dh, weight, mean, rstd)
+    dw, db = weight_grads(sums, h, weight, ctx.has_bias)
+    return dx.to(dx_dtype), dx.to(residual_dtype), dw, db, None, None
+
+
+add_layer_norm_forward_op.register_autograd(
+    add_layer_norm_op_backward, setup_context=add_layer_norm_setup
+)

@@ -383,6 +383,7 @@ def dropout_bias_act(x, bias, p: float, activation, seed, training: bool = True)
     return bias_act_dropout(x, bias, p, activation, seed)  # nothing for autograd
 
 
+from stepkernels.runtime.launch import concrete  # a kernel per shape, as in eager calls
 from torch import Tensor
 from torch.library import triton_op
 
@@ -417,7 +418,7 @@ dropout_op.register_autograd(dropout_backward, setup_context=dropout_setup)
 def dropout_bias_act_op(
     x: Tensor, bias: Tensor, p: float, activation: str | None, seed: Tensor
 ) -> Tensor:
-    return bias_act_dropout(x, bias, p, activation, seed)
+    return bias_act_dropout(concrete(x), bias, p, activation, seed)
 
 
 @triton_op("stepkernels::dropout_bias_act_backward", mutates_args={})
@@ -429,7 +430,8 @@ def dropout_bias_act_backward_op(
     activation: str | None,
     seed: Tensor,
 ) -> tuple[Tensor, Tensor]:
-    return bias_act_dropout_backward(grad_out, x, bias, p, activation, seed, True)
+    rows = (concrete(grad_out), concrete(x))  # fused_launch is cached by shape
+    return bias_act_dropout_backward(*rows, bias, p, activation, seed, True)
 
 
 def dropout_bias_act_setup(ctx, inputs, output):
