@@ -37,10 +37,11 @@ def pytest_xdist_make_scheduler(config, log):
 
     class NotebooksWhole(LoadScopeScheduling):
         # LoadScopeScheduling hands out the largest units first: the notebooks, then the tests.
-        # test_targets.py goes whole too: its tests share one compile of every launch.
+        # test_targets.py and test_distributed.py go whole too: their tests share one
+        # module fixture (every launch recorded; the torchrun runs, 70 s of both cores).
         def _split_scope(self, nodeid):
             path = nodeid.split("::", 1)[0]
-            whole = path.endswith((".ipynb", "test_targets.py"))
+            whole = path.endswith((".ipynb", "test_targets.py", "test_distributed.py"))
             return path if whole else nodeid
 
     return NotebooksWhole(config, log)
