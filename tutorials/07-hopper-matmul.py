@@ -621,7 +621,10 @@ fp8 = bench.Benchmark(
     smoke_x=64,
     headline_x=None,  # the lines below compare with torch._scaled_mm, not fp16
 )
-has_fp8 = tutorial.INTERPRET or torch.cuda.get_device_capability() >= (8, 9)
+from stepkernels.runtime.tiles import FP8_DTYPES
+
+# the device profile's answer (runtime/device.py): NVIDIA from sm_89, or the interpreter
+has_fp8 = tutorial.INTERPRET or bool(FP8_DTYPES)
 fp8_results = bench.run(fp8) if has_fp8 else None
 if fp8_results is not None:
     print(f"matmul-fp8, {fp8_results.how}:")
@@ -633,7 +636,9 @@ if fp8_results is not None:
             f"{ours / theirs:.0%} of torch._scaled_mm"
         )
 elif not has_fp8:
-    print("This GPU has no fp8 tensor cores (compute capability below 8.9): skipped.")
+    print(
+        "This GPU has no fp8 tensor cores we use (NVIDIA from compute capability 8.9): skipped."
+    )
 
 # %%
 # At the large sizes our fp8 kernel and ``torch._scaled_mm`` run level, close to twice our fp16
