@@ -268,7 +268,9 @@ def test_a_batch_that_does_not_split_over_the_processes_is_refused(command):
 
 
 def test_only_rank_0_prints_an_error_that_all_share(command):
-    status, out, err = command(**{**LAUNCHED, "RANK": "1", "LOCAL_RANK": "1"})
+    # Rank 1 on a second machine (local rank 0): a machine of one GPU has its GPU, so the
+    # error is the batch's, which every rank finds and rank 0 alone prints.
+    status, out, err = command(**{**LAUNCHED, "RANK": "1", "LOCAL_RANK": "0"})
     assert status == 2 and out == err == ""
 
 

@@ -8,7 +8,7 @@ from conftest import random_tensor
 import pytest
 import stepkernels
 from stepkernels.runtime import arguments
-from stepkernels.runtime.core import ON_GPU
+from stepkernels.runtime.core import DEVICE, ON_GPU
 from stepkernels.runtime.launch import LeanKernel, cdiv, next_power_of_2, triton_launches
 import torch
 import triton
@@ -76,9 +76,9 @@ def test_linear_checks_its_arguments_once(monkeypatch):
     monkeypatch.setattr(arguments, "matmul_arguments", lambda *a, **k: seen.append(1) or checked(*a, **k))
     tiles = sys.modules["stepkernels.runtime.tiles"]
     monkeypatch.setattr(tiles, "matmul_arguments", arguments.matmul_arguments)
-    x = torch.randn(4, 16, requires_grad=True)
-    w = torch.randn(8, 16, requires_grad=True)
-    b = torch.randn(8, requires_grad=True)
+    x = torch.randn(4, 16, device=DEVICE, requires_grad=True)
+    w = torch.randn(8, 16, device=DEVICE, requires_grad=True)
+    b = torch.randn(8, device=DEVICE, requires_grad=True)
     y = stepkernels.linear(x, w, b, "gelu")
     torch.autograd.grad(y, (x, w, b), torch.ones_like(y))
     assert seen == []
@@ -87,11 +87,11 @@ def test_linear_checks_its_arguments_once(monkeypatch):
 
 
 def one_node_calls():
-    x = torch.randn(4, 16, requires_grad=True)
-    w = torch.randn(8, 16, requires_grad=True)
-    b = torch.randn(16, requires_grad=True)
-    q = torch.randn(1, 2, 8, 16, requires_grad=True)
-    target = torch.randint(8, (4,))
+    x = torch.randn(4, 16, device=DEVICE, requires_grad=True)
+    w = torch.randn(8, 16, device=DEVICE, requires_grad=True)
+    b = torch.randn(16, device=DEVICE, requires_grad=True)
+    q = torch.randn(1, 2, 8, 16, device=DEVICE, requires_grad=True)
+    target = torch.randint(8, (4,), device=DEVICE)
     return {
         "softmax": lambda: stepkernels.softmax(x),
         "log_softmax": lambda: stepkernels.log_softmax(x),

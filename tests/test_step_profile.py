@@ -60,11 +60,12 @@ def test_the_add_norm_ablation_runs_the_addition_apart(step_profile, monkeypatch
     """--ablate's "add then norm": the GPT's layers never call add_layer_norm inside, and the
     loss is the fused one's (fp32)."""
     from stepkernels.models import gpt
+    from stepkernels.runtime.core import DEVICE
     import torch
 
     torch.manual_seed(0)
-    model = gpt.GPT(gpt.GPTConfig(20, block_size=8, n_layer=1, n_head=2, n_embd=16))
-    idx = torch.randint(20, (2, 8))
+    model = gpt.GPT(gpt.GPTConfig(20, block_size=8, n_layer=1, n_head=2, n_embd=16)).to(DEVICE)
+    idx = torch.randint(20, (2, 8), device=DEVICE)
     fused = model(idx, idx)[1]
 
     def refuse(*args, **kwargs):
