@@ -78,6 +78,20 @@ def test_newest_recording_is_shown(tmp_path, monkeypatch):
     assert bench.recorded_gpu_dir(tmp_path).name == "some-gpu-80gb"
 
 
+def test_a_benchmark_recorded_on_one_gpu_only_is_still_shown(tmp_path):
+    """A later recording of other benchmarks on another GPU does not hide this one: each
+    benchmark is shown from the GPU that recorded it last."""
+    bench.record(copy_benchmark(), POINTS, FAKE_ENV, results_dir=tmp_path)
+    later = {**FAKE_ENV, "gpu": "Other GPU", "date": "2026-12-01"}
+    other = copy_benchmark(name="other")
+    bench.record(other, POINTS, later, results_dir=tmp_path)
+    assert bench.recorded_gpu_dir(tmp_path).name == "other-gpu"
+    points, env = bench.load_recorded("copy", results_dir=tmp_path)
+    assert env["gpu"] == "Some GPU 80GB" and len(points) == len(POINTS)
+    bench.record(copy_benchmark(), POINTS, later, results_dir=tmp_path)
+    assert bench.load_recorded("copy", results_dir=tmp_path)[1]["gpu"] == "Other GPU"
+
+
 def test_plot_says_recorded_and_draws_the_limit():
     fig = bench.plot(copy_benchmark(), POINTS, FAKE_ENV, live=False)
     assert "recorded on Some GPU 80GB" in fig._suptitle.get_text()

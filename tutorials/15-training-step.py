@@ -80,8 +80,8 @@ def show_profile(path, provider, rows=12):
             )
 
 
-recorded = bench.recorded_gpu_dir()
-if recorded is not None and (recorded / PROFILE).exists():
+recorded = bench.recorded_gpu_dir(holding=PROFILE)
+if recorded is not None:
     for provider in ("triton + CUDA graph", "torch + CUDA graph"):
         show_profile(recorded / PROFILE, provider)
 else:

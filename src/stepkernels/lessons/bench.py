@@ -616,8 +616,13 @@ def record(
     return path
 
 
-def recorded_gpu_dir(results_dir: Path | None = None) -> Path | None:
-    """The results folder to show without a GPU: $STEPKERNELS_RESULTS_GPU, else the newest recording."""
+def recorded_gpu_dir(
+    results_dir: Path | None = None, holding: str | None = None
+) -> Path | None:
+    """The results folder to show without a GPU: $STEPKERNELS_RESULTS_GPU, else the newest
+    recording. ``holding``: of the folders that hold that file (``name.csv``, a profile, a
+    sample), the one that recorded it last, so that a benchmark recorded on one GPU only
+    is still shown when another GPU recorded something later."""
     folders = [
         p.parent
         for p in (results_dir or default_results_dir()).glob("*/environment.json")
@@ -625,13 +630,15 @@ def recorded_gpu_dir(results_dir: Path | None = None) -> Path | None:
     wanted = os.environ.get("STEPKERNELS_RESULTS_GPU")
     if wanted:
         folders = [f for f in folders if f.name == wanted]
-    newest_first = sorted(
-        folders,
-        key=lambda f: (
-            json.loads((f / "environment.json").read_text())["date"],
-            f.name,
-        ),
-    )
+    if holding is not None:
+        folders = [f for f in folders if (f / holding).exists()]
+
+    def recorded_on(folder: Path) -> str:
+        env = json.loads((folder / "environment.json").read_text())
+        name = None if holding is None else holding.removesuffix(".csv")
+        return env.get("benchmarks", {}).get(name, env)["date"]
+
+    newest_first = sorted(folders, key=lambda f: (recorded_on(f), f.name))
     return newest_first[-1] if newest_first else None
 
 
@@ -646,7 +653,7 @@ def load_recorded(
     if own is not None and (own / f"{name}.csv").exists():
         folder = own
     else:
-        folder = recorded_gpu_dir(results_dir)
+        folder = recorded_gpu_dir(results_dir, holding=f"{name}.csv")
     if folder is None or not (folder / f"{name}.csv").exists():
         return None
     env = json.loads((folder / "environment.json").read_text())
@@ -1573,6 +1580,6 @@ def text_file(name: str, text: str | None = None) -> str | None:
             folder = gpu_results_dir(torch.cuda.get_device_name())
             (folder / name).write_text(text + "\n")
         return text
-    folder = recorded_gpu_dir()
+    folder = recorded_gpu_dir(holding=name)
     path = None if folder is None else folder / name
     return path.read_text().rstrip("\n") if path is not None and path.exists() else None
