@@ -126,6 +126,7 @@ BAD_OPTIONS = {  # arguments: what the error must name
 ON_A_CPU = {
     "graph on a CPU": (["--step", "graph"], "--step: graph needs a GPU"),
     "compile our kernels on a CPU": (["--step", "compile", "--use-triton"], "--step: compile cannot trace"),
+    "max-autotune on a CPU": (["--step", "max-autotune", "--use-triton"], "--step: compile cannot trace"),
     "bfloat16 on a CPU": (["--dtype", "bfloat16"], "--dtype: bfloat16 is autocast on a GPU"),
 }
 
@@ -147,7 +148,7 @@ def test_help_shows_the_program_defaults_choices_examples_and_the_data(run):
     flat = " ".join(out.split())
     for shown in (
         "--n-layer N transformer blocks (default: 6)",
-        "{eager,graph,compile}",
+        "{eager,graph,compile,max-autotune}",
         "--dtype {bfloat16,float32}",
         "examples:",
         "--config tiny",

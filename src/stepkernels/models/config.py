@@ -19,7 +19,7 @@ from stepkernels.models.gpt import ConfigError, GPTConfig
 from stepkernels.runtime import core
 from stepkernels.runtime.device import profile
 
-STEPS = ("eager", "graph", "compile")
+STEPS = ("eager", "graph", "compile", "max-autotune")
 DTYPES = ("bfloat16", "float32")
 PRESETS = Path(__file__).resolve().parent / "presets"
 
@@ -72,7 +72,8 @@ class Config:
     )
     step: str = option(
         "graph" if core.ON_GPU else "eager",
-        "eager; graph: the step as one CUDA graph (a GPU); compile: torch.compile",
+        "eager; graph: the step as one CUDA graph (a GPU); compile: torch.compile; "
+        "max-autotune: torch.compile(mode='max-autotune'), minutes of autotuning first",
         choices=STEPS,
     )
     parallel: str = option(
@@ -197,7 +198,7 @@ def check_config(cfg: Config, world: int = 1) -> None:
         raise ConfigError(
             "step", "graph needs a GPU (CUDA graphs): on a CPU choose eager"
         )
-    if cfg.step == "compile" and not core.ON_GPU and cfg.use_triton:
+    if cfg.step in ("compile", "max-autotune") and not core.ON_GPU and cfg.use_triton:
         raise ConfigError(
             "step",
             "compile cannot trace our kernels under Triton's interpreter (no GPU here): "

@@ -365,8 +365,11 @@ class Trainer:
         if parallel.several:  # PyTorch's dropout (--no-use-triton): masks of its own
             torch.manual_seed(cfg.seed + parallel.rank)
         self.optimizer = make_optimizer(self.model, cfg, parallel)
+        compiled = {"compile": {}, "max-autotune": {"mode": "max-autotune"}}
         self.forward = (
-            torch.compile(self.wrapped) if cfg.step == "compile" else self.wrapped
+            torch.compile(self.wrapped, **compiled[cfg.step])
+            if cfg.step in compiled
+            else self.wrapped
         )
         autocast = core.ON_GPU and cfg.dtype != "float32"
         self.autocast_dtype = getattr(torch, cfg.dtype) if autocast else None
