@@ -7,7 +7,9 @@ Each chapter runs in its own subprocess (a fresh interpreter, as a fresh kernel 
 that process executes the cells in one namespace and prints each cell's wall time, the
 chapter's total (import of torch included) and the first line of the cell, so the slow
 cells can be found. With several GPUs, ``--gpus 4`` runs four chapters at once, one per GPU
-(CUDA_VISIBLE_DEVICES), so each chapter still has a GPU to itself.
+(CUDA_VISIBLE_DEVICES), so each chapter still has a GPU to itself. ``--jobs N`` runs N at once
+over the GPUs in turn (``--gpus 1 --jobs 4``: four chapters sharing one GPU): each chapter's
+time is then an upper bound on its time alone, as they share the GPU and the CPU's cores.
 """
 
 from __future__ import annotations
@@ -96,6 +98,7 @@ def main() -> None:
     parser.add_argument("chapters", nargs="+")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--gpus", type=int, default=1)
+    parser.add_argument("--jobs", type=int, default=None, help="chapters at once (default: --gpus)")
     parser.add_argument("--timeout", type=float, default=300)
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
@@ -125,7 +128,8 @@ def main() -> None:
                 if result["error"]:
                     print("   ", result["error"][-600:].replace("\n", "\n    "), flush=True)
 
-    gpus = [str(i) for i in range(args.gpus)] if args.gpus > 1 else [None]
+    jobs = args.jobs or args.gpus
+    gpus = [str(i % args.gpus) if args.gpus > 1 else None for i in range(jobs)]
     threads = [threading.Thread(target=worker, args=(g,)) for g in gpus]
     for thread in threads:
         thread.start()
