@@ -70,6 +70,7 @@ GROUPS = {  # the first field of each group of options in --help
 # Model fields a checkpoint must share with the run that resumes it; a difference elsewhere is
 # allowed and printed, except in these, which only say how the run is watched.
 SHAPE = ("n_layer", "n_head", "n_embd", "block_size", "bias")
+SHAPE += ("norm", "position", "mlp", "n_kv_head", "mlp_hidden")  # the block's choices
 BOOKKEEPING = (
     "data_dir",
     "eval_interval",
