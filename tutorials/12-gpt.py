@@ -51,7 +51,10 @@ FULL_RUNS_LIVE = tutorial.ON_GPU and any(
 # runs a two-layer MLP of width 4C, each with a residual connection; the output layer reuses the
 # token embedding's matrix. The whole shape is one object, ``GPTConfig``, handed to every
 # module, as nanoGPT's ``model.py`` does. It refuses a shape our kernels cannot run before any
-# parameter is allocated: chapter 11's attention takes heads of at most 128 values.
+# parameter is allocated: chapter 11's attention takes heads of at most 128 values. It also
+# names the block's layers, GPT-2's by default: ``norm``, ``position``, ``mlp`` and
+# ``n_kv_head`` choose chapter 14's modern block instead (RMSNorm, rotary embeddings, SwiGLU,
+# grouped-query attention), which that chapter assembles and checks; this one trains GPT-2's.
 #
 # A training step's FLOPs are those of its matrix products: 6 per weight per token (2 in the
 # forward, 4 in the backward, chapter 05), and attention's 4 T C per token and layer for the
