@@ -190,6 +190,17 @@ class GPTConfig:
             return 4 * self.n_embd
         return -(-(8 * self.n_embd // 3) // 64) * 64
 
+    def block(self) -> str:
+        """The block's layers in words, for a run's first lines."""
+        norm = {"layer": "layer norm", "rms": "RMSNorm"}[self.norm]
+        mlp = {"gelu": "GELU", "swiglu": "SwiGLU"}[self.mlp]
+        plural = "s" if self.kv_heads > 1 else ""
+        heads = f"{self.kv_heads} head{plural} of k and v for {self.n_head} of q"
+        return (
+            f"{norm}, {self.position} positions, {mlp} MLP {self.hidden} wide, "
+            f"{heads}, {'biases' if self.bias else 'no biases'}"
+        )
+
 
 CHOICES = {
     "norm": ("layer", "rms"),

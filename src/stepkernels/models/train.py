@@ -416,6 +416,7 @@ class Trainer:
             f"{config.n_head} heads, {config.n_embd} wide, context {config.block_size}, "
             f"{config.vocab_size} characters) on {layers}, step {cfg.step}; "
             f"{tokens:,} tokens and {step_flops / 1e12:.3g} TFLOP a step",
+            f"block: {config.block()}",
         ]
         if self.parallel.several or cfg.grad_accum > 1:
             lines.append(
