@@ -191,7 +191,7 @@ class TorchLayers:
         return F.dropout(x, p) if p > 0 else x
 
     def rotary(self, q, k, cos, sin):
-        def turn(x):  # x cos + rotate_half(x) sin, in fp32 tables' precision
+        def turn(x):  # x cos + rotate_half(x) sin, computed in the tables' fp32
             x1, x2 = x.chunk(2, dim=-1)
             return (x * cos + torch.cat([-x2, x1], dim=-1) * sin).to(x.dtype)
 
@@ -201,9 +201,8 @@ class TorchLayers:
         return F.silu(gate) * up
 
     def attention(self, q, k, v):
-        grouped = (
-            k.shape[1] != q.shape[1]
-        )  # SDPA repeats each k and v head for its group
+        # Fewer k and v heads than q's: SDPA repeats each for its group of query heads.
+        grouped = k.shape[1] != q.shape[1]
         return F.scaled_dot_product_attention(
             q, k, v, is_causal=True, enable_gqa=grouped
         )
