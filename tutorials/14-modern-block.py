@@ -1142,11 +1142,12 @@ print("\n".join(summary) or "No recordings of these benchmarks yet (see below)."
 # Chapter 11's attention takes as many k and v heads as q has, so our layers repeat each k and
 # v head for its group before calling it (SDPA takes the grouped heads as they are);
 # ``kv_for_attention`` in ``models/gpt`` is the one place that does it. One copy more than in
-# GPT-2's block: the rotation
-# writes q as (B, H, T, D), so the attention's output, written in q's layout, is reshaped for
-# the projection by a copy rather than read as a view. ``python -m stepkernels.train --config
-# modern-shakespeare`` trains chapter 12's Shakespeare model with this block: the same depth,
-# width, context and recipe, and two heads of k and v for six of q.
+# GPT-2's block: the rotation writes q as (B, H, T, D), so the attention's output, written in
+# q's layout, reaches the projection through a copy rather than as a view.
+#
+# ``python -m stepkernels.train --config modern-shakespeare`` trains chapter 12's Shakespeare
+# model with this block: the same depth, width, context and recipe, and two heads of k and v
+# for six of q.
 
 import functools
 import gc
