@@ -186,6 +186,7 @@ def test_the_preset_is_shakespeares_model_with_the_modern_block():
     shape = modern.model_config(84)
     assert (shape.n_layer, shape.n_head, shape.n_embd, shape.block_size) == (6, 6, 384, 256)
     assert (shape.kv_heads, shape.hidden) == (2, 1024)
+    assert train.parse_config(["--config", "modern-shakespeare"]) == modern  # by its name
 
 
 def test_the_modern_model_trains_and_matches_torch_each_step():
