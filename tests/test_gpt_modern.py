@@ -59,6 +59,19 @@ def test_triton_and_torch_layers_agree_in_fp32(choices):
     assert_layers_agree(model, *tokens())
 
 
+def test_chapter_14s_check_reports_and_fails_where_the_layers_differ(monkeypatch):
+    from stepkernels.lessons.training import compare_layers
+
+    model = model_of(**MODERN)
+    idx, targets = tokens()
+    assert compare_layers(model, idx, targets).startswith("loss ")
+    # PyTorch's side without the rotation: the check must see it
+    monkeypatch.setattr(TorchLayers, "rotary", lambda self, q, k, cos, sin: (q, k))
+    with pytest.raises(AssertionError):
+        compare_layers(model, idx, targets)
+    assert model.use_triton  # as it was
+
+
 def test_the_modern_block_changes_what_it_says():
     """Each choice changes the model: rotary positions turn q and k (logits move where the
     angle is not 0, at every position but the first), and grouped heads share k and v
