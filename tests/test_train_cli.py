@@ -152,7 +152,7 @@ def test_help_shows_the_program_defaults_choices_examples_and_the_data(run):
         "--dtype {bfloat16,float32}",
         "examples:",
         "--config tiny",
-        "gpt2-small, shakespeare, tiny",
+        "gpt2-small, modern-shakespeare, shakespeare, tiny",
         "make data",
         "python -m stepkernels.data",
         "$STEPKERNELS_DATA",

@@ -23,6 +23,8 @@ for an elementwise kernel's arithmetic. Without a GPU every cell runs under the 
 # Setup
 # -----
 
+import dataclasses
+
 from stepkernels.lessons import bench, tutorial
 from stepkernels.lessons.check_modern_block import as_tuple, check
 from stepkernels.lessons.figures_modern_block import draw_rotary_programs
@@ -1123,6 +1125,127 @@ print("\n".join(summary) or "No recordings of these benchmarks yet (see below)."
 # every layer the copy is the target. ``triton (two launches)`` rotates q, then k: it reads
 # cos and sin twice, and pays a second launch.
 #
+# The modern block in chapter 12's GPT
+# ------------------------------------
+# Chapter 12's ``GPTConfig`` takes these layers as choices, GPT-2's block by default.
+# ``norm="rms"`` puts RMSNorm where layer norm stood. ``position="rotary"`` drops the position
+# embedding: the qkv projection's q and k are turned by ``rotary_embedding_qk`` in one launch,
+# read through the strides of its output. ``mlp="swiglu"`` makes the MLP's first product write
+# gate and up side by side, 8C/3 wide each (rounded up to a multiple of 64), so that its three
+# matrices hold as many weights as GELU's two of 4C; ``silu_mul`` reads the two halves in
+# place. ``n_kv_head`` gives k and v fewer heads than q, each shared by a group of query heads
+# (grouped-query attention, Ainslie et al., 2023): the projection writes H + 2 H_kv heads
+# instead of 3H. ``bias=False`` drops the biases, as Llama does.
+#
+# ``use_triton`` still switches every layer over one state dict; PyTorch's side is
+# ``F.rms_norm``, ``rotate_half``, ``F.silu(gate) * up`` and SDPA with ``enable_gqa=True``.
+# Chapter 11's attention takes as many k and v heads as q has, so our layers repeat each k and
+# v head for its group before calling it (SDPA takes the grouped heads as they are);
+# ``kv_for_attention`` in ``models/gpt`` is the one place that does it. One copy more than in
+# GPT-2's block: the rotation writes q as (B, H, T, D), so the attention's output, written in
+# q's layout, reaches the projection through a copy rather than as a view.
+#
+# ``python -m stepkernels.train --config modern-shakespeare`` trains chapter 12's Shakespeare
+# model with this block: the same depth, width, context and recipe, and two heads of k and v
+# for six of q.
+
+import functools
+import gc
+
+from stepkernels.lessons import training
+from stepkernels.models import train
+from stepkernels.models.config import preset
+from stepkernels.models.data import load_shakespeare
+from stepkernels.models.gpt import GPT, flops_per_token
+
+data = load_shakespeare()
+BLOCKS = {"GPT-2 block": "shakespeare", "modern block": "modern-shakespeare"}
+for block, name in BLOCKS.items():
+    shape = preset(name).model_config(data.vocab_size)
+    weights = sum(p.numel() for p in GPT(shape).parameters())
+    print(
+        f"{block:>12} (--config {name}): {weights / 1e6:.2f}M parameters, "
+        f"{flops_per_token(shape) / 1e6:.1f} MFLOP a token of a training step"
+    )
+
+# %%
+# The check of chapter 12, on the modern block: the same parameters, both sets of layers, in
+# fp32, logits, loss and the gradient of every parameter. Here two blocks of width 32 with four
+# heads of q and two of k and v; the preset's size under ``STEPKERNELS_FULL=1`` and in
+# ``tests/test_gpt_modern.py`` on a GPU.
+
+modern = preset("modern-shakespeare", dropout=0.0).model_config(data.vocab_size)
+small = dataclasses.replace(
+    modern, n_layer=2, n_head=4, n_kv_head=2, n_embd=32, block_size=16
+)
+check_shape = tutorial.choose(gpu=small, cpu=small, full=modern)
+torch.manual_seed(0)
+model = GPT(check_shape).to(DEVICE)
+starts = torch.randint(len(data.train) - check_shape.block_size - 1, (4,)).tolist()
+rows = torch.stack([data.train[i : i + check_shape.block_size + 1] for i in starts])
+rows = rows.long().to(DEVICE)
+print(training.compare_layers(model, rows[:, :-1], rows[:, 1:]))
+
+# %%
+# Does the modern block cost time? Per token it has 10% fewer FLOPs (the narrower qkv
+# projection), but more launches than chapter 12's fused path: the residual addition and
+# RMSNorm run apart (chapter 15 fused them for layer norm only), and so do the rotation and,
+# for now, the copies of k and v. Each block trains its preset's model for 300 steps in bf16,
+# the first 50 untimed, as chapter 12's race: PyTorch eager, PyTorch replayed from a CUDA
+# graph, and ours replayed.
+
+RACE = {  # provider: (use_triton, step)
+    "torch": (False, "eager"),
+    "torch + CUDA graph": (False, "graph"),
+    "triton + CUDA graph": (True, "graph"),
+}
+TOKENS_PER_STEP = 64 * 256
+QUIET = dict(
+    eval_interval=0, eval_batches=1, checkpoint=False, sample_tokens=0, out_dir=""
+)
+
+
+@functools.cache
+def block_race():
+    """Tokens per second of each block's model, trained as each provider trains it."""
+    points = []
+    for block, name in BLOCKS.items():
+        for provider, (use_triton, step) in RACE.items():
+            cfg = preset(name, **QUIET, use_triton=use_triton, step=step, max_steps=300)
+            run = train.Trainer(cfg, data).train(log=lambda line: None)
+            rate = run["tokens_per_s"]
+            points.append(
+                bench.Point(f"{block}, {provider}", "bfloat16", TOKENS_PER_STEP, rate)
+            )
+            gc.collect(), torch.cuda.empty_cache()
+    return points
+
+
+providers = [f"{block}, {provider}" for block in BLOCKS for provider in RACE]
+throughput = bench.run(
+    bench.Benchmark(
+        name="gpt-modern-training-throughput",
+        x_name="tokens per step (64 sequences of 256)",
+        x_values=[TOKENS_PER_STEP],
+        providers=providers,
+        make=None,
+        work=None,
+        unit="tokens/s",
+        dtypes=(torch.bfloat16,),
+        x_labels={TOKENS_PER_STEP: "chapter 12's Shakespeare model"},
+    ),
+    block_race,
+)
+if throughput:
+    at = dict(x=TOKENS_PER_STEP, dtype="bfloat16")
+    for provider in RACE:
+        old, new = (throughput.value(f"{b}, {provider}", **at) for b in BLOCKS)
+        print(
+            f"{provider:>19}: {new:>9,.0f} tokens/s with the modern block, "
+            f"{new / old:.2f}x GPT-2's block ({old:,.0f})"
+        )
+
+# %%
 # What we learned
 # ---------------
 # * RMSNorm is layer norm without a mean: one sum of squares, and the same two-stage dW.
@@ -1130,6 +1253,8 @@ print("\n".join(summary) or "No recordings of these benchmarks yet (see below)."
 #   signs changed. Strides, not copies, take q and k out of a fused projection.
 # * Elementwise layers are worth exactly their bytes: count passes before writing a kernel,
 #   and weigh a fusion against the time of what it would join (SwiGLU's epilogue).
+# * A modern block is chapter 12's GPT with four choices in its configuration; checked the
+#   same way, one set of parameters, two sets of layers, equal in fp32.
 #
 # Exercises
 # ---------
@@ -1139,3 +1264,6 @@ print("\n".join(summary) or "No recordings of these benchmarks yet (see below)."
 #    start at different offsets (generation with a cache) reads the right rows of cos and sin.
 # 3. Give chapter 05's linear an epilogue that stores silu(g) * u of interleaved gate and up
 #    columns, for inference, and measure it against ``linear`` followed by ``silu_mul``.
+# 4. Train ``--config modern-shakespeare`` and ``--config shakespeare`` on a GPU and compare
+#    their validation curves against tokens seen, then against seconds: which block reaches a
+#    loss of 1.5 first, and is it the same answer both ways?

@@ -15,7 +15,7 @@ import math
 from pathlib import Path
 
 from stepkernels.models.distributed import PARALLEL
-from stepkernels.models.gpt import ConfigError, GPTConfig
+from stepkernels.models.gpt import CHOICES, ConfigError, GPTConfig
 from stepkernels.runtime import core
 from stepkernels.runtime.device import profile
 
@@ -46,6 +46,26 @@ class Config:
     block_size: int = option(256, "context, in characters", at_least=1)
     dropout: float = option(0.2, "probability of dropping", at_least=0.0, below=1.0)
     bias: bool = option(True, "biases in the linear layers and the norms")
+    # The block's choices (chapter 14's layers); the defaults are GPT-2's block.
+    norm: str = option(
+        "layer", "layer: layer norm; rms: RMSNorm", choices=CHOICES["norm"]
+    )
+    position: str = option(
+        "learned",
+        "learned: an embedding added to the input; rotary: q and k turned (RoPE)",
+        choices=CHOICES["position"],
+    )
+    mlp: str = option(
+        "gelu", "gelu: GPT-2's MLP; swiglu: Llama's", choices=CHOICES["mlp"]
+    )
+    n_kv_head: int = option(
+        0, "heads of k and v, dividing n_head (grouped-query; 0: n_head)", at_least=0
+    )
+    mlp_hidden: int = option(
+        0,
+        "the MLP's inner width (0: 4 n_embd; swiglu: 8 n_embd / 3 rounded up to 64)",
+        at_least=0,
+    )
     # Optimization: AdamW, linear warm-up, cosine decay to min_lr at max_steps.
     batch_size: int = option(
         64, "sequences a step, over all processes and micro-batches", at_least=1

@@ -11,6 +11,9 @@ from stepkernels.ops.cross_entropy import cross_entropy
 from stepkernels.ops.dropout import dropout, dropout_bias_act
 from stepkernels.ops.layer_norm import layer_norm
 from stepkernels.ops.linear import linear
+from stepkernels.ops.rms_norm import rms_norm
+from stepkernels.ops.rotary import rotary_embedding_qk
+from stepkernels.ops.swiglu import silu_mul
 from stepkernels.runtime.arguments import classes_in_range, sampling_arguments
 import torch
 from torch import nn
@@ -45,6 +48,12 @@ class GPTConfig:
     dropout: float = 0.0  # probability of dropping, where GPT-2 drops
     bias: bool = True  # biases in the linear layers and norms (False: none)
     use_triton: bool = True  # our kernels, else PyTorch's layers (same parameters)
+    # A modern block (chapter 14) by its choices; the defaults are GPT-2's.
+    norm: str = "layer"  # "layer": layer norm; "rms": RMSNorm (no mean, no bias)
+    position: str = "learned"  # "learned": an embedding added to the input; "rotary"
+    mlp: str = "gelu"  # "gelu": GELU(x W1) W2; "swiglu": (silu(x Wg) * x Wu) W2
+    n_kv_head: int = 0  # heads of k and v (grouped-query attention); 0: n_head
+    mlp_hidden: int = 0  # the MLP's inner width; 0: 4C, or 8C/3 for SwiGLU (rounded)
 
     def __post_init__(self):
         for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
@@ -53,6 +62,19 @@ class GPTConfig:
                 raise ConfigTypeError(name, f"{name} must be an int, got {value!r}")
             if value < 1:
                 raise ConfigError(name, f"{name} must be at least 1, got {value}")
+        for name in ("n_kv_head", "mlp_hidden"):
+            value = getattr(self, name)
+            if type(value) is not int:
+                raise ConfigTypeError(name, f"{name} must be an int, got {value!r}")
+            if value < 0:
+                raise ConfigError(name, f"{name} must be at least 0, got {value}")
+        for name, choices in CHOICES.items():
+            if getattr(self, name) not in choices:
+                raise ConfigError(
+                    name,
+                    f"{name} must be one of {', '.join(choices)}, got "
+                    f"{getattr(self, name)!r}",
+                )
         if self.n_embd % self.n_head:
             raise ConfigError(
                 "n_embd",
@@ -72,13 +94,70 @@ class GPTConfig:
         for name in ("bias", "use_triton"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigTypeError(name, f"{name} must be True or False")
+        if self.n_head % self.kv_heads:
+            divisors = [d for d in range(1, self.n_head + 1) if self.n_head % d == 0]
+            raise ConfigError(
+                "n_kv_head",
+                f"n_head ({self.n_head}) must be a multiple of n_kv_head "
+                f"({self.n_kv_head}): each k and v head serves a group of query heads; "
+                f"choose one of {', '.join(map(str, divisors))}",
+            )
+        if self.position == "rotary" and self.head_dim % 2:
+            raise ConfigError(
+                "position",
+                f"rotary turns pairs of a head's values, but heads have n_embd / n_head "
+                f"= {self.head_dim} values, an odd number: choose n_embd and n_head "
+                "with an even quotient, or position 'learned'",
+            )
+
+    @property
+    def head_dim(self) -> int:
+        return self.n_embd // self.n_head
+
+    @property
+    def kv_heads(self) -> int:
+        """Heads of k and v: n_kv_head, or n_head where it is 0."""
+        return self.n_kv_head or self.n_head
+
+    @property
+    def hidden(self) -> int:
+        """The MLP's inner width: mlp_hidden, else GPT-2's 4C, or for SwiGLU two thirds of
+        it (the same parameters in three matrices as in two), rounded up to a multiple of
+        64 (Llama rounds to its ``multiple_of``, 256 for its larger models)."""
+        if self.mlp_hidden:
+            return self.mlp_hidden
+        if self.mlp == "gelu":
+            return 4 * self.n_embd
+        return -(-(8 * self.n_embd // 3) // 64) * 64
+
+    def block(self) -> str:
+        """The block's layers in words, for a run's first lines."""
+        norm = {"layer": "layer norm", "rms": "RMSNorm"}[self.norm]
+        mlp = {"gelu": "GELU", "swiglu": "SwiGLU"}[self.mlp]
+        plural = "s" if self.kv_heads > 1 else ""
+        heads = f"{self.kv_heads} head{plural} of k and v for {self.n_head} of q"
+        return (
+            f"{norm}, {self.position} positions, {mlp} MLP {self.hidden} wide, "
+            f"{heads}, {'biases' if self.bias else 'no biases'}"
+        )
+
+
+CHOICES = {
+    "norm": ("layer", "rms"),
+    "position": ("learned", "rotary"),
+    "mlp": ("gelu", "swiglu"),
+}
+ROPE_BASE = 10000.0  # the angles' base (RoFormer's and Llama's)
 
 
 def flops_per_token(config: GPTConfig) -> float:
     """FLOPs of one training step (forward and backward) per token of the batch."""
-    C, L, T = config.n_embd, config.n_layer, config.block_size
-    # Weights of products: qkv 3C², out C², MLP 8C² a block, and the output layer.
-    matrices = L * 12 * C * C + config.vocab_size * C
+    C, L, T, D = config.n_embd, config.n_layer, config.block_size, config.head_dim
+    # Weights of products a block: q, k and v (3C² with as many k and v heads as q's), the
+    # output C², the MLP two (GELU) or three (SwiGLU) of C x hidden; and the output layer.
+    qkv = C * (config.n_head + 2 * config.kv_heads) * D
+    mlp = (3 if config.mlp == "swiglu" else 2) * C * config.hidden
+    matrices = L * (qkv + C * C + mlp) + config.vocab_size * C
     return 6 * matrices + L * 3.5 * 2 * T * C  # attention: 4 T C / 2, times 3.5
 
 
@@ -94,6 +173,8 @@ class TorchLayers:
     """Each layer as PyTorch computes it: the reference, and the baseline we race."""
 
     def norm(self, x, norm):
+        if isinstance(norm, nn.RMSNorm):
+            return F.rms_norm(x, norm.normalized_shape, norm.weight, norm.eps)
         return F.layer_norm(x, norm.normalized_shape, norm.weight, norm.bias, norm.eps)
 
     def add_norm(self, x, residual, norm):
@@ -109,8 +190,22 @@ class TorchLayers:
     def dropout(self, x, p, seed):
         return F.dropout(x, p) if p > 0 else x
 
+    def rotary(self, q, k, cos, sin):
+        def turn(x):  # x cos + rotate_half(x) sin, computed in the tables' fp32
+            x1, x2 = x.chunk(2, dim=-1)
+            return (x * cos + torch.cat([-x2, x1], dim=-1) * sin).to(x.dtype)
+
+        return turn(q), turn(k)
+
+    def silu_mul(self, gate, up):
+        return F.silu(gate) * up
+
     def attention(self, q, k, v):
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        # Fewer k and v heads than q's: SDPA repeats each for its group of query heads.
+        grouped = k.shape[1] != q.shape[1]
+        return F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, enable_gqa=grouped
+        )
 
     def loss(self, logits, targets):
         return F.cross_entropy(logits.float(), targets.long())  # int32 too, as ours
@@ -120,11 +215,16 @@ class TritonLayers:
     """The same layers on the collection's kernels. Under autocast, as PyTorch does: norms and
     the loss in fp32, products in the autocast dtype (weights cast per call)."""
 
-    def norm(self, x, norm):  # chapter 03
-        y = layer_norm(x, norm.normalized_shape, norm.weight, norm.bias, norm.eps)
+    def norm(self, x, norm):  # chapters 03 and 14
+        if isinstance(norm, nn.RMSNorm):
+            y = rms_norm(x, norm.normalized_shape, norm.weight, norm.eps)
+        else:
+            y = layer_norm(x, norm.normalized_shape, norm.weight, norm.bias, norm.eps)
         return y.to(compute_dtype(x))
 
     def add_norm(self, x, residual, norm):  # chapter 15
+        if residual is not None and isinstance(norm, nn.RMSNorm):
+            residual, x = None, x + residual  # no fused addition + RMSNorm yet
         if residual is None:
             return x, self.norm(x, norm)
         # One kernel: the sum, and its norm already in the next product's dtype.
@@ -150,11 +250,30 @@ class TritonLayers:
     def dropout(self, x, p, seed):  # chapter 06
         return dropout(x, p, seed) if p > 0 else x
 
+    def rotary(self, q, k, cos, sin):  # chapter 14: one launch, q and k read in place
+        return rotary_embedding_qk(q, k, cos, sin)
+
+    def silu_mul(self, gate, up):  # chapter 14
+        return silu_mul(gate, up)
+
     def attention(self, q, k, v):  # chapter 11
-        return attention(q, k, v, causal=True)
+        return attention(q, *kv_for_attention(q, k, v), causal=True)
 
     def loss(self, logits, targets):  # chapter 09
         return cross_entropy(logits.float(), targets)
+
+
+def kv_for_attention(q, k, v):
+    """k and v as our attention takes them: with as many heads as q, each k and v head
+    repeated for its group of query heads (SDPA's enable_gqa does the same).
+
+    TODO(issue 43): once chapter 11's attention takes k and v with fewer heads than q,
+    return them as they are: the copies here cost a pass over k and v, forward and
+    backward, that the kernel avoids by reading a head for its whole group."""
+    group = q.shape[1] // k.shape[1]
+    if group == 1:
+        return k, v
+    return k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
 
 
 class CausalSelfAttention(nn.Module):
@@ -163,31 +282,57 @@ class CausalSelfAttention(nn.Module):
 
     def __init__(self, config: GPTConfig):
         super().__init__()
-        self.n_head = config.n_head
-        self.qkv = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)
+        self.n_head, self.n_kv_head = config.n_head, config.kv_heads
+        heads = config.n_head + 2 * config.kv_heads  # q's, then k's, then v's
+        self.qkv = nn.Linear(config.n_embd, heads * config.head_dim, bias=config.bias)
         self.out = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
 
-    def forward(self, x, layers, p, seed):
+    def forward(self, x, layers, p, seed, rotation=None):
         batch, time, width = x.shape
         qkv = layers.linear(x, self.qkv)
-        # (B, T, 3, H, D) viewed as three (B, H, T, D): strided views, no copies
-        heads = qkv.view(batch, time, 3, self.n_head, width // self.n_head)
-        q, k, v = heads.permute(2, 0, 3, 1, 4).unbind(0)
+        # (B, T, H + 2 H_kv, D) viewed as (B, H, T, D) and two (B, H_kv, T, D): strided
+        # views, no copies (with H_kv = H, the (B, T, 3, H, D) of GPT-2's layout)
+        heads = qkv.view(batch, time, -1, width // self.n_head).transpose(1, 2)
+        q, k, v = heads.split([self.n_head, self.n_kv_head, self.n_kv_head], dim=1)
+        if rotation is not None:  # rotary: (cos, sin) of the positions
+            q, k = layers.rotary(q, k, *rotation)
         y = layers.attention(q, k, v).transpose(1, 2).reshape(batch, time, width)
         return layers.linear(y, self.out, p=p, seed=seed)
 
 
 class MLP(nn.Module):
-    """GELU(x W_fc + b_fc) W_out + b_out, 4C wide inside (dropped out in training)."""
+    """GELU(x W_fc + b_fc) W_out + b_out, 4C wide inside; or SwiGLU's silu(x W_g) * x W_u
+    with W_g and W_u the halves of one product's W_fc (dropped out in training)."""
 
     def __init__(self, config: GPTConfig):
         super().__init__()
-        self.fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=config.bias)
-        self.out = nn.Linear(4 * config.n_embd, config.n_embd, bias=config.bias)
+        self.swiglu = config.mlp == "swiglu"
+        inner = (2 if self.swiglu else 1) * config.hidden  # SwiGLU's gate, then up
+        self.fc = nn.Linear(config.n_embd, inner, bias=config.bias)
+        self.out = nn.Linear(config.hidden, config.n_embd, bias=config.bias)
 
     def forward(self, x, layers, p, seed):
-        hidden = layers.linear(x, self.fc, activation="gelu")
+        if self.swiglu:  # the two halves of one product, read in place
+            hidden = layers.silu_mul(*layers.linear(x, self.fc).chunk(2, dim=-1))
+        else:
+            hidden = layers.linear(x, self.fc, activation="gelu")
         return layers.linear(hidden, self.out, p=p, seed=seed)
+
+
+def make_norm(config: GPTConfig) -> nn.Module:
+    if config.norm == "rms":
+        return nn.RMSNorm(config.n_embd, eps=1e-5)  # as nn.LayerNorm's; Llama's too
+    return nn.LayerNorm(config.n_embd, bias=config.bias)
+
+
+def rotary_tables(config: GPTConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin (block_size, head_dim) in fp32: position m turns the pair (i, i + D/2)
+    by m x ROPE_BASE^(-2i / D), the angles repeated over the two halves."""
+    D = config.head_dim
+    inverse = ROPE_BASE ** -(torch.arange(0, D, 2, dtype=torch.float64) / D)
+    angles = torch.arange(config.block_size, dtype=torch.float64)[:, None] * inverse
+    angles = torch.cat([angles, angles], dim=-1)
+    return angles.cos().float(), angles.sin().float()
 
 
 class Block(nn.Module):
@@ -197,14 +342,15 @@ class Block(nn.Module):
 
     def __init__(self, config: GPTConfig):
         super().__init__()
-        self.norm_1 = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.norm_1 = make_norm(config)
         self.attention = CausalSelfAttention(config)
-        self.norm_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.norm_2 = make_norm(config)
         self.mlp = MLP(config)
 
-    def forward(self, x, residual, layers, p, seeds):
+    def forward(self, x, residual, layers, p, seeds, rotation=None):
         x, h = layers.add_norm(x, residual, self.norm_1)
-        x, h = layers.add_norm(x, self.attention(h, layers, p, seeds[0]), self.norm_2)
+        update = self.attention(h, layers, p, seeds[0], rotation)
+        x, h = layers.add_norm(x, update, self.norm_2)
         return x, self.mlp(h, layers, p, seeds[1])
 
 
@@ -222,9 +368,14 @@ class GPT(nn.Module):
             )
         self.config, self.use_triton = config, config.use_triton
         self.tokens = nn.Embedding(config.vocab_size, config.n_embd)
-        self.positions = nn.Embedding(config.block_size, config.n_embd)
+        if config.position == "learned":
+            self.positions = nn.Embedding(config.block_size, config.n_embd)
+        else:  # rotary: tables, not parameters (nor in the state dict)
+            cos, sin = rotary_tables(config)
+            self.register_buffer("cos", cos, persistent=False)
+            self.register_buffer("sin", sin, persistent=False)
         self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
-        self.norm = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.norm = make_norm(config)
         # Dropout seeds live on the device and advance inside the step, so a CUDA graph of
         # the step draws new masks at every replay (chapter 06). One per dropout site.
         sites = 1 + 2 * config.n_layer
@@ -252,12 +403,16 @@ class GPT(nn.Module):
         p = self.config.dropout if self.training else 0.0
         seeds = self.seeds.add_(len(self.seeds)) if p > 0 and self.use_triton else None
         site = (lambda i: seeds[i]) if seeds is not None else (lambda i: None)
-        positions = torch.arange(idx.shape[1], device=idx.device)
-        x = layers.dropout(self.tokens(idx) + self.positions(positions), p, site(0))
+        x, rotation, time = self.tokens(idx), None, idx.shape[1]
+        if self.config.position == "learned":
+            x = x + self.positions(torch.arange(time, device=idx.device))
+        else:
+            rotation = (self.cos[:time], self.sin[:time])
+        x = layers.dropout(x, p, site(0))
         residual = None
         for i, block in enumerate(self.blocks):
             seeds_i = (site(1 + 2 * i), site(2 + 2 * i))
-            x, residual = block(x, residual, layers, p, seeds_i)
+            x, residual = block(x, residual, layers, p, seeds_i, rotation)
         # The output layer is the token embedding's matrix (GPT-2's weight tying).
         logits = layers.linear(layers.add_norm(x, residual, self.norm)[1], self.tokens)
         if targets is None:

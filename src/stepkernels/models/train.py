@@ -70,6 +70,7 @@ GROUPS = {  # the first field of each group of options in --help
 # Model fields a checkpoint must share with the run that resumes it; a difference elsewhere is
 # allowed and printed, except in these, which only say how the run is watched.
 SHAPE = ("n_layer", "n_head", "n_embd", "block_size", "bias")
+SHAPE += ("norm", "position", "mlp", "n_kv_head", "mlp_hidden")  # the block's choices
 BOOKKEEPING = (
     "data_dir",
     "eval_interval",
@@ -418,6 +419,7 @@ class Trainer:
             f"{config.n_head} heads, {config.n_embd} wide, context {config.block_size}, "
             f"{config.vocab_size} characters) on {layers}, step {cfg.step}; "
             f"{tokens:,} tokens and {step_flops / 1e12:.3g} TFLOP a step",
+            f"block: {config.block()}",
         ]
         if self.parallel.several or cfg.grad_accum > 1:
             lines.append(
