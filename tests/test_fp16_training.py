@@ -6,12 +6,13 @@ under the interpreter); on a GPU, the scaler inside the whole-step CUDA graph.""
 import dataclasses
 import itertools
 import math
+import statistics
 
 from conftest import random_tensor
 import pytest
 import small_text
 from stepkernels import FusedAdamW
-from stepkernels.models import config, train
+from stepkernels.models import config, sample, train
 from stepkernels.models import data as datasets
 from stepkernels.models.gpt import ConfigError
 from stepkernels.runtime.core import DEVICE, ON_GPU
@@ -202,13 +203,14 @@ def test_the_command_trains_in_float16(data_dir, tmp_path, capsys, as_on_one_gpu
     """The tiny model in fp16 as on one GPU: on PyTorch's layers with their fused AdamW for 4
     steps, on ours with FusedAdamW for 2 (the interpreter: seconds a step). The evaluations
     (the same batches each time) finite and falling, ours those of PyTorch's layers; the
-    scale printed and in the checkpoint."""
-    args = ["--eval-interval", "1", "--data-dir", str(data_dir), "--batch-size", "4"]
+    scale printed and in the checkpoint; a sample from it in fp16."""
+    args = ["--data-dir", str(data_dir), "--batch-size", "4"]
     args += ["--learning-rate", "2e-2", "--min-lr", "2e-2"]  # large and constant: a clear fall
     losses = {}
     for layers, steps in (("--no-use-triton", "4"), ("--use-triton", "2")):
         out_dir = tmp_path / layers
-        out = run_command([*args, layers, "--max-steps", steps, "--out-dir", str(out_dir)], capsys)
+        options = [layers, "--max-steps", steps, "--eval-interval", "1" if steps == "4" else "2"]
+        out = run_command([*args, *options, "--out-dir", str(out_dir)], capsys)
         assert "float16 autocast (products in float16, norms and loss in float32), the loss scaled" in out
         assert "| loss scale 65536 |" in out  # GradScaler's first: no overflow in so few steps
         saved = train.read_checkpoint(out_dir / "checkpoint.pt")
@@ -217,7 +219,13 @@ def test_the_command_trains_in_float16(data_dir, tmp_path, capsys, as_on_one_gpu
     theirs, ours = losses["--no-use-triton"], losses["--use-triton"]
     assert all(math.isfinite(loss) for loss in theirs + ours)
     assert all(later < earlier - 0.03 for earlier, later in itertools.pairwise(theirs)), theirs
-    assert ours == pytest.approx(theirs[:2], abs=2e-3)
+    assert ours == pytest.approx(theirs[1:2], abs=2e-3)  # at step 2
+    checkpoint = str(tmp_path / "--no-use-triton" / "checkpoint.pt")
+    sample.main(
+        ["--checkpoint", checkpoint, "--prompt", "to", "--tokens", "5", "--dtype", "float16", "--no-use-triton"]
+    )
+    out, _ = capsys.readouterr()
+    assert out.startswith("to") and len(out.rstrip("\n")) == 7
 
 
 @pytest.mark.skipif(ON_GPU, reason="a CPU run: on a GPU, test_fp16_in_the_cuda_graph_on_the_gpu")
@@ -246,10 +254,12 @@ def test_an_overflow_skips_the_step_and_halves_the_scale(data_dir, tmp_path, as_
 @pytest.mark.parametrize("use_triton", [True, False], ids=["ours, FusedAdamW", "torch's layers"])
 def test_fp16_in_the_cuda_graph_on_the_gpu(use_triton, data_dir):
     """fp16 with the scaler inside the whole-step graph: the losses of its replays those of the
-    eager step, and within 0.1 of bf16's after 40 steps; then an overflow during a replay skips
-    the step on the device and halves the scale."""
+    eager step, and within 0.1 of bf16's over the last 10 of 40 steps (the same batches; on the
+    CPU, fp16, fp32 and bf16 autocast on PyTorch's layers end within 0.04 of one another);
+    then an overflow during a replay skips the step on the device and halves the scale."""
     data = datasets.load_shakespeare(data_dir, prepare=False)
     base = [*TINY, "--out-dir", "", "--no-checkpoint", "--n-embd", "64", "--max-steps", "40"]
+    base += ["--batch-size", "16"]
     base += ["--use-triton" if use_triton else "--no-use-triton", "--eval-interval", "0"]
     runs = {}
     for dtype, step in (("float16", "eager"), ("float16", "graph"), ("bfloat16", "eager")):
@@ -257,9 +267,10 @@ def test_fp16_in_the_cuda_graph_on_the_gpu(use_triton, data_dir):
         trainer.train(log=lambda line: None)
         runs[dtype, step] = [loss for _, loss in trainer.losses]
     assert all(math.isfinite(loss) for loss in runs["float16", "graph"])
-    assert runs["float16", "graph"] == pytest.approx(runs["float16", "eager"], abs=2e-2)
-    assert runs["float16", "graph"][-1] == pytest.approx(runs["bfloat16", "eager"][-1], abs=0.1)
-    assert runs["float16", "graph"][-1] < runs["float16", "graph"][0] - 0.3
+    assert runs["float16", "graph"] == pytest.approx(runs["float16", "eager"], abs=5e-2)
+    last = {key: statistics.mean(losses[-5:]) for key, losses in runs.items()}  # 2 steps each
+    assert last["float16", "graph"] == pytest.approx(last["bfloat16", "eager"], abs=0.1)
+    assert last["float16", "graph"] < runs["float16", "graph"][0] - 0.5
     # the last trainer ran bf16: the graph's again, then an overflow inside a replay
     trainer = train.Trainer(train.parse_config([*base, "--dtype", "float16", "--step", "graph"]), data)
     for _ in range(5):

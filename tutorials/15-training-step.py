@@ -299,6 +299,18 @@ def adamw_update(
 # back at the same addresses. Under CUDA-graph capture the copy is always recorded, from
 # pinned memory the optimizer keeps, so that every replay writes the addresses of the
 # graph's own gradients.
+#
+# In fp16, the training command's dtype on a GPU without bf16 (a T4, a V100), gradients
+# below 6e-8 flush to zero in the products' backward, so ``torch.amp.GradScaler``
+# multiplies the loss by a scale s (65,536 to start) and checks the gradients for inf
+# and nan. An optimizer that
+# cannot take that check leaves the scaler to read its flag on the CPU and skip the call
+# to ``step``: a synchronization every step, which a CUDA graph cannot hold. Ours takes the
+# scale and the flag as tensors (``_step_supports_amp_scaling``), as PyTorch's fused AdamW
+# does: the kernel divides each gradient by s and, where the flag is set, stores nothing,
+# and the step count grows by ``found_inf == 0``. The scaler halves s on the GPU too, so
+# nothing is read back and the whole-step graph holds the scaler. Without a scaler both
+# branches are compiled out (``tl.constexpr``): the bf16 step runs the kernel as before.
 
 
 # @save ops/adamw

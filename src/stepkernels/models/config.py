@@ -109,7 +109,8 @@ class Config:
     dtype: str = option(
         default_dtype(),
         "products under autocast in this dtype: bfloat16 (a GPU from sm_80), float16 "
-        "(the loss scaled by a GradScaler; a CPU too); float32: no autocast",
+        "(the loss scaled by a GradScaler; a GPU without bf16 takes it unless told, a "
+        "CPU runs it too); float32: no autocast",
         choices=DTYPES,
     )
     seed: int = option(
