@@ -130,6 +130,61 @@ def test_fused_adamw_refuses_a_scale_that_is_not_one_float():
     optimizer.step()
 
 
+@pytest.mark.skipif(not ON_GPU, reason="CUDA graphs: on the GPU")
+@pytest.mark.parametrize("clip", [0.0, 0.5], ids=["unscaled in the kernel", "unscale_ and clipping"])
+def test_the_scaled_step_replays_in_a_cuda_graph(clip):
+    """Backward, the scaler and our optimizer recorded as one CUDA graph and replayed with new
+    sources, an inf among them at one replay and a nan at another: step by step what PyTorch's
+    AdamW and its scaler do eagerly."""
+    start = [random_tensor(s, seed=i) for i, s in enumerate(SHAPES)]
+    ours = [torch.nn.Parameter(t.clone()) for t in start]
+    theirs = [torch.nn.Parameter(t.clone()) for t in start]
+    opt_ours, opt_theirs = make_optimizer("ours", ours), make_optimizer("torch", theirs)
+    options = dict(init_scale=2.0**10, growth_interval=2)
+    scalers = [torch.amp.GradScaler("cuda", **options) for _ in range(2)]
+    sources = [torch.zeros_like(p) for p in ours]  # the graph reads these at every replay
+
+    def step(params, optimizer, scaler):
+        optimizer.zero_grad(set_to_none=True)
+        loss = sum((p * s).sum() for p, s in zip(params, sources, strict=True))
+        scaler.scale(loss).backward()
+        if clip:
+            scaler.unscale_(optimizer)
+            torch.nn.utils.clip_grad_norm_(params, clip)
+        scaler.step(optimizer)
+        scaler.update()
+
+    def new_sources(index):
+        for i, (source, p) in enumerate(zip(sources, ours, strict=True)):
+            source.copy_(random_tensor(p.shape, seed=100 * index + i, scale=0.5))
+        if index == INF_STEP:
+            sources[0].view(-1)[3] = math.inf
+        if index == NAN_STEP:
+            sources[-1].view(-1)[-1] = math.nan
+
+    new_sources(0)  # an eager step first: the scaler's scale and the tables exist
+    step(ours, opt_ours, scalers[0])
+    step(theirs, opt_theirs, scalers[1])
+    graph = torch.cuda.CUDAGraph()
+    opt_ours.zero_grad(set_to_none=True)  # the graph's backward allocates them in its pool
+    with torch.cuda.graph(graph):
+        step(ours, opt_ours, scalers[0])
+    for index in range(1, STEPS):
+        new_sources(index)
+        before = [p.detach().clone() for p in ours]
+        graph.replay()
+        step(theirs, opt_theirs, scalers[1])
+        torch.cuda.synchronize()
+        if index in (INF_STEP, NAN_STEP):
+            assert all(torch.equal(a, b) for a, b in zip(ours, before, strict=True)), index
+        assert scalers[0].get_scale() == scalers[1].get_scale(), index
+        for i, (a, b) in enumerate(zip(ours, theirs, strict=True)):
+            where = f"replay {index}, parameter {i}"
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=lambda m, w=where: f"{w}: {m}")
+            assert step_count(opt_ours, a) == step_count(opt_theirs, b), where
+    assert scalers[0].get_scale() == 2.0**10  # halved twice, doubled twice
+
+
 # ------------------------------------------------------------------- the dtype's choice
 T4_LIKE = dataclasses.replace(PROFILES["sm80"], name="sm75", capability=(7, 5), bf16=False)
 
