@@ -107,7 +107,7 @@ BAD_OPTIONS = {  # arguments: what the error must name
     "heads too wide": (["--n-embd", "512", "--n-head", "2"], "--n-head: heads of n_embd / n_head = 256"),
     "n_layer 0": (["--n-layer", "0"], "--n-layer"),
     "step unknown": (["--step", "fast"], "--step: invalid choice: 'fast'"),
-    "dtype unknown": (["--dtype", "float16"], "--dtype: invalid choice: 'float16'"),
+    "dtype unknown": (["--dtype", "float64"], "--dtype: invalid choice: 'float64'"),
     "not an int": (["--max-steps", "many"], "--max-steps: invalid int value"),
     "temperature 0": (["--temperature", "0"], "--temperature: expected a finite number > 0"),
     "top_k -1": (["--top-k", "-1"], "--top-k: expected an int >= 0"),
@@ -149,7 +149,7 @@ def test_help_shows_the_program_defaults_choices_examples_and_the_data(run):
     for shown in (
         "--n-layer N transformer blocks (default: 6)",
         "{eager,graph,compile,max-autotune}",
-        "--dtype {bfloat16,float32}",
+        "--dtype {bfloat16,float16,float32}",
         "examples:",
         "--config tiny",
         "gpt2-small, modern-shakespeare, shakespeare, tiny",

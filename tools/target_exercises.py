@@ -230,6 +230,10 @@ def fused_adamw():  # chapter 15: one launch a group
     for p in params:
         p.grad = torch.randn_like(p)
     optimizer.step()
+    # fp16 training: torch.amp.GradScaler's scale and overflow flag, read on the device
+    optimizer.grad_scale = torch.full((), 2.0**16, device=params[0].device)
+    optimizer.found_inf = torch.zeros((), device=params[0].device)
+    optimizer.step()
 
 
 class tf32:

@@ -652,9 +652,11 @@ for name, grad in our_grads.items():
 # to 1e-4 at 5,000 steps, gradients clipped to norm 1, dropout 0.2. Every batch is a function
 # of the seed and the step, so both versions see the same data.
 #
-# On a GPU the step runs in bf16 under autocast, and ``step="graph"`` records all of it as one
-# CUDA graph: the batch gathered from the text on the GPU, forward, backward, clipping and
-# AdamW (``fused=True, capturable=True``, the learning rate in a tensor the loop refills).
+# On a GPU the step runs in bf16 under autocast (on one without bf16, a T4 or a V100, in fp16
+# with the loss scaled by ``torch.amp.GradScaler``: chapter 15), and ``step="graph"`` records
+# all of it as one CUDA graph: the batch gathered from the text on the GPU, forward, backward,
+# clipping and AdamW (``fused=True, capturable=True``, the learning rate in a tensor the loop
+# refills).
 # Three steps run first on a side stream, to compile, autotune and allocate; the fourth is
 # recorded, and every later step is one ``replay()``. The loss is read back every 50 steps.
 #

@@ -17,11 +17,37 @@ from pathlib import Path
 from stepkernels.models.distributed import PARALLEL
 from stepkernels.models.gpt import CHOICES, ConfigError, GPTConfig
 from stepkernels.runtime import core
-from stepkernels.runtime.device import profile
+from stepkernels.runtime.device import DeviceProfile, profile
 
 STEPS = ("eager", "graph", "compile", "max-autotune")
-DTYPES = ("bfloat16", "float32")
+DTYPES = ("bfloat16", "float16", "float32")
 PRESETS = Path(__file__).resolve().parent / "presets"
+
+
+def default_dtype(
+    on_gpu: bool | None = None, device: DeviceProfile | None = None
+) -> str:
+    """The autocast dtype a run takes unless told: bfloat16 on a GPU with bf16 arithmetic
+    in hardware (``device``: the profile the launch rules choose for), float16 with the
+    loss scaled on a GPU without (a T4, a V100: torch reports the T4's emulated bf16, the
+    profile does not), float32 on a CPU."""
+    if not (core.ON_GPU if on_gpu is None else on_gpu):
+        return "float32"
+    return "bfloat16" if (device or profile()).bf16 else "float16"
+
+
+def dtype_note(
+    dtype: str, on_gpu: bool | None = None, device: DeviceProfile | None = None
+) -> str | None:
+    """The line a run on a GPU without bf16 prints about its dtype, else None."""
+    on_gpu = core.ON_GPU if on_gpu is None else on_gpu
+    if dtype != "float16" or not on_gpu or (device or profile()).bf16:
+        return None
+    return (
+        "note: this GPU has no bf16 arithmetic in hardware (before Ampere): the products "
+        "run in float16, the default here, with the loss scaled against its narrow "
+        "range; --dtype float32 runs without autocast"
+    )
 
 
 def option(default, help: str, *, at_least=None, above=None, below=None, choices=None):
@@ -102,8 +128,10 @@ class Config:
         choices=PARALLEL,
     )
     dtype: str = option(
-        "bfloat16" if core.ON_GPU and profile().bf16 else "float32",
-        "products under autocast in this dtype on a GPU; float32: no autocast (a CPU)",
+        default_dtype(),
+        "products under autocast in this dtype: bfloat16 (a GPU from sm_80), float16 "
+        "(the loss scaled by a GradScaler; a GPU without bf16 takes it unless told, a "
+        "CPU runs it too); float32: no autocast",
         choices=DTYPES,
     )
     seed: int = option(
@@ -227,12 +255,22 @@ def check_config(cfg: Config, world: int = 1) -> None:
     if cfg.dtype == "bfloat16" and not core.ON_GPU:
         raise ConfigError(
             "dtype",
-            "bfloat16 is autocast on a GPU; on a CPU choose float32 (no autocast)",
+            "bfloat16 is autocast on a GPU; on a CPU choose float32 (no autocast), or "
+            "float16 to try the loss scaling",
         )
     # bf16 in hardware: torch.cuda.is_bf16_supported() says yes on a T4 too (emulated)
     if cfg.dtype == "bfloat16" and not profile().bf16:
         raise ConfigError(
-            "dtype", "this GPU has no bf16 (before Ampere): choose float32"
+            "dtype",
+            "this GPU has no bf16 (before Ampere): choose float16 (autocast, the loss "
+            "scaled by a GradScaler) or float32",
+        )
+    if cfg.dtype == "float16" and cfg.parallel == "fsdp" and world > 1:
+        # each process would find overflows in its own shard of the gradients only
+        raise ConfigError(
+            "dtype",
+            "float16's loss scaling is not wired to FSDP's sharded gradients: with "
+            "several processes choose --parallel ddp, or --dtype bfloat16 or float32",
         )
     if cfg.resume and cfg.overwrite:
         raise ConfigError(

@@ -15,7 +15,7 @@ import math
 from pathlib import Path
 
 from stepkernels.models import train
-from stepkernels.models.config import DTYPES, Config
+from stepkernels.models.config import DTYPES, Config, default_dtype
 from stepkernels.models.gpt import GPT
 from stepkernels.runtime import core
 import torch
@@ -67,8 +67,9 @@ examples:
     parser.add_argument(
         "--dtype",
         choices=DTYPES,
-        default="bfloat16" if core.ON_GPU else "float32",
-        help="products under autocast in this dtype on a GPU; float32 on a CPU",
+        default=default_dtype(),
+        help="products under autocast in this dtype (bfloat16 on a GPU that has it, "
+        "float16 on one without, float32 on a CPU)",
     )
     return parser
 

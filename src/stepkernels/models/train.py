@@ -12,11 +12,13 @@ value`` lines (``--config FILE``) sets several at once, the options given beside
 The command checks every option before it loads data or builds a model, and refuses a bad one
 with argparse's error (exit status 2), naming the option and what it accepts.
 
-On a GPU the products run in bf16 under autocast, and ``--step graph`` (the default there)
-records the whole training step, optimizer included, as one CUDA graph (chapter 08). Progress
-lines go to standard output (loss, tokens/s, MFU, time left), and to ``out_dir/log.jsonl``, one
-JSON object a line; at every evaluation ``out_dir/checkpoint.pt`` is written, which
-``--resume`` continues and ``python -m stepkernels.sample`` samples from.
+On a GPU the products run in bf16 under autocast (on a GPU without bf16, such as a T4 or a
+V100, in fp16 with the loss scaled by ``torch.amp.GradScaler``), and ``--step graph`` (the
+default there) records the whole training step, optimizer and loss scaler included, as one
+CUDA graph (chapter 08). Progress lines go to standard output (loss, tokens/s, MFU, time
+left), and to ``out_dir/log.jsonl``, one JSON object a line; at every evaluation
+``out_dir/checkpoint.pt`` is written, which ``--resume`` continues and ``python -m
+stepkernels.sample`` samples from.
 
 Under torchrun every process runs this command, on its own GPU (``LOCAL_RANK``), with DDP
 (``--parallel ddp``, the default) or FSDP2 (``--parallel fsdp``); ``--batch-size`` is the
@@ -47,6 +49,7 @@ from stepkernels.models.config import (
     Config,
     check_config,
     check_data,
+    dtype_note,
     option_name,
     preset_names,
     read_preset,
@@ -88,6 +91,7 @@ BOOKKEEPING = (
 )
 # Dense bf16 tensor-core peaks (TFLOP/s, no sparsity) from NVIDIA's data sheets, by a piece of
 # the device's name; the first match counts ("H100 PCIe" before "H100", "L40S" before "L4").
+# Their dense fp16 peaks are the same: MFU counts against these in fp16 too.
 PEAK_BF16_TFLOPS = (
     ("H100 PCIe", 756.0),
     ("H100 NVL", 835.0),
@@ -291,7 +295,9 @@ class Meter:
 
     tokens_per_step: int
     flops_per_token: float
-    peak_tflops: float | None  # dense bf16; None: no MFU (a CPU, fp32, an unknown GPU)
+    peak_tflops: (
+        float | None
+    )  # dense bf16 (fp16's); None: no MFU (a CPU, fp32, unknown)
     steps: int = 0
     seconds: float = 0.0
     eval_seconds: list = field(default_factory=list)
@@ -366,13 +372,20 @@ class Trainer:
         if parallel.several:  # PyTorch's dropout (--no-use-triton): masks of its own
             torch.manual_seed(cfg.seed + parallel.rank)
         self.optimizer = make_optimizer(self.model, cfg, parallel)
+        # fp16's narrow range: the loss scaled up, the gradients checked for overflow and
+        # scaled down, a step with an inf or nan skipped and the scale halved. Our and
+        # PyTorch's fused AdamW do both on the device (GradScaler reads nothing on the
+        # host), so the whole-step CUDA graph holds them; disabled, every call passes.
+        self.scaler = torch.amp.GradScaler(
+            self.device.type, enabled=cfg.dtype == "float16"
+        )
         compiled = {"compile": {}, "max-autotune": {"mode": "max-autotune"}}
         self.forward = (
             torch.compile(self.wrapped, **compiled[cfg.step])
             if cfg.step in compiled
             else self.wrapped
         )
-        autocast = core.ON_GPU and cfg.dtype != "float32"
+        autocast = cfg.dtype != "float32"  # check_config: bf16 on a GPU only
         self.autocast_dtype = getattr(torch, cfg.dtype) if autocast else None
         self.splits = {
             name: getattr(self.data, name).to(self.device) for name in ("train", "val")
@@ -409,6 +422,8 @@ class Trainer:
             dtype = f"{cfg.dtype} autocast (products in {cfg.dtype}, norms and loss in float32)"
         else:
             dtype = "float32, no autocast"
+        if self.scaler.is_enabled():
+            dtype += ", the loss scaled by a GradScaler"
         parameters = sum(p.numel() for p in self.model.parameters())
         tokens = cfg.batch_size * cfg.block_size
         step_flops = flops_per_token(config) * tokens
@@ -427,7 +442,8 @@ class Trainer:
                 f"process{'es' if self.parallel.several else ''} x {cfg.grad_accum} "
                 f"micro-batches of {self.micro} | {self.parallel.describe()}"
             )
-        return lines + self.notes
+        note = dtype_note(cfg.dtype)  # a GPU without bf16: why float16
+        return lines + ([note] if note else []) + self.notes
 
     def autocast(self):
         enabled = self.autocast_dtype is not None
@@ -470,11 +486,13 @@ class Trainer:
             with distributed.gradient_sync(self.wrapped, self.parallel, last):
                 with self.autocast():
                     _, loss = self.forward(x_i, y_i)
-                (loss / accum if accum > 1 else loss).backward()
+                self.scaler.scale(loss / accum if accum > 1 else loss).backward()
             total = loss.detach() if total is None else total + loss.detach()
         if self.cfg.grad_clip > 0:  # a tensor result: no synchronization
+            self.scaler.unscale_(self.optimizer)  # clip the gradients, not their scale
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
-        self.optimizer.step()
+        self.scaler.step(self.optimizer)  # skipped where a gradient is inf or nan
+        self.scaler.update()
         if self.parallel.several and self.drops():
             # Past the other processes' micro-batches: next step, rank r again draws for
             # micro-batch r * grad_accum onward (distributed.seed_offset).
@@ -543,6 +561,7 @@ class Trainer:
             "model": full[0],
             "optimizer": full[1],
             "seeds": self.model.seeds,  # rank 0's: those of the next step's first micro-batch
+            "scaler": self.scaler.state_dict(),  # fp16's loss scale; empty otherwise
             "step": self.step,
             "history": self.history,
             "config": asdict(self.cfg),
@@ -559,6 +578,8 @@ class Trainer:
             self.model, self.optimizer, weights, moments, self.parallel
         )
         self.model.seeds.copy_(state["seeds"] + self.seed_offset())
+        if self.scaler.is_enabled() and state.get("scaler"):  # else: the initial scale
+            self.scaler.load_state_dict(state["scaler"])
         self.step, self.history = state["step"], state["history"]
         self.saved_processes = state.get("processes", 1)  # before multi-process runs: 1
         self.resumed = True
@@ -632,7 +653,7 @@ class Trainer:
     def progress(self, loss: float, meter: Meter, seconds: float) -> str:
         """The progress line of the step just run, also written to the log."""
         lr = learning_rate(self.step - 1, self.cfg)
-        rate, mfu = meter.rate(), meter.mfu()
+        rate, mfu, scale = meter.rate(), meter.mfu(), self.loss_scale()
         self.write(
             {
                 "event": "log",
@@ -643,13 +664,21 @@ class Trainer:
                 "tokens_per_s": rate,
                 "mfu": mfu,
                 "seconds": seconds,
+                **scale,
             }
         )
         width = len(str(self.cfg.max_steps))
         line = f"step {self.step:>{width}}/{self.cfg.max_steps} | loss {loss:.4f}"
         line += f" | lr {lr:.2e}"
+        if scale:  # fp16: halved at each skipped step, doubled after 2,000 good ones
+            line += f" | loss scale {scale['loss_scale']:g}"
         line += f" | {rate:,.0f} tokens/s" if rate else " | warming up"
         return line + (f" | MFU {mfu:.1%}" if mfu is not None else "")
+
+    def loss_scale(self) -> dict:
+        """fp16's loss scale now (a read of the device), else nothing."""
+        enabled = self.scaler.is_enabled()
+        return {"loss_scale": self.scaler.get_scale()} if enabled else {}
 
     def evaluation(self, seconds: float, tokens_per_step: int) -> str:
         """Evaluate, keep the result (history, log, checkpoint): the progress line's end."""
@@ -673,8 +702,8 @@ class Trainer:
         cfg, parallel = self.cfg, self.parallel
         log = log if parallel.main else (lambda line: None)
         self.begin(log)
-        bf16 = self.autocast_dtype == torch.bfloat16
-        peak = peak_bf16_tflops(torch.cuda.get_device_name()) if bf16 else None
+        half = core.ON_GPU and self.autocast_dtype in (torch.bfloat16, torch.float16)
+        peak = peak_bf16_tflops(torch.cuda.get_device_name()) if half else None
         meter = Meter(  # tokens of all processes, against the peak of all their GPUs
             tokens_per_step=cfg.batch_size * cfg.block_size,
             flops_per_token=flops_per_token(self.model.config),

@@ -22,12 +22,16 @@ def adamw_kernel(
     exp_avg_sq_ptr,  # its second moments v
     lr_ptr,  # the learning rate, a tensor a CUDA graph's replays read afresh
     step_ptr,  # the step number t, already counted for this step
+    grad_scale_ptr,  # UNSCALE: the loss scale s the gradients still carry
+    found_inf_ptr,  # SKIP_ON_INF: nonzero if a gradient overflowed (fp16 loss scaling)
     lr_value,  # the learning rate when it is a number (LR_IN_TENSOR False)
     beta1,
     beta2,
     eps,
     weight_decay,
     LR_IN_TENSOR: tl.constexpr,
+    UNSCALE: tl.constexpr,
+    SKIP_ON_INF: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     program_id = tl.program_id(axis=0)
@@ -39,7 +43,10 @@ def adamw_kernel(
     grad_ptr = grad_address.to(tl.pointer_type(tl.float32))
     start, numel, first_block = tl.load(row + 2), tl.load(row + 3), tl.load(row + 4)
     offsets = (program_id - first_block) * BLOCK + tl.arange(0, BLOCK)
-    mask = offsets < tl.where(grad_address != 0, numel, 0)  # no gradient: left alone
+    end = tl.where(grad_address != 0, numel, 0)  # no gradient: left alone
+    if SKIP_ON_INF:  # an overflow anywhere: the whole step is skipped, on the device
+        end = tl.where(tl.load(found_inf_ptr) == 0, end, 0)
+    mask = offsets < end
     lr = tl.load(lr_ptr).to(tl.float32) if LR_IN_TENSOR else lr_value
     step = tl.load(step_ptr)
     # 1 - beta**t, with beta**t as 2**(t log2 beta): a scalar per program
@@ -47,6 +54,9 @@ def adamw_kernel(
     correction2 = 1.0 - tl.exp2(step * tl.log2(beta2))
     param = tl.load(param_ptr + offsets, mask=mask)
     grad = tl.load(grad_ptr + offsets, mask=mask)
+    if UNSCALE:  # g / s, stored back as PyTorch's fused AdamW leaves its gradients
+        grad = grad / tl.load(grad_scale_ptr)
+        tl.store(grad_ptr + offsets, grad, mask=mask)
     exp_avg = tl.load(exp_avg_ptr + start + offsets, mask=mask)
     exp_avg_sq = tl.load(exp_avg_sq_ptr + start + offsets, mask=mask)
     param = param * (1.0 - lr * weight_decay)  # decoupled weight decay, first
@@ -62,31 +72,51 @@ def adamw_kernel(
 ADAMW_BLOCK, ADAMW_WARPS = 1024, 4
 
 
-def adamw_update(tables, moments, lr, beta1, beta2, eps, weight_decay, step):
+def adamw_update(
+    tables,
+    moments,
+    lr,
+    beta1,
+    beta2,
+    eps,
+    weight_decay,
+    step,
+    grad_scale=None,
+    found_inf=None,
+):
     """One AdamW step over a group: ``tables`` = (its tensors' rows, each program's row),
-    ``moments`` = its flat (exp_avg, exp_avg_sq); ``step``: one fp32 value, this step's t."""
+    ``moments`` = its flat (exp_avg, exp_avg_sq); ``step``: one fp32 value, this step's t.
+    ``grad_scale``: one float, the scale the gradients carry (they are divided by it);
+    ``found_inf``: one float, the step changes nothing where it is not 0."""
     tensors, block_tensor = tables
     if block_tensor.numel() == 0:
         return
     in_tensor = isinstance(lr, torch.Tensor)
-    if in_tensor and lr.device != tensors.device:
-        raise ValueError(
-            f"lr is a tensor on {lr.device}, the parameters on {tensors.device}: make it "
-            f"on theirs, torch.tensor(lr, device='{tensors.device}')"
-        )
+    on_device = {"lr": lr if in_tensor else None}
+    on_device.update(grad_scale=grad_scale, found_inf=found_inf)
+    for name, value in on_device.items():
+        if value is not None and value.device != tensors.device:
+            raise ValueError(
+                f"{name} is a tensor on {value.device}, the parameters on "
+                f"{tensors.device}: make it on theirs, .to('{tensors.device}')"
+            )
     with quiet():  # the interpreter's numpy warns at log2(0), for beta = 0
         adamw_kernel[(block_tensor.numel(),)](
             tensors,
             block_tensor,
             *moments,
-            lr if in_tensor else step,  # not read when the rate is a number
+            lr if in_tensor else step,  # the pointers not read: any tensor
             step,
+            step if grad_scale is None else grad_scale,
+            step if found_inf is None else found_inf,
             0.0 if in_tensor else float(lr),
             beta1,
             beta2,
             eps,
             weight_decay,
             LR_IN_TENSOR=in_tensor,
+            UNSCALE=grad_scale is not None,
+            SKIP_ON_INF=found_inf is not None,
             BLOCK=ADAMW_BLOCK,
             num_warps=ADAMW_WARPS,
         )
@@ -122,7 +152,13 @@ class FusedAdamW(torch.optim.Optimizer):
 
     One step count per group: a parameter without a gradient is left as it is (as
     PyTorch's does), but its group's count goes on, where PyTorch's keeps one per
-    parameter."""
+    parameter.
+
+    With ``torch.amp.GradScaler`` (fp16 training), ``scaler.step(optimizer)`` sets the
+    tensors ``grad_scale`` (None once ``scaler.unscale_`` ran) and ``found_inf`` on the
+    optimizer: the kernel divides the gradients by the scale and leaves everything,
+    step count included, as it was where a gradient overflowed, all on the device, so
+    that a CUDA graph of the step holds the scaler too."""
 
     def __init__(
         self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2
@@ -217,19 +253,40 @@ class FusedAdamW(torch.optim.Optimizer):
         # A captured copy runs at the replays, not now: the next eager step writes again.
         self.addresses[index] = None if capturing else addresses
 
+    # torch.amp.GradScaler's step() hands us its scale and overflow flag as the tensors
+    # self.grad_scale and self.found_inf instead of reading the flag on the host.
+    _step_supports_amp_scaling = True
+
     @torch.no_grad()
     def step(self, closure=None):
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self.steps += 1
+        scaling = {
+            name: getattr(self, name, None) for name in ("grad_scale", "found_inf")
+        }
+        for name, value in scaling.items():
+            if value is not None and (
+                value.numel() != 1 or value.dtype != torch.float32
+            ):
+                raise TypeError(
+                    f"{name} must be one float32 value, as torch.amp.GradScaler's step "
+                    f"sets it, got {tuple(value.shape)} {value.dtype}"
+                )
+        found_inf = scaling["found_inf"]
+        # A skipped step is not counted, as PyTorch's fused AdamW has it: t + (found_inf == 0)
+        self.steps += (
+            1 if found_inf is None else (found_inf.to(self.steps) == 0).float()
+        )
         for index, group in enumerate(self.param_groups):
             self.write_addresses(index)
             beta1, beta2 = group["betas"]
             args = (group["lr"], beta1, beta2, group["eps"], group["weight_decay"])
             step = self.steps[index : index + 1]
-            adamw_update(self.tables[index], self.moments[index], *args, step)
+            adamw_update(
+                self.tables[index], self.moments[index], *args, step, **scaling
+            )
         return loss
 
     def state_dict(self):
