@@ -302,3 +302,14 @@ def test_weight_gradient_on_the_descriptor_kernel_split_along_k(monkeypatch, dty
     second = check((1024, 24), 16, dtype, activation)
     assert len(weight_gradients) == 2 and all(shares > 1 for shares in weight_gradients)
     assert all(map(torch.equal, first, second))
+
+
+@pytest.mark.skipif(not ON_GPU, reason="the GPT step's sizes: a GPU")
+@pytest.mark.parametrize("activation", [None, "gelu"])
+@pytest.mark.parametrize("features", [(384, 1152), (384, 384), (384, 1536), (1536, 384)], ids=str)
+def test_the_steps_layers_in_bf16(features, activation):
+    # Chapter 12's Shakespeare step: 16,384 tokens; on Hopper dW splits along K (issue 41).
+    in_features, out_features = features
+    first = check((16384, in_features), out_features, torch.bfloat16, activation)
+    second = check((16384, in_features), out_features, torch.bfloat16, activation)
+    assert all(map(torch.equal, first, second))
