@@ -557,7 +557,8 @@ def launch_tma(
 # wave again, with no whole wave before it: ``tail_split`` makes every tile ``splits`` shares
 # (the qkv layer's 27 tiles, 4 shares each, on 108 programs), and the last share to arrive sums
 # them in order, so the gradient has the same bits at every step. dYᵀ is a view of dY, a
-# column-major A: read through a descriptor of dY and transposed in registers, never copied.
+# column-major A: its tiles come through a descriptor of dY, and the tensor cores read them from
+# shared memory transposed (a flag of the ``wgmma`` instruction), never copied.
 # ``splits_k`` (in ``matmul_tuning``) names such a shape: fewer tiles than SMs and K at least
 # four times the output's longer side. Chapter 04's ``matmul`` gives it to this kernel, and the
 # autotuner times only the configs that split it. cuBLAS, too, runs split-K kernels for these
