@@ -14,6 +14,7 @@ backward recomputes it).
     python lab/step_products.py             # GPU: time each product; CPU: check them (toy size)
     python lab/step_products.py --configs   # the kernel and the configs timed for each product
     python lab/step_products.py --candidates  # GPU: also fixed configs, kept or not
+    python lab/step_products.py --before    # as before issue 41: dW on the portable kernel
 
 ``--configs`` needs no GPU: with ``STEPKERNELS_DEVICE_PROFILE=sm90`` it prints what an H100's
 (or H200's: 132 SMs too) launch rules choose, the configs the autotuner would time for each
@@ -21,16 +22,21 @@ product and, for each, its tiles, programs and waves, and the shares a split giv
 ``--candidates`` times fixed configs through ``matmul_tma(config=...)``, among them some that
 the package does not offer: for the forward and dX products (K = 384 to 1,536, many tiles),
 fewer stages and two programs an SM; for the weight gradients, up to 16 shares a tile.
-Without a GPU the products run at a toy size under the interpreter, checked against torch;
-interpreted timings are never results, so none are printed.
+``--before`` turns ``splits_k`` off (no product is a weight gradient's shape), so that the
+weight gradients take the portable kernel, as they did before issue 41: one checkout times
+both. Without a GPU the products run at a toy size under the interpreter, checked against
+torch; interpreted timings are never results, so none are printed.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
+from unittest import mock
 
 from stepkernels.lessons import bench
+from stepkernels.ops import matmul as matmul_module
 from stepkernels.ops import matmul_hopper as hopper
 from stepkernels.ops import matmul_tuning
 from stepkernels.ops.matmul import matmul, matmul_portable_tuned, on_descriptors
@@ -208,14 +214,25 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--configs", action="store_true", help="kernels and configs only")
     parser.add_argument("--candidates", action="store_true", help="also time fixed configs")
+    parser.add_argument("--before", action="store_true", help="dW on the portable kernel")
     args = parser.parse_args(argv)
     shape = SHAKESPEARE
-    if args.configs:
-        print_configs(shape)
-    elif ON_GPU:
-        time_products(shape, args.candidates)
-    else:
-        check(TOY)
+    with before_issue_41() if args.before else contextlib.nullcontext():
+        if args.configs:
+            print_configs(shape)
+        elif ON_GPU:
+            time_products(shape, args.candidates)
+        else:
+            check(TOY)
+
+
+@contextlib.contextmanager
+def before_issue_41():
+    """No product is a weight gradient's shape: dW goes to the portable kernel again."""
+    never = lambda M, N, K: False  # noqa: E731
+    with mock.patch.object(matmul_module, "splits_k", never):
+        with mock.patch.object(matmul_tuning, "splits_k", never):
+            yield
 
 
 if __name__ == "__main__":
