@@ -1,5 +1,5 @@
-"""Which of chapter 07's configs the autotuner times: the split tail's, only where it splits,
-and only those for a weight gradient's shape.
+"""Which of chapter 07's configs the autotuner times: the split tail's only where it splits,
+and for a weight gradient's shape only those.
 
 Chapter 07's descriptor kernel comes in two binaries per tile, with and without
 ``SPLIT_TAIL``. The split's binary carries more registers and is slower where the last wave
