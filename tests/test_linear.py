@@ -121,7 +121,7 @@ def test_transposed_dz_for_tf32(monkeypatch, shape, out_features, recompute):
         return result
 
     monkeypatch.setattr(linear_module, "activation_backward", spy)
-    monkeypatch.setattr(linear_module, "copies_for_tf32", lambda dtype, M, N: True)
+    monkeypatch.setattr(linear_module, "copies_for_tf32", lambda dtype, M, N, K: True)
     written = check(shape, out_features, torch.float32, "gelu", recompute=recompute)
     assert written_t == [True]
     for a, b in zip(plain, written, strict=True):
@@ -272,3 +272,44 @@ def test_dtype_mismatch_under_autocast_says_autocast_does_not_cast_for_us():
     with torch.autocast(DEVICE.type, dtype=torch.bfloat16):
         with pytest.raises(TypeError, match="autocast does not cast for our kernels"):
             model(random_tensor((8, 16)))
+
+
+matmul_module = importlib.import_module("stepkernels.ops.matmul")
+SPLIT_16 = {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16, "GROUP_SIZE_M": 2, "num_warps": 4, "num_stages": 2}
+
+
+@pytest.mark.parametrize("activation", [None, "gelu"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_weight_gradient_on_the_descriptor_kernel_split_along_k(monkeypatch, dtype, activation):
+    # As on Hopper (the interpreter's 4 SMs): dW = dYᵀ X over 1,024 tokens (a 16 x 24 weight)
+    # goes to chapter 07's kernel, dYᵀ read column-major in place, its two 16 x 16 tiles split
+    # along K; the gradients as torch's, and the same bits twice.
+    from stepkernels.ops.matmul_hopper import launch_tma, tma_layout
+    from stepkernels.ops.matmul_tuning import programs, tail_shares
+
+    monkeypatch.setattr(matmul_module, "ON_HOPPER", True)
+    split = {**SPLIT_16, "SPLIT_TAIL": True}
+    weight_gradients = []
+
+    def launch_split(a, b, *args):
+        (M, K), N = a.shape, b.shape[1]
+        if tma_layout(a) == "column":  # dYᵀ: the weight gradient
+            weight_gradients.append(tail_shares(M, N, K, split, programs(split)))
+        return launch_tma(a, b, *args[:3], split, *args[4:])
+
+    monkeypatch.setattr(matmul_module, "launch_tma", launch_split)
+    first = check((1024, 24), 16, dtype, activation)
+    second = check((1024, 24), 16, dtype, activation)
+    assert len(weight_gradients) == 2 and all(shares > 1 for shares in weight_gradients)
+    assert all(map(torch.equal, first, second))
+
+
+@pytest.mark.skipif(not ON_GPU, reason="the GPT step's sizes: a GPU")
+@pytest.mark.parametrize("activation", [None, "gelu"])
+@pytest.mark.parametrize("features", [(384, 1152), (384, 384), (384, 1536), (1536, 384)], ids=str)
+def test_the_steps_layers_in_bf16(features, activation):
+    # Chapter 12's Shakespeare step: 16,384 tokens; on Hopper dW splits along K (issue 41).
+    in_features, out_features = features
+    first = check((16384, in_features), out_features, torch.bfloat16, activation)
+    second = check((16384, in_features), out_features, torch.bfloat16, activation)
+    assert all(map(torch.equal, first, second))

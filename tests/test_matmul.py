@@ -7,6 +7,7 @@ interpreter. bf16 only on a GPU: the interpreter's bf16 ``tl.dot`` returns garba
 """
 
 from contextlib import contextmanager
+import importlib
 
 from conftest import random_tensor
 from hypothesis import given, settings
@@ -15,9 +16,10 @@ import pytest
 from stepkernels import matmul
 from stepkernels.lessons import check_matmul
 from stepkernels.lessons.check_matmul import matmul_reference, tolerance
+from stepkernels.ops import matmul_tuning
 from stepkernels.ops.matmul import ON_HOPPER, matmul_portable
 from stepkernels.ops.matmul_hopper import TMA_CONFIGS, launch_tma, matmul_tma, row_major, sm_count, tma_operands
-from stepkernels.ops.matmul_tuning import keep_tma_configs, programs, tail_shares
+from stepkernels.ops.matmul_tuning import keep_tma_configs, programs, splits_k, tail_shares
 from stepkernels.runtime.activations import ACTIVATIONS
 from stepkernels.runtime.core import DEVICE, INTERPRET, ON_GPU, zeroed
 from stepkernels.runtime.tiles import FP8_DTYPES
@@ -507,3 +509,128 @@ def test_the_autotuner_times_split_configs_only_where_they_split(size, splits_so
     assert all(tail_shares(size, size, size, c.kwargs, programs(c.kwargs)) > 1 for c in split)
     assert bool(split) == splits_somewhere
     assert len(kept) - len(split) == sum(c.itemsize == 2 and not c.kwargs.get("SPLIT_TAIL") for c in TMA_CONFIGS)
+
+
+# Weight gradients (issue 41): dW = dYᵀ X, A the transpose of a row-major dY (column-major), an
+# output as small as a layer's weight over a reduction along every token. Chapter 07's kernel
+# splits the K of every tile over the SMs that the few tiles alone would leave idle.
+matmul_module = importlib.import_module("stepkernels.ops.matmul")  # the package's is the function
+WGRAD_DTYPES = [torch.float16, torch.float32] + ([torch.bfloat16] if ON_GPU else [])
+# The step's products at nanoGPT's Shakespeare shape (16,384 tokens, 384 wide): dW of the qkv,
+# attention-out, MLP-in and MLP-out layers; and its forward and dX products (K = 384 to 1,536).
+STEP_WEIGHT_GRADIENTS = [(1152, 384, 16384), (384, 384, 16384), (1536, 384, 16384), (384, 1536, 16384)]
+STEP_WIDE_PRODUCTS = [(16384, 1152, 384), (16384, 384, 384), (16384, 1536, 384), (16384, 384, 1536), (16384, 384, 1152)]
+
+
+def weight_gradient_operands(tokens, out_features, in_features, dtype, seed=0):
+    """dYᵀ (out_features x tokens, a column-major view of dY) and X (tokens x in_features)."""
+    generator = torch.Generator().manual_seed(seed)
+    grad_y = torch.randn(tokens, out_features, generator=generator).to(DEVICE, dtype)
+    x = torch.randn(tokens, in_features, generator=generator).to(DEVICE, dtype)
+    return grad_y.mT, x
+
+
+def tiles(M, N, config):
+    return -(-M // config["BLOCK_M"]) * -(-N // config["BLOCK_N"])
+
+
+@pytest.mark.skipif(not (ON_HOPPER or INTERPRET), reason="the descriptor kernel needs Hopper")
+@pytest.mark.parametrize("programs_per_sm", [1, 2])
+@pytest.mark.parametrize("dtype", WGRAD_DTYPES, ids=str)
+@pytest.mark.parametrize("shape", [(256, 16, 16), (301, 24, 8), (515, 16, 24), (1000, 8, 32)], ids=str)
+def test_weight_gradient_splits_every_tile_along_k(shape, dtype, programs_per_sm):
+    # Fewer 16 x 16 tiles than programs (the interpreter's 4 SMs): every tile is split, its
+    # shares summed in order by the last to arrive; tokens (K) off the 16-deep steps.
+    tokens, out_features, in_features = shape
+    a, b = weight_gradient_operands(tokens, out_features, in_features, dtype)
+    config = {**SPLIT, "PROGRAMS_PER_SM": programs_per_sm}
+    M, N, K = out_features, in_features, tokens
+    if tiles(M, N, config) >= programs(config) or tail_shares(M, N, K, config, programs(config)) < 2:
+        pytest.skip(f"{sm_count()} SMs: these tiles are not split")
+    assert tma_operands(a, b) is not None and a.stride(0) == 1  # A read column-major, no copy
+    with fp32_precision("highest"):
+        first, second = (matmul_tma(a, b, config=config) for _ in range(2))
+        whole = matmul_tma(a, b, config=SMALL)
+    torch.testing.assert_close(first.double(), matmul_reference(a, b)[0], **tolerance(dtype, K))
+    assert torch.equal(first, second)  # the same bits twice: the shares are summed in order
+    if dtype == torch.float32:  # fp32 output: the split's other roundings show
+        assert not torch.equal(first, whole)
+    assert int(zeroed(a.device, programs(config)).abs().sum()) == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float16] + ([torch.bfloat16] if ON_GPU else []), ids=str)
+@pytest.mark.parametrize("kernel", ["portable", "descriptor (split)"])
+def test_accumulate_16_bit_products_into_fp32(kernel, dtype):
+    # A parameter's fp32 gradient gets dYᵀ X added with one rounding, to fp32, not two.
+    if kernel != "portable" and not (ON_HOPPER or INTERPRET):
+        pytest.skip("the descriptor kernel needs Hopper")
+    a, b = weight_gradient_operands(512, 16, 24, dtype)
+    start = torch.randn(16, 24, generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    out = start.clone()
+    if kernel == "portable":
+        assert matmul_portable is not None and matmul(a, b, accumulate=out) is out
+    else:
+        launch_tma(*tma_operands(a, b), None, None, False, SPLIT, accumulate=out)
+    want = start.double() + matmul_reference(a, b)[0]
+    torch.testing.assert_close(out.double(), want, **tolerance(torch.float32, 512))
+
+
+def test_accumulate_of_another_dtype_names_the_ones_taken():
+    a, b, _ = operands(8, 8, 8, torch.float16)
+    with pytest.raises(TypeError, match="float32"):
+        matmul(a, b, accumulate=torch.zeros(8, 8, device=DEVICE, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=str)
+def test_matmul_gives_weight_gradients_to_the_descriptor_kernel(monkeypatch, dtype):
+    # As on Hopper (4 SMs here): a weight gradient's shape goes to chapter 07's kernel, a
+    # skinny product (K = N) and an operand a descriptor cannot describe to the portable one.
+    monkeypatch.setattr(matmul_module, "ON_HOPPER", True)
+    taken = []
+    for name in ("launch_tma", "launch_portable"):
+        real = getattr(matmul_module, name)
+        spy = lambda *args, real=real, name=name, **kwargs: taken.append(name) or real(*args, **kwargs)
+        monkeypatch.setattr(matmul_module, name, spy)
+    cases = {
+        "dW": (weight_gradient_operands(1024, 16, 24, dtype), "launch_tma"),
+        "skinny": (operands(16, 256, 256, dtype)[:2], "launch_portable"),
+        "65 classes": (weight_gradient_operands(1024, 65, 24, dtype), "launch_portable"),
+    }
+    for (a, b), kernel in cases.values():
+        taken.clear()
+        with fp32_precision("highest"):
+            out = matmul(a, b)
+        assert taken == [kernel]
+        torch.testing.assert_close(out.double(), matmul_reference(a, b)[0], **tolerance(dtype, a.shape[1]))
+
+
+def test_the_autotuner_times_only_split_configs_for_the_steps_weight_gradients(monkeypatch):
+    # On 132 SMs (H100, H200): each dW of the Shakespeare step is a weight gradient's shape,
+    # and only configs that split it are timed; its forward and dX products keep every config.
+    monkeypatch.setattr(matmul_tuning, "sm_count", lambda: 132)
+    a_ptr = torch.empty(1, dtype=torch.bfloat16)
+    whole_configs = [c for c in TMA_CONFIGS if c.itemsize == 2 and not c.kwargs.get("SPLIT_TAIL")]
+    for M, N, K in STEP_WEIGHT_GRADIENTS:
+        assert splits_k(M, N, K)
+        kept = keep_tma_configs(TMA_CONFIGS, {"a_ptr": a_ptr, "M": M, "N": N, "K": K})
+        assert kept and all(c.kwargs.get("SPLIT_TAIL") for c in kept)
+        assert all(tail_shares(M, N, K, c.kwargs, programs(c.kwargs)) > 1 for c in kept)
+    for M, N, K in STEP_WIDE_PRODUCTS:
+        assert not splits_k(M, N, K)
+        kept = keep_tma_configs(TMA_CONFIGS, {"a_ptr": a_ptr, "M": M, "N": N, "K": K})
+        assert all(c in kept for c in whole_configs)
+    assert not splits_k(256, 8192, 8192)  # chapter 04's skinny products stay where they were
+
+
+@pytest.mark.skipif(not ON_HOPPER, reason="the step's sizes: Hopper")
+@pytest.mark.parametrize("shape", STEP_WEIGHT_GRADIENTS, ids=str)
+def test_the_steps_weight_gradients_on_hopper(shape):
+    M, N, K = shape
+    a, b = weight_gradient_operands(K, M, N, torch.bfloat16)
+    assert matmul_module.on_descriptors(torch.bfloat16, M, N, K)
+    first, second = matmul(a, b), matmul(a, b)
+    torch.testing.assert_close(first.double(), matmul_reference(a, b)[0], **tolerance(torch.bfloat16, K))
+    assert torch.equal(first, second)
+    grad = torch.randn(M, N, device=DEVICE)  # into an fp32 gradient
+    want = grad.double() + matmul_reference(a, b)[0]
+    torch.testing.assert_close(matmul(a, b, accumulate=grad).double(), want, **tolerance(torch.float32, K, 2**0.5))

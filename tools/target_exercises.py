@@ -111,6 +111,13 @@ def matmul():  # chapters 04, 05, 07
         sk.matmul(a, b)
     bias = tensor(2048, dtype=HALF, grad=False)
     sk.matmul(a.half(), b.half(), "gelu", bias=bias, return_preactivation=True)
+    # a weight gradient, dYᵀ X (few tiles, a long K; on sm_90 every tile split along K),
+    # and the same added into an fp32 gradient
+    for dtype in (HALF, BF16):
+        grad_y = tensor(4096, 256, dtype=dtype, grad=False)
+        x = tensor(4096, 128, dtype=dtype, grad=False)
+        sk.matmul(grad_y.mT, x)
+        sk.matmul(grad_y.mT, x, accumulate=torch.zeros(256, 128, device=DEVICE))
     for dtype in SUPPORTED_DTYPES:
         if dtype.itemsize == 1:  # fp8, where the GPU has it: bf16 out
             a = torch.randn(2048, 512).to(DEVICE, dtype)

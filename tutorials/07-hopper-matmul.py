@@ -13,7 +13,7 @@ What you will learn:
 * persistent programs: one program per SM looping over tiles, and when that beats one program
   per tile;
 * the last wave: splitting its tiles along K so that no SM idles, the partial tiles summed by
-  whichever share arrives last;
+  whichever share arrives last; a weight gradient's few tiles split the same way;
 * why fp32 as tf32 wants its operands *K-major* on Hopper, and what a copy buys;
 * fp8 (e4m3): half the bytes of fp16 and twice the tensor-core rate, and how to compare it.
 
@@ -548,6 +548,23 @@ def launch_tma(
 # stays behind because a share of 9 or 10 K steps pays the pipeline's start as a whole tile
 # does, and the last share reads the others' partial tiles before its epilogue.
 #
+# Weight gradients
+# ----------------
+# One kind of product takes this kernel below a tile per SM. A linear layer's weight gradient,
+# dW = dYᵀ X (chapter 05), is as small as the weight and sums over every token: in chapter 12's
+# GPT, 384 to 1,536 wide over 16,384 tokens, at most 36 tiles of 128 × 128 for 132 SMs, each 256
+# K steps long. One program a tile would leave 96 SMs of the 132 idle or more. It is the last
+# wave again, with no whole wave before it: ``tail_split`` makes every tile ``splits`` shares
+# (the qkv layer's 27 tiles, 4 shares each, on 108 programs), and the last share to arrive sums
+# them in order, so the gradient has the same bits at every step. dYᵀ is a view of dY, a
+# column-major A: its tiles come through a descriptor of dY, and the tensor cores read them from
+# shared memory transposed (a flag of the ``wgmma`` instruction), never copied.
+# ``splits_k`` (in ``matmul_tuning``) names such a shape: fewer tiles than SMs and K at least
+# four times the output's longer side. Chapter 04's ``matmul`` gives it to this kernel, and the
+# autotuner times only the configs that split it. cuBLAS, too, runs split-K kernels for these
+# products, and sums the shares in a second kernel. ``lab/step_products.py`` times each of the
+# step's products against it; those timings are not recorded yet.
+#
 # fp8
 # ---
 # fp8 (e4m3: 4 bits of exponent, 3 of mantissa, largest finite value 448) halves the bytes of fp16
@@ -653,7 +670,8 @@ elif not has_fp8:
 # * A persistent kernel launches one program per SM that loops over tiles; it pays off once the
 #   output has a tile for every SM, and below that the portable kernel is faster.
 # * Persistent programs still end in a last wave; splitting its tiles along K fills the idle SMs,
-#   each partial tile summed once, in a fixed order, by the last share to arrive.
+#   each partial tile summed once, in a fixed order, by the last share to arrive. A weight
+#   gradient (few tiles, a long K) is all last wave: every tile is split.
 # * Operand layout can matter more than the kernel: tf32 on Hopper wants K-major operands, and a
 #   copy is cheaper than the slow path, if the copy runs at copy speed.
 # * fp8 doubles the tensor-core rate again; compare it with an fp8 library call, not an fp16 one.

@@ -96,7 +96,7 @@ def fused_linear_backward(grad_y, x, weight, bias, z, activation, needs_grad):
         again = z is None  # recompute: the forward product, without the activation,
         z = product(x, weight.mT, None, bias) if again else z  # then dZ over it
         # dZ^T from the dZ kernel where dW's product would copy it (fp32 as tf32)
-        transposed = need_weight and copies_for_tf32(x.dtype, *weight.shape)
+        transposed = need_weight and copies_for_tf32(x.dtype, *weight.shape, len(x))
         grad_z, grad_bias, grad_z_t = activation_backward(
             grad_y, z, activation, need_bias, again, transposed
         )

@@ -4,6 +4,7 @@
 # `make export`.
 
 from stepkernels.ops.matmul_hopper import launch_tma, tma_operands
+from stepkernels.ops.matmul_tuning import splits_k
 from stepkernels.runtime.activations import apply_activation
 from stepkernels.runtime.arguments import accumulate_arguments
 from stepkernels.runtime.core import (
@@ -177,15 +178,16 @@ def fills_the_gpu(M: int, N: int) -> bool:
     return cdiv(M, 128) * cdiv(N, 128) >= sm_count()  # at every call: no triton.cdiv
 
 
-def on_descriptors(dtype, M: int, N: int) -> bool:
-    """Does ``matmul`` give an M × N product in ``dtype`` to chapter 07's kernel?"""
-    return ON_HOPPER and (dtype.itemsize == 1 or fills_the_gpu(M, N))
+def on_descriptors(dtype, M: int, N: int, K: int) -> bool:
+    """Does ``matmul`` give an M × N × K product in ``dtype`` to chapter 07's kernel?"""
+    wide = fills_the_gpu(M, N) or splits_k(M, N, K)
+    return ON_HOPPER and (dtype.itemsize == 1 or wide)
 
 
-def copies_for_tf32(dtype, M: int, N: int) -> bool:
+def copies_for_tf32(dtype, M: int, N: int, K: int) -> bool:
     """tf32 on chapter 07's kernel, which copies operands that are not K-major?"""
     tf32 = dtype == torch.float32 and dot_precision(dtype) == "tf32"
-    return tf32 and on_descriptors(dtype, M, N)
+    return tf32 and on_descriptors(dtype, M, N, K)
 
 
 def matmul(
@@ -195,8 +197,8 @@ def matmul(
     fp16, bf16, fp32 (exact or tf32 as ``torch.get_float32_matmul_precision()`` says)
     and fp8 e4m3 (bf16 output), accumulated in fp32, bias (N,) and activation applied in
     fp32 before one rounding. ``return_preactivation``: ``(out, a @ b + bias)``, one
-    kernel. ``accumulate``: a contiguous (M, N) tensor that gets ``a @ b (+ bias)``
-    added in place."""
+    kernel. ``accumulate``: a contiguous (M, N) tensor, in the output's dtype or fp32
+    (a parameter's fp32 gradient), that gets ``a @ b (+ bias)`` added in place."""
     check_inputs(a, b, activation, bias, return_preactivation)
     if torch.compiler.is_compiling():  # an operator the compiler calls (below)
         out, pre = matmul_op(a, b, activation, bias, return_preactivation, accumulate)
@@ -207,9 +209,8 @@ def matmul(
 
 def launch_matmul(a, b, activation, bias, return_preactivation, accumulate):
     if accumulate is not None:  # its checks read addresses: here, not while traced
-        accumulate_arguments(
-            accumulate, a, b, activation, return_preactivation, output_dtype(a.dtype)
-        )
+        dtypes = (output_dtype(a.dtype), torch.float32)  # fp32: one rounding, not two
+        accumulate_arguments(accumulate, a, b, activation, return_preactivation, dtypes)
     return product(a, b, activation, bias, return_preactivation, accumulate)
 
 
@@ -218,7 +219,7 @@ def product(
 ):
     """``matmul`` for arguments already checked (chapter 05's layer calls it three
     times a step: the checks once, in ``linear``)."""
-    if on_descriptors(a.dtype, a.shape[0], b.shape[1]):
+    if on_descriptors(a.dtype, a.shape[0], b.shape[1], a.shape[1]):
         operands = tma_operands(a, b)
         if operands is not None:
             return launch_tma(

@@ -95,11 +95,11 @@ def matmul_arguments(a, b, activation, bias, dtypes, return_preactivation=False)
             )
 
 
-def accumulate_arguments(out, a, b, activation, return_preactivation, dtype):
-    """``matmul``'s ``accumulate``: the (M, N) output in ``dtype``, contiguous, aligned, apart
-    from a and b, and nothing asked of the product but to be added."""
+def accumulate_arguments(out, a, b, activation, return_preactivation, dtypes):
+    """``matmul``'s ``accumulate``: the (M, N) output in one of ``dtypes``, contiguous,
+    aligned, apart from a and b, and nothing asked of the product but to be added."""
     shape, storage = (a.shape[0], b.shape[1]), out.untyped_storage().data_ptr()
-    check_tensor(out, "accumulate", (dtype,))
+    check_tensor(out, "accumulate", dtypes)
     refuse_autograd("matmul(accumulate=...)", "out + a @ b", out)  # written in place
     # An empty output has no storage and any strides, and nothing to add
     empty = out.shape == shape and out.numel() == 0
