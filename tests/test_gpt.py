@@ -241,7 +241,7 @@ def test_summary_and_sample():
 def test_command_line_options_are_the_config():
     cfg = parse_config(["--n-layer", "2", "--no-use-triton", "--learning-rate", "3e-4"])
     assert (cfg.n_layer, cfg.use_triton, cfg.learning_rate) == (2, False, 3e-4)
-    with pytest.raises(ConfigError, match="expected one of eager, graph, compile, got 'fast'"):
+    with pytest.raises(ConfigError, match="expected one of eager, graph, compile, max-autotune, got 'fast'"):
         Trainer(tiny_config(step="fast"), tiny_data())
 
 
