@@ -68,7 +68,9 @@ DEVICE = tutorial.DEVICE
 # of ``ROWS_PER_PROGRAM`` rows of ``BLOCK_N`` columns held in registers, short rows packed
 # several to a tile so that a program moves enough bytes, and keeps each row's rstd (4 bytes a
 # row) for the backward. Rows longer than ``MAX_N`` do not fit in registers: the function
-# refuses them (chapter 13 shows how to split a row over programs).
+# refuses them (chapter 13 shows how to split a row over programs). The launch (values a
+# program and a thread hold) is a small table by element size and call size, filled from a
+# sweep on the GPU (``lab/modern_sweep.py``); the other kernels here have one too.
 
 # @save ops/rms_norm
 import functools
@@ -81,8 +83,8 @@ from stepkernels.runtime.core import (
     refuse_double_backward,
     sm_count,
 )
+from stepkernels.runtime.device import profile
 from stepkernels.runtime.launch import lean  # cheap repeated launches: chapter 08
-from stepkernels.runtime.partials import flush_partials  # chapter 03's partial sums
 from stepkernels.runtime.rows import as_rows
 import torch
 from torch import Tensor
@@ -124,14 +126,27 @@ def rms_norm_forward_kernel(
 
 
 MAX_N = 65536  # the longest row a program holds in registers
-FORWARD_TILE = 4096  # values a forward program normalizes at least, rows packed
+LARGE_FROM = 2**26  # elements from which a call takes the "large" launch
+# Launches by (bytes an element, "small" or "large"), from lab/modern_sweep.py on an H200.
+# Forward: values a program normalizes at least (short rows packed) and a thread holds.
+FORWARD_LAUNCH = {
+    (2, "small"): dict(tile=4096, per_thread=32),
+    (2, "large"): dict(tile=4096, per_thread=32),
+    (4, "small"): dict(tile=4096, per_thread=32),
+    (4, "large"): dict(tile=4096, per_thread=32),
+}
+
+
+def launch_of(table: dict, n_elements: int, itemsize: int) -> dict:
+    return table[min(itemsize, 4), "small" if n_elements < LARGE_FROM else "large"]
 
 
 @functools.cache  # once per shape: off the call's path
-def forward_config(n_cols: int, n_rows: int) -> dict:
+def forward_config(n_cols: int, n_rows: int, itemsize: int) -> dict:
+    launch = launch_of(FORWARD_LAUNCH, n_rows * n_cols, itemsize)
     block = triton.next_power_of_2(n_cols)
-    rows = max(1, min(FORWARD_TILE // block, triton.next_power_of_2(n_rows)))
-    warps = max(1, min(32, rows * block // 1024))  # 32 fp32 values a thread
+    rows = max(1, min(launch["tile"] // block, triton.next_power_of_2(n_rows)))
+    warps = max(1, min(32, rows * block // (32 * launch["per_thread"])))
     return dict(BLOCK_N=block, ROWS_PER_PROGRAM=rows, num_warps=warps)
 
 
@@ -142,7 +157,7 @@ def rms_norm_forward(x2d: Tensor, weight: Tensor | None, eps: float):
     rstd = torch.empty(n_rows, device=device, dtype=torch.float32)
     if n_rows == 0:
         return y, rstd
-    config = forward_config(n_cols, n_rows)
+    config = forward_config(n_cols, n_rows, x2d.element_size())
     grid = (triton.cdiv(n_rows, config["ROWS_PER_PROGRAM"]),)
     rms_norm_forward_kernel[grid](
         x2d,
@@ -169,12 +184,11 @@ def rms_norm_forward(x2d: Tensor, weight: Tensor | None, eps: float):
 #
 # layer norm's dx without its second constant (the mean's). A program walks
 # ``ROWS_PER_PROGRAM`` rows, loads of the next row issued before this row's arithmetic, and
-# sums ``dy * x_hat`` in registers. Its sums then go to chapter 03's ``flush_partials`` (the
-# runtime layer's device code): one partial row a program, added by a second kernel in a
-# fixed order, so dW has the same bits every run. ``flush_partials`` hands on (dW, dB) pairs;
-# RMSNorm has no dB, so it writes zeros there, N fp32 values a program: at N = 4,096 and 256
-# programs (about 2 an SM on an H100), 4 MB beside the 100 MB of a 2^24-element bf16
-# backward.
+# sums ``dy * x_hat`` in registers. It stores them as one partial row of dW, N fp32 values,
+# which a second kernel adds in a fixed order, so dW has the same bits every run (chapter 03's
+# two-stage reduction; its ``flush_partials`` writes (dW, dB) pairs, and RMSNorm has no dB).
+# At N = 4,096 and 2 programs an SM, that is 4 MB written and read again beside the 96 MB of
+# a 2^24-element bf16 backward.
 
 
 # @save ops/rms_norm
@@ -218,11 +232,8 @@ def rms_norm_backward_kernel(
         dx_ptrs = dx_ptr + row64 * dx_row_stride + cols
         tl.store(dx_ptrs, dx.to(dx_ptr.dtype.element_ty), mask=mask)
         dw += dy * x_hat
-    if WANT_DW:  # a partial row of (dW, 0) a program, as layer norm's (dW, dB)
-        slots = (program_id, program_id, 0)
-        nothing = tl.zeros([BLOCK_N], tl.float32)
-        buffers = (partial_ptr, partial_ptr)
-        flush_partials(buffers, (dw, nothing), (cols, col_mask), N, slots, "two-stage")
+    if WANT_DW:  # a partial row of dW a program, summed by the next kernel
+        tl.store(partial_ptr + program_id.to(tl.int64) * N + cols, dw, mask=col_mask)
 
 
 @lean
@@ -230,30 +241,38 @@ def rms_norm_backward_kernel(
 def sum_weight_partials_kernel(
     partial_ptr, dw_ptr, num_partials, N, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr
 ):
-    """dW = the sum of the partial rows' first N values, in a fixed order."""
+    """dW = the sum of the partial rows, in a fixed order."""
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_mask = cols < N
     dw = tl.zeros([BLOCK_P, BLOCK_N], tl.float32)
     for first in tl.range(0, num_partials, BLOCK_P):
         slots = first + tl.arange(0, BLOCK_P)
         mask = (slots < num_partials)[:, None] & col_mask[None, :]
-        ptrs = partial_ptr + slots.to(tl.int64)[:, None] * 2 * N + cols[None, :]
+        ptrs = partial_ptr + slots.to(tl.int64)[:, None] * N + cols[None, :]
         dw += tl.load(ptrs, mask=mask, other=0.0)
     dw_sum = tl.sum(dw, axis=0).to(dw_ptr.dtype.element_ty)  # one rounding
     tl.store(dw_ptr + cols, dw_sum, mask=col_mask)
 
 
-BACKWARD_PROGRAMS_PER_SM = 2  # enough rows a program that partials stay few
-BACKWARD_STAGE_BYTES = 64 * 1024  # a row of x and one of dy in flight, at most
+# Backward: programs an SM (fewer: fewer partial rows; more: more rows in flight), loads of
+# rows in flight (NUM_STAGES, within the shared memory) and values a thread holds of a row.
+BACKWARD_LAUNCH = {
+    (2, "small"): dict(programs_per_sm=2, stages=2, per_thread=16),
+    (2, "large"): dict(programs_per_sm=2, stages=2, per_thread=16),
+    (4, "small"): dict(programs_per_sm=2, stages=2, per_thread=16),
+    (4, "large"): dict(programs_per_sm=2, stages=2, per_thread=16),
+}
 
 
 @functools.cache
 def backward_config(n_cols: int, n_rows: int, itemsize: int) -> dict:
+    launch = launch_of(BACKWARD_LAUNCH, n_rows * n_cols, itemsize)
     block = triton.next_power_of_2(n_cols)
-    programs = 4 if INTERPRET else BACKWARD_PROGRAMS_PER_SM * sm_count()  # CPU: few
+    programs = 4 if INTERPRET else launch["programs_per_sm"] * sm_count()  # CPU: few
     rows = min(256, triton.next_power_of_2(triton.cdiv(n_rows, programs)))
-    stages = 2 if 2 * block * itemsize * 2 <= BACKWARD_STAGE_BYTES else 1
-    warps = max(4, min(16, block // 512))
+    in_flight = (profile().shared_memory - 1024) // (2 * block * itemsize)
+    stages = max(1, min(launch["stages"], in_flight))  # x and dy rows a stage
+    warps = max(4, min(16, block // (32 * launch["per_thread"])))
     return dict(
         BLOCK_N=block, ROWS_PER_PROGRAM=rows, NUM_STAGES=stages, num_warps=warps
     )
@@ -271,7 +290,7 @@ def rms_norm_backward(dy2d, x2d, weight, rstd, want_dw: bool):
     n_programs = triton.cdiv(n_rows, config["ROWS_PER_PROGRAM"])
     partials = dx  # never touched without dW
     if want_dw:
-        partials = torch.empty((n_programs, 2, n_cols), device=device)
+        partials = torch.empty((n_programs, n_cols), device=device)
     rms_norm_backward_kernel[(n_programs,)](
         x2d,
         dy2d,
