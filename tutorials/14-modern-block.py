@@ -496,6 +496,17 @@ import triton
 import triton.language as tl
 
 
+@triton.jit
+def rotate_head(x, y, tables, mask, HALF):
+    """One head's tile: x and y point at the first halves of its rows, in and out."""
+    cos1, cos2, sin1, sin2 = tables
+    x1 = tl.load(x, mask=mask).to(tl.float32)
+    x2 = tl.load(x + HALF, mask=mask).to(tl.float32)
+    y1, y2 = x1 * cos1 - x2 * sin1, x2 * cos2 + x1 * sin2
+    tl.store(y, y1.to(y.dtype.element_ty), mask=mask)
+    tl.store(y + HALF, y2.to(y.dtype.element_ty), mask=mask)
+
+
 @lean
 @triton.jit
 def rotary_kernel(
@@ -520,6 +531,7 @@ def rotary_kernel(
     BLOCK_POSITIONS: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
     BACKWARD: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
 ):
     position_blocks = tl.cdiv(seq_len, BLOCK_POSITIONS)
     batch = (tl.program_id(0) // position_blocks).to(tl.int64)
@@ -533,35 +545,38 @@ def rotary_kernel(
     cos2 = tl.load(cos_ptr + angle + HALF, mask=mask).to(tl.float32)
     sin1 = tl.load(sin_ptr + angle, mask=mask).to(tl.float32)
     sin2 = tl.load(sin_ptr + angle + HALF, mask=mask).to(tl.float32)
-    if (
-        BACKWARD
-    ):  # the transposed map: dx1 = dy1 cos1 + dy2 sin2, dx2 = dy2 cos2 - dy1 sin1
+    # The backward, the transposed map: dx1 = dy1 cos1 + dy2 sin2, dx2 = dy2 cos2 - dy1 sin1
+    if BACKWARD:
         sin1, sin2 = -sin2, -sin1
-    y_cols = (
-        positions[:, None] * (2 * HALF) + cols[None, :]
-    )  # rows of contiguous outputs
+    tables = (cos1, cos2, sin1, sin2)
+    y_cols = positions[:, None] * (2 * HALF) + cols[None, :]  # the outputs: contiguous
     first = tl.program_id(1) * heads_per_program
     last = tl.minimum(first + heads_per_program, q_heads + k_heads)
-    for head in tl.range(first, last):  # q's heads, then k's
-        if head < q_heads:
-            x = q_ptr + batch * q_batch_stride + tl.cast(head, tl.int64) * q_head_stride
-            x_rows = positions * q_position_stride
-            y = q_out_ptr + (batch * q_heads + head) * seq_len * (2 * HALF)
-        else:
-            k_head = tl.cast(head - q_heads, tl.int64)
-            x = k_ptr + batch * k_batch_stride + k_head * k_head_stride
-            x_rows = positions * k_position_stride
-            y = k_out_ptr + (batch * k_heads + k_head) * seq_len * (2 * HALF)
-        x_tile = x + x_rows[:, None] + cols[None, :]
-        x1 = tl.load(x_tile, mask=mask).to(tl.float32)
-        x2 = tl.load(x_tile + HALF, mask=mask).to(tl.float32)
-        y1, y2 = x1 * cos1 - x2 * sin1, x2 * cos2 + x1 * sin2
-        tl.store(y + y_cols, y1.to(y.dtype.element_ty), mask=mask)
-        tl.store(y + y_cols + HALF, y2.to(y.dtype.element_ty), mask=mask)
+    x_cols = positions[:, None] * q_position_stride + cols[None, :]
+    for head in tl.range(first, tl.minimum(last, q_heads), num_stages=NUM_STAGES):
+        x = q_ptr + batch * q_batch_stride + tl.cast(head, tl.int64) * q_head_stride
+        y = q_out_ptr + (batch * q_heads + head) * seq_len * (2 * HALF)
+        rotate_head(x + x_cols, y + y_cols, tables, mask, HALF)
+    x_cols = positions[:, None] * k_position_stride + cols[None, :]
+    for head in tl.range(
+        tl.maximum(first, q_heads) - q_heads, last - q_heads, num_stages=NUM_STAGES
+    ):
+        x = k_ptr + batch * k_batch_stride + tl.cast(head, tl.int64) * k_head_stride
+        y = k_out_ptr + (batch * k_heads + head) * seq_len * (2 * HALF)
+        rotate_head(x + x_cols, y + y_cols, tables, mask, HALF)
 
 
-ROTARY_TILE = 4096  # values of a head a program rotates at once
-ROTARY_PROGRAMS_PER_SM = 4  # heads split over programs where positions are too few
+# Launches by (bytes an element, "small" or "large": from 2^26 elements of q and k), from
+# lab/modern_sweep.py on an H200: values of a head a program rotates at once (its positions),
+# programs an SM (heads are split over programs where positions are too few), warps, and
+# loads of heads in flight (NUM_STAGES, 1: none ahead).
+ROTARY_LAUNCH = {
+    (2, "small"): dict(tile=4096, programs_per_sm=4, warps=4, stages=1),
+    (2, "large"): dict(tile=4096, programs_per_sm=4, warps=4, stages=1),
+    (4, "small"): dict(tile=4096, programs_per_sm=4, warps=4, stages=1),
+    (4, "large"): dict(tile=4096, programs_per_sm=4, warps=4, stages=1),
+}
+LARGE_FROM = 2**26
 
 
 def last_stride_one(t: Tensor) -> Tensor:
@@ -579,12 +594,14 @@ def rotate(q: Tensor, k: Tensor | None, cos: Tensor, sin: Tensor, backward: bool
     k_out = None if k is None else torch.empty(k.shape, device=k.device, dtype=k.dtype)
     (batch, q_heads, seq_len, dim), half = q.shape, q.shape[-1] // 2
     heads = q_heads + (0 if k is None else k.shape[1])
+    size = "small" if batch * heads * seq_len * dim < LARGE_FROM else "large"
+    launch = ROTARY_LAUNCH[min(q.element_size(), 4), size]
     block_half = triton.next_power_of_2(half)
-    positions = min(ROTARY_TILE // (2 * block_half), triton.next_power_of_2(seq_len))
+    positions = min(launch["tile"] // (2 * block_half), triton.next_power_of_2(seq_len))
     position_programs = batch * triton.cdiv(seq_len, max(1, positions))
     if position_programs * heads * dim == 0:  # nothing to rotate
         return q_out, k_out
-    wanted = triton.cdiv(ROTARY_PROGRAMS_PER_SM * sm_count(), position_programs)
+    wanted = triton.cdiv(launch["programs_per_sm"] * sm_count(), position_programs)
     heads_per_program = triton.cdiv(heads, min(heads, wanted))
     k_given = q if k is None else k
     rotary_kernel[(position_programs, triton.cdiv(heads, heads_per_program))](
@@ -605,7 +622,8 @@ def rotate(q: Tensor, k: Tensor | None, cos: Tensor, sin: Tensor, backward: bool
         BLOCK_POSITIONS=max(1, positions),
         BLOCK_HALF=block_half,
         BACKWARD=backward,
-        num_warps=4,
+        NUM_STAGES=launch["stages"],
+        num_warps=launch["warps"],
     )
     return q_out, k_out
 
@@ -854,14 +872,25 @@ def silu_mul_backward_kernel(
     tl.store(dup_ptr + at_grad, dup.to(dup_ptr.dtype.element_ty), mask=mask)
 
 
-SWIGLU_TILE = 4096  # values a program takes
+# Launches by (kernel, bytes an element, "small" or "large": from 2^26 elements), from
+# lab/modern_sweep.py on an H200: values a program takes, and warps.
+SWIGLU_LAUNCH = {
+    (kernel, itemsize, size): dict(tile=4096, warps=4)
+    for kernel in ("forward", "backward")
+    for itemsize in (2, 4)
+    for size in ("small", "large")
+}
+LARGE_FROM = 2**26
 
 
-def swiglu_launch(n_rows: int, n_cols: int) -> tuple[dict, tuple]:
-    block_cols = min(SWIGLU_TILE, triton.next_power_of_2(n_cols))
-    block_rows = min(SWIGLU_TILE // block_cols, triton.next_power_of_2(n_rows))
+def swiglu_launch(n_rows: int, n_cols: int, itemsize: int, kernel: str):
+    size = "small" if n_rows * n_cols < LARGE_FROM else "large"
+    launch = SWIGLU_LAUNCH[kernel, min(itemsize, 4), size]
+    block_cols = min(launch["tile"], triton.next_power_of_2(n_cols))
+    block_rows = min(launch["tile"] // block_cols, triton.next_power_of_2(n_rows))
     grid = (triton.cdiv(n_rows, block_rows), triton.cdiv(n_cols, block_cols))
-    return dict(BLOCK_ROWS=block_rows, BLOCK_COLS=block_cols, num_warps=4), grid
+    meta = dict(BLOCK_ROWS=block_rows, BLOCK_COLS=block_cols, num_warps=launch["warps"])
+    return meta, grid
 
 
 def rows_of(t: Tensor) -> Tensor:
@@ -872,7 +901,7 @@ def silu_mul_forward(gate: Tensor, up: Tensor) -> Tensor:
     out = torch.empty(gate.shape, device=gate.device, dtype=gate.dtype)
     if out.numel():  # an empty tensor may have no rows to view it as
         g2d, u2d = rows_of(gate), rows_of(up)
-        meta, grid = swiglu_launch(*g2d.shape)
+        meta, grid = swiglu_launch(*g2d.shape, gate.element_size(), "forward")
         strides = (g2d.stride(0), u2d.stride(0))
         silu_mul_kernel[grid](g2d, u2d, out, *strides, *g2d.shape, **meta)
     return out
@@ -884,7 +913,7 @@ def silu_mul_backward(dy: Tensor, gate: Tensor, up: Tensor) -> tuple[Tensor, Ten
     )
     if dy.numel():
         dy2d, g2d, u2d = rows_of(dy), rows_of(gate), rows_of(up)
-        meta, grid = swiglu_launch(*g2d.shape)
+        meta, grid = swiglu_launch(*g2d.shape, gate.element_size(), "backward")
         strides = (dy2d.stride(0), g2d.stride(0), u2d.stride(0))
         tensors = (dy2d, g2d, u2d, dgate, dup)
         silu_mul_backward_kernel[grid](*tensors, *strides, *g2d.shape, **meta)
