@@ -84,7 +84,11 @@ from stepkernels.runtime.core import (
     sm_count,
 )
 from stepkernels.runtime.device import profile
-from stepkernels.runtime.launch import lean  # cheap repeated launches: chapter 08
+from stepkernels.runtime.launch import (  # cheap repeated launches: chapter 08
+    cdiv,
+    lean,
+    next_power_of_2,
+)
 from stepkernels.runtime.rows import as_rows
 import torch
 from torch import Tensor
@@ -144,8 +148,8 @@ def launch_of(table: dict, n_elements: int, itemsize: int) -> dict:
 @functools.cache  # once per shape: off the call's path
 def forward_config(n_cols: int, n_rows: int, itemsize: int) -> dict:
     launch = launch_of(FORWARD_LAUNCH, n_rows * n_cols, itemsize)
-    block = triton.next_power_of_2(n_cols)
-    rows = max(1, min(launch["tile"] // block, triton.next_power_of_2(n_rows)))
+    block = next_power_of_2(n_cols)
+    rows = max(1, min(launch["tile"] // block, next_power_of_2(n_rows)))
     warps = max(1, min(32, rows * block // (32 * launch["per_thread"])))
     return dict(BLOCK_N=block, ROWS_PER_PROGRAM=rows, num_warps=warps)
 
@@ -158,7 +162,7 @@ def rms_norm_forward(x2d: Tensor, weight: Tensor | None, eps: float):
     if n_rows == 0:
         return y, rstd
     config = forward_config(n_cols, n_rows, x2d.element_size())
-    grid = (triton.cdiv(n_rows, config["ROWS_PER_PROGRAM"]),)
+    grid = (cdiv(n_rows, config["ROWS_PER_PROGRAM"]),)
     rms_norm_forward_kernel[grid](
         x2d,
         y,
@@ -183,7 +187,7 @@ def rms_norm_forward(x2d: Tensor, weight: Tensor | None, eps: float):
 #     dx = rstd * (g - x_hat * c),   c = sum(x_hat * g) / N,   dW = sum over rows of dy * x_hat
 #
 # layer norm's dx without its second constant (the mean's). A program walks
-# ``ROWS_PER_PROGRAM`` rows, loads of the next row issued before this row's arithmetic, and
+# ``rows_per_program`` rows, loads of the next row issued before this row's arithmetic, and
 # sums ``dy * x_hat`` in registers. It stores them as one partial row of dW, N fp32 values,
 # which a second kernel adds in a fixed order, so dW has the same bits every run (chapter 03's
 # two-stage reduction; its ``flush_partials`` writes (dW, dB) pairs, and RMSNorm has no dB).
@@ -206,8 +210,8 @@ def rms_norm_backward_kernel(
     dx_row_stride,
     M,
     N,
+    rows_per_program,  # not a constexpr: one compile serves every number of rows
     BLOCK_N: tl.constexpr,
-    ROWS_PER_PROGRAM: tl.constexpr,
     HAS_WEIGHT: tl.constexpr,
     WANT_DW: tl.constexpr,
     NUM_STAGES: tl.constexpr,
@@ -218,8 +222,8 @@ def rms_norm_backward_kernel(
     if HAS_WEIGHT:
         w = tl.load(weight_ptr + cols, mask=col_mask).to(tl.float32)
     dw = tl.zeros([BLOCK_N], tl.float32)
-    for i in tl.range(ROWS_PER_PROGRAM, num_stages=NUM_STAGES):
-        row = program_id * ROWS_PER_PROGRAM + i
+    for i in tl.range(rows_per_program, num_stages=NUM_STAGES):
+        row = program_id * rows_per_program + i
         mask, row64 = cols < tl.where(row < M, N, 0), row.to(tl.int64)
         x = tl.load(x_ptr + row64 * x_row_stride + cols, mask=mask, other=0.0)
         dy = tl.load(dy_ptr + row64 * dy_row_stride + cols, mask=mask, other=0.0)
@@ -265,17 +269,16 @@ BACKWARD_LAUNCH = {
 
 
 @functools.cache
-def backward_config(n_cols: int, n_rows: int, itemsize: int) -> dict:
+def backward_config(n_cols: int, n_rows: int, itemsize: int) -> tuple[int, dict]:
+    """Rows a program and the kernel's launch."""
     launch = launch_of(BACKWARD_LAUNCH, n_rows * n_cols, itemsize)
-    block = triton.next_power_of_2(n_cols)
+    block = next_power_of_2(n_cols)
     programs = 4 if INTERPRET else launch["programs_per_sm"] * sm_count()  # CPU: few
-    rows = min(256, triton.next_power_of_2(triton.cdiv(n_rows, programs)))
+    rows = min(256, cdiv(n_rows, programs))  # at most ``programs`` programs
     in_flight = (profile().shared_memory - 1024) // (2 * block * itemsize)
     stages = max(1, min(launch["stages"], in_flight))  # x and dy rows a stage
     warps = max(4, min(16, block // (32 * launch["per_thread"])))
-    return dict(
-        BLOCK_N=block, ROWS_PER_PROGRAM=rows, NUM_STAGES=stages, num_warps=warps
-    )
+    return rows, dict(BLOCK_N=block, NUM_STAGES=stages, num_warps=warps)
 
 
 def rms_norm_backward(dy2d, x2d, weight, rstd, want_dw: bool):
@@ -286,8 +289,8 @@ def rms_norm_backward(dy2d, x2d, weight, rstd, want_dw: bool):
     dw = torch.empty(n_cols, device=device, dtype=weight.dtype) if want_dw else None
     if n_rows == 0:  # a sum over no rows
         return dx, None if dw is None else dw.zero_()
-    config = backward_config(n_cols, n_rows, x2d.element_size())
-    n_programs = triton.cdiv(n_rows, config["ROWS_PER_PROGRAM"])
+    rows_per_program, config = backward_config(n_cols, n_rows, x2d.element_size())
+    n_programs = cdiv(n_rows, rows_per_program)
     partials = dx  # never touched without dW
     if want_dw:
         partials = torch.empty((n_programs, n_cols), device=device)
@@ -303,14 +306,15 @@ def rms_norm_backward(dy2d, x2d, weight, rstd, want_dw: bool):
         dx.stride(0),
         n_rows,
         n_cols,
+        rows_per_program,
         HAS_WEIGHT=weight is not None,
         WANT_DW=want_dw,
         **config,
     )
     if want_dw:  # narrow column blocks, the partials of one loaded together
-        block_n = min(128, max(16, triton.next_power_of_2(n_cols // sm_count() or 1)))
-        block_p = min(triton.next_power_of_2(n_programs), max(16, 4096 // block_n))
-        sum_weight_partials_kernel[(triton.cdiv(n_cols, block_n),)](
+        block_n = min(128, max(16, next_power_of_2(n_cols // sm_count() or 1)))
+        block_p = min(next_power_of_2(n_programs), max(16, 4096 // block_n))
+        sum_weight_partials_kernel[(cdiv(n_cols, block_n),)](
             partials, dw, n_programs, n_cols, BLOCK_P=block_p, BLOCK_N=block_n
         )
     return dx, dw
@@ -488,7 +492,7 @@ from stepkernels.runtime.core import (
     refuse_double_backward,
     sm_count,
 )
-from stepkernels.runtime.launch import lean
+from stepkernels.runtime.launch import cdiv, lean, next_power_of_2
 import torch
 from torch import Tensor
 from torch.library import triton_op
@@ -596,15 +600,15 @@ def rotate(q: Tensor, k: Tensor | None, cos: Tensor, sin: Tensor, backward: bool
     heads = q_heads + (0 if k is None else k.shape[1])
     size = "small" if batch * heads * seq_len * dim < LARGE_FROM else "large"
     launch = ROTARY_LAUNCH[min(q.element_size(), 4), size]
-    block_half = triton.next_power_of_2(half)
-    positions = min(launch["tile"] // (2 * block_half), triton.next_power_of_2(seq_len))
-    position_programs = batch * triton.cdiv(seq_len, max(1, positions))
+    block_half = next_power_of_2(half)
+    positions = min(launch["tile"] // (2 * block_half), next_power_of_2(seq_len))
+    position_programs = batch * cdiv(seq_len, max(1, positions))
     if position_programs * heads * dim == 0:  # nothing to rotate
         return q_out, k_out
-    wanted = triton.cdiv(launch["programs_per_sm"] * sm_count(), position_programs)
-    heads_per_program = triton.cdiv(heads, min(heads, wanted))
+    wanted = cdiv(launch["programs_per_sm"] * sm_count(), position_programs)
+    heads_per_program = cdiv(heads, min(heads, wanted))
     k_given = q if k is None else k
-    rotary_kernel[(position_programs, triton.cdiv(heads, heads_per_program))](
+    rotary_kernel[(position_programs, cdiv(heads, heads_per_program))](
         q,
         k_given,
         q_out,
@@ -804,7 +808,7 @@ check("rotary_embedding", rotary_embedding, rope_reference, single)
 
 # @save ops/swiglu
 from stepkernels.runtime.core import FLOAT_DTYPES, check_tensor, refuse_double_backward
-from stepkernels.runtime.launch import lean
+from stepkernels.runtime.launch import cdiv, lean, next_power_of_2
 from stepkernels.runtime.rows import as_rows
 import torch
 from torch import Tensor
@@ -886,9 +890,9 @@ LARGE_FROM = 2**26
 def swiglu_launch(n_rows: int, n_cols: int, itemsize: int, kernel: str):
     size = "small" if n_rows * n_cols < LARGE_FROM else "large"
     launch = SWIGLU_LAUNCH[kernel, min(itemsize, 4), size]
-    block_cols = min(launch["tile"], triton.next_power_of_2(n_cols))
-    block_rows = min(launch["tile"] // block_cols, triton.next_power_of_2(n_rows))
-    grid = (triton.cdiv(n_rows, block_rows), triton.cdiv(n_cols, block_cols))
+    block_cols = min(launch["tile"], next_power_of_2(n_cols))
+    block_rows = min(launch["tile"] // block_cols, next_power_of_2(n_rows))
+    grid = (cdiv(n_rows, block_rows), cdiv(n_cols, block_cols))
     meta = dict(BLOCK_ROWS=block_rows, BLOCK_COLS=block_cols, num_warps=launch["warps"])
     return meta, grid
 

@@ -15,7 +15,11 @@ from stepkernels.runtime.core import (
     sm_count,
 )
 from stepkernels.runtime.device import profile
-from stepkernels.runtime.launch import lean  # cheap repeated launches: chapter 08
+from stepkernels.runtime.launch import (  # cheap repeated launches: chapter 08
+    cdiv,
+    lean,
+    next_power_of_2,
+)
 from stepkernels.runtime.rows import as_rows
 import torch
 from torch import Tensor
@@ -75,8 +79,8 @@ def launch_of(table: dict, n_elements: int, itemsize: int) -> dict:
 @functools.cache  # once per shape: off the call's path
 def forward_config(n_cols: int, n_rows: int, itemsize: int) -> dict:
     launch = launch_of(FORWARD_LAUNCH, n_rows * n_cols, itemsize)
-    block = triton.next_power_of_2(n_cols)
-    rows = max(1, min(launch["tile"] // block, triton.next_power_of_2(n_rows)))
+    block = next_power_of_2(n_cols)
+    rows = max(1, min(launch["tile"] // block, next_power_of_2(n_rows)))
     warps = max(1, min(32, rows * block // (32 * launch["per_thread"])))
     return dict(BLOCK_N=block, ROWS_PER_PROGRAM=rows, num_warps=warps)
 
@@ -89,7 +93,7 @@ def rms_norm_forward(x2d: Tensor, weight: Tensor | None, eps: float):
     if n_rows == 0:
         return y, rstd
     config = forward_config(n_cols, n_rows, x2d.element_size())
-    grid = (triton.cdiv(n_rows, config["ROWS_PER_PROGRAM"]),)
+    grid = (cdiv(n_rows, config["ROWS_PER_PROGRAM"]),)
     rms_norm_forward_kernel[grid](
         x2d,
         y,
@@ -120,8 +124,8 @@ def rms_norm_backward_kernel(
     dx_row_stride,
     M,
     N,
+    rows_per_program,  # not a constexpr: one compile serves every number of rows
     BLOCK_N: tl.constexpr,
-    ROWS_PER_PROGRAM: tl.constexpr,
     HAS_WEIGHT: tl.constexpr,
     WANT_DW: tl.constexpr,
     NUM_STAGES: tl.constexpr,
@@ -132,8 +136,8 @@ def rms_norm_backward_kernel(
     if HAS_WEIGHT:
         w = tl.load(weight_ptr + cols, mask=col_mask).to(tl.float32)
     dw = tl.zeros([BLOCK_N], tl.float32)
-    for i in tl.range(ROWS_PER_PROGRAM, num_stages=NUM_STAGES):
-        row = program_id * ROWS_PER_PROGRAM + i
+    for i in tl.range(rows_per_program, num_stages=NUM_STAGES):
+        row = program_id * rows_per_program + i
         mask, row64 = cols < tl.where(row < M, N, 0), row.to(tl.int64)
         x = tl.load(x_ptr + row64 * x_row_stride + cols, mask=mask, other=0.0)
         dy = tl.load(dy_ptr + row64 * dy_row_stride + cols, mask=mask, other=0.0)
@@ -179,17 +183,16 @@ BACKWARD_LAUNCH = {
 
 
 @functools.cache
-def backward_config(n_cols: int, n_rows: int, itemsize: int) -> dict:
+def backward_config(n_cols: int, n_rows: int, itemsize: int) -> tuple[int, dict]:
+    """Rows a program and the kernel's launch."""
     launch = launch_of(BACKWARD_LAUNCH, n_rows * n_cols, itemsize)
-    block = triton.next_power_of_2(n_cols)
+    block = next_power_of_2(n_cols)
     programs = 4 if INTERPRET else launch["programs_per_sm"] * sm_count()  # CPU: few
-    rows = min(256, triton.next_power_of_2(triton.cdiv(n_rows, programs)))
+    rows = min(256, cdiv(n_rows, programs))  # at most ``programs`` programs
     in_flight = (profile().shared_memory - 1024) // (2 * block * itemsize)
     stages = max(1, min(launch["stages"], in_flight))  # x and dy rows a stage
     warps = max(4, min(16, block // (32 * launch["per_thread"])))
-    return dict(
-        BLOCK_N=block, ROWS_PER_PROGRAM=rows, NUM_STAGES=stages, num_warps=warps
-    )
+    return rows, dict(BLOCK_N=block, NUM_STAGES=stages, num_warps=warps)
 
 
 def rms_norm_backward(dy2d, x2d, weight, rstd, want_dw: bool):
@@ -200,8 +203,8 @@ def rms_norm_backward(dy2d, x2d, weight, rstd, want_dw: bool):
     dw = torch.empty(n_cols, device=device, dtype=weight.dtype) if want_dw else None
     if n_rows == 0:  # a sum over no rows
         return dx, None if dw is None else dw.zero_()
-    config = backward_config(n_cols, n_rows, x2d.element_size())
-    n_programs = triton.cdiv(n_rows, config["ROWS_PER_PROGRAM"])
+    rows_per_program, config = backward_config(n_cols, n_rows, x2d.element_size())
+    n_programs = cdiv(n_rows, rows_per_program)
     partials = dx  # never touched without dW
     if want_dw:
         partials = torch.empty((n_programs, n_cols), device=device)
@@ -217,14 +220,15 @@ def rms_norm_backward(dy2d, x2d, weight, rstd, want_dw: bool):
         dx.stride(0),
         n_rows,
         n_cols,
+        rows_per_program,
         HAS_WEIGHT=weight is not None,
         WANT_DW=want_dw,
         **config,
     )
     if want_dw:  # narrow column blocks, the partials of one loaded together
-        block_n = min(128, max(16, triton.next_power_of_2(n_cols // sm_count() or 1)))
-        block_p = min(triton.next_power_of_2(n_programs), max(16, 4096 // block_n))
-        sum_weight_partials_kernel[(triton.cdiv(n_cols, block_n),)](
+        block_n = min(128, max(16, next_power_of_2(n_cols // sm_count() or 1)))
+        block_p = min(next_power_of_2(n_programs), max(16, 4096 // block_n))
+        sum_weight_partials_kernel[(cdiv(n_cols, block_n),)](
             partials, dw, n_programs, n_cols, BLOCK_P=block_p, BLOCK_N=block_n
         )
     return dx, dw

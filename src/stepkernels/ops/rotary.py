@@ -12,7 +12,7 @@ from stepkernels.runtime.core import (
     refuse_double_backward,
     sm_count,
 )
-from stepkernels.runtime.launch import lean
+from stepkernels.runtime.launch import cdiv, lean, next_power_of_2
 import torch
 from torch import Tensor
 from torch.library import triton_op
@@ -120,15 +120,15 @@ def rotate(q: Tensor, k: Tensor | None, cos: Tensor, sin: Tensor, backward: bool
     heads = q_heads + (0 if k is None else k.shape[1])
     size = "small" if batch * heads * seq_len * dim < LARGE_FROM else "large"
     launch = ROTARY_LAUNCH[min(q.element_size(), 4), size]
-    block_half = triton.next_power_of_2(half)
-    positions = min(launch["tile"] // (2 * block_half), triton.next_power_of_2(seq_len))
-    position_programs = batch * triton.cdiv(seq_len, max(1, positions))
+    block_half = next_power_of_2(half)
+    positions = min(launch["tile"] // (2 * block_half), next_power_of_2(seq_len))
+    position_programs = batch * cdiv(seq_len, max(1, positions))
     if position_programs * heads * dim == 0:  # nothing to rotate
         return q_out, k_out
-    wanted = triton.cdiv(launch["programs_per_sm"] * sm_count(), position_programs)
-    heads_per_program = triton.cdiv(heads, min(heads, wanted))
+    wanted = cdiv(launch["programs_per_sm"] * sm_count(), position_programs)
+    heads_per_program = cdiv(heads, min(heads, wanted))
     k_given = q if k is None else k
-    rotary_kernel[(position_programs, triton.cdiv(heads, heads_per_program))](
+    rotary_kernel[(position_programs, cdiv(heads, heads_per_program))](
         q,
         k_given,
         q_out,

@@ -5,7 +5,7 @@ modern decoder block."""
 # export`.
 
 from stepkernels.runtime.core import FLOAT_DTYPES, check_tensor, refuse_double_backward
-from stepkernels.runtime.launch import lean
+from stepkernels.runtime.launch import cdiv, lean, next_power_of_2
 from stepkernels.runtime.rows import as_rows
 import torch
 from torch import Tensor
@@ -87,9 +87,9 @@ LARGE_FROM = 2**26
 def swiglu_launch(n_rows: int, n_cols: int, itemsize: int, kernel: str):
     size = "small" if n_rows * n_cols < LARGE_FROM else "large"
     launch = SWIGLU_LAUNCH[kernel, min(itemsize, 4), size]
-    block_cols = min(launch["tile"], triton.next_power_of_2(n_cols))
-    block_rows = min(launch["tile"] // block_cols, triton.next_power_of_2(n_rows))
-    grid = (triton.cdiv(n_rows, block_rows), triton.cdiv(n_cols, block_cols))
+    block_cols = min(launch["tile"], next_power_of_2(n_cols))
+    block_rows = min(launch["tile"] // block_cols, next_power_of_2(n_rows))
+    grid = (cdiv(n_rows, block_rows), cdiv(n_cols, block_cols))
     meta = dict(BLOCK_ROWS=block_rows, BLOCK_COLS=block_cols, num_warps=launch["warps"])
     return meta, grid
 
