@@ -33,11 +33,9 @@ import csv
 import functools
 import itertools
 import json
-from pathlib import Path
 import statistics
 import time
 
-import stepkernels
 from stepkernels import rms_norm, rotary_embedding_qk, silu_mul
 from stepkernels.lessons import bench
 from stepkernels.ops import rms_norm as rms_module
@@ -49,7 +47,7 @@ import torch.nn.functional as F
 import triton
 
 HIDDEN, HEAD_DIM, Q_HEADS, K_HEADS, FFN = 4096, 128, 32, 8, 8192  # chapter 14's shapes
-RECORDED = Path(stepkernels.__file__).parent / "results" / "nvidia-h200"
+RECORDED = bench.default_results_dir() / "nvidia-h200"
 TURNS, REP_MS = 2, 20  # a point's providers in turns of REP_MS each
 COMPILE = "torch.compile"
 TABLES = ("FORWARD_LAUNCH", "BACKWARD_LAUNCH", "ROTARY_LAUNCH", "SWIGLU_LAUNCH")
