@@ -19,7 +19,7 @@ and the copy, in turns; points it has no time for show torch.compile as recorded
 (results/nvidia-h200, marked "rec"). Recorded Liger-Kernel is shown beside. Last, it prints the
 tables to paste into ``tutorials/14-modern-block.py`` (then ``python tools/export.py``).
 
-    python lab/modern_sweep.py [--budget 210] [--only rms-norm,rotary,silu-mul]
+    python lab/modern_sweep.py [--budget 200] [--only rms-norm,rotary,silu-mul]
                                [--sizes 24,27] [--dtypes bfloat16,float32] [--no-compile]
 
 ``--budget``: seconds of measuring after start-up; points past it are skipped (and said).
@@ -142,8 +142,8 @@ def use(module, table: str, key, launch: dict) -> None:
             cached.cache_clear()
 
 
-def make_call(layer: str, provider, n: int, dtype, backward: bool):
-    """The chapter's call at n elements: the forward, or the forward and its backward."""
+def inputs_of(layer: str, n: int, dtype, backward: bool) -> tuple:
+    """A point's tensors, made once for all its providers: (leaves, inputs, output grads)."""
     spec = LAYERS[layer]
     leaves = [
         torch.randn(shape, device=DEVICE, dtype=dtype).requires_grad_(backward and wants)
@@ -152,12 +152,17 @@ def make_call(layer: str, provider, n: int, dtype, backward: bool):
     inputs = list(leaves)
     if layer == "rotary":
         inputs += rope_tables(leaves[0].shape[2], HEAD_DIM, dtype)
+    outputs = leaves[:2] if layer == "rotary" else leaves[:1]  # outputs have their shapes
+    return leaves, inputs, [torch.randn_like(out) for out in outputs] if backward else []
+
+
+def make_call(layer: str, provider, tensors: tuple):
+    """The chapter's call: the forward, or (with output grads) the forward and backward."""
+    leaves, inputs, grads = tensors
+    spec = LAYERS[layer]
     function = bench.compile_static(spec["theirs"]) if provider == COMPILE else spec["ours"]
-    if not backward:
+    if not grads:
         return lambda: function(*inputs)
-    outputs = function(*inputs)
-    outputs = outputs if isinstance(outputs, tuple) else (outputs,)
-    grads = [torch.randn_like(out) for out in outputs]
     return lambda: torch.autograd.grad(function(*inputs), leaves, grads)
 
 
@@ -226,7 +231,7 @@ def points_of(args) -> list:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--budget", type=float, default=210.0)
+    parser.add_argument("--budget", type=float, default=200.0)
     parser.add_argument("--only", default="rms-norm,rotary,silu-mul")
     parser.add_argument("--sizes", default="24,27" if ON_GPU else "13")
     parser.add_argument("--dtypes", default="bfloat16,float32")
@@ -257,9 +262,10 @@ def main() -> None:
             module, table, key = spec["tables"][backward](n, dtype.itemsize)
             entry_of[point] = (module, table, key)
             nbytes = spec["passes"][backward] * n * dtype.itemsize
+            tensors = inputs_of(layer, n, dtype, backward)
             providers = {
                 index: (
-                    functools.partial(make_call, layer, "ours", n, dtype, backward),
+                    functools.partial(make_call, layer, "ours", tensors),
                     {(module, table, key): launch},
                 )
                 for index, launch in enumerate(launches(table))
@@ -269,6 +275,7 @@ def main() -> None:
             else:
                 check_candidates(layer, backward, dtype, n, module, table, key)
             rated = rates(providers, nbytes)
+            del tensors, providers
             use(module, table, key, before[module, table][key])
             results[point] = rated
             ours = {i: r for i, r in rated.items() if i != "copy"}
@@ -308,15 +315,17 @@ def main() -> None:
             n, spec = 2**size, LAYERS[layer]
             module, table, key = entry_of[point]
             nbytes = spec["passes"][backward] * n * dtype.itemsize
-            mine = functools.partial(make_call, layer, "ours", n, dtype, backward)
+            tensors = inputs_of(layer, n, dtype, backward)
+            mine = functools.partial(make_call, layer, "ours", tensors)
             providers = {"before": (mine, every_before), "chosen": (mine, every_chosen)}
             if ON_GPU:
                 providers["copy"] = (functools.partial(bench.copy_of, int(nbytes)), None)
             compile_now = ON_GPU and not args.no_compile and elapsed() < args.budget
             if compile_now:
-                compiled = functools.partial(make_call, layer, COMPILE, n, dtype, backward)
+                compiled = functools.partial(make_call, layer, COMPILE, tensors)
                 providers[COMPILE] = (compiled, None)
             rated = rates(providers, nbytes)
+            del tensors, providers
             name = f"{layer}-forward{'-backward' if backward else ''}"
             was = recorded(name)
             tc = rated.get(COMPILE)
