@@ -583,6 +583,22 @@ ROTARY_LAUNCH = {
 LARGE_FROM = 2**26
 
 
+def rotary_launch(batch: int, heads: int, seq_len: int, half: int, itemsize: int):
+    """The grid, heads a program and launch of ``rotary_kernel`` for heads of q and k."""
+    size = "small" if batch * heads * seq_len * 2 * half < LARGE_FROM else "large"
+    launch = ROTARY_LAUNCH[min(itemsize, 4), size]
+    block_half = next_power_of_2(half)
+    tile_positions = launch["tile"] // (2 * block_half)
+    positions = max(1, min(tile_positions, next_power_of_2(seq_len)))
+    position_programs = batch * cdiv(seq_len, positions)
+    wanted = cdiv(launch["programs_per_sm"] * sm_count(), position_programs)
+    heads_per_program = cdiv(heads, min(heads, wanted))
+    grid = (position_programs, cdiv(heads, heads_per_program))
+    meta = dict(BLOCK_POSITIONS=positions, BLOCK_HALF=block_half)
+    meta.update(NUM_STAGES=launch["stages"], num_warps=launch["warps"])
+    return grid, heads_per_program, meta
+
+
 def last_stride_one(t: Tensor) -> Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
@@ -598,17 +614,13 @@ def rotate(q: Tensor, k: Tensor | None, cos: Tensor, sin: Tensor, backward: bool
     k_out = None if k is None else torch.empty(k.shape, device=k.device, dtype=k.dtype)
     (batch, q_heads, seq_len, dim), half = q.shape, q.shape[-1] // 2
     heads = q_heads + (0 if k is None else k.shape[1])
-    size = "small" if batch * heads * seq_len * dim < LARGE_FROM else "large"
-    launch = ROTARY_LAUNCH[min(q.element_size(), 4), size]
-    block_half = next_power_of_2(half)
-    positions = min(launch["tile"] // (2 * block_half), next_power_of_2(seq_len))
-    position_programs = batch * cdiv(seq_len, max(1, positions))
-    if position_programs * heads * dim == 0:  # nothing to rotate
+    if batch * heads * seq_len * dim == 0:  # nothing to rotate
         return q_out, k_out
-    wanted = cdiv(launch["programs_per_sm"] * sm_count(), position_programs)
-    heads_per_program = cdiv(heads, min(heads, wanted))
+    grid, heads_per_program, meta = rotary_launch(
+        batch, heads, seq_len, half, q.element_size()
+    )
     k_given = q if k is None else k
-    rotary_kernel[(position_programs, cdiv(heads, heads_per_program))](
+    rotary_kernel[grid](
         q,
         k_given,
         q_out,
@@ -623,11 +635,8 @@ def rotate(q: Tensor, k: Tensor | None, cos: Tensor, sin: Tensor, backward: bool
         seq_len,
         heads_per_program,
         half,
-        BLOCK_POSITIONS=max(1, positions),
-        BLOCK_HALF=block_half,
         BACKWARD=backward,
-        NUM_STAGES=launch["stages"],
-        num_warps=launch["warps"],
+        **meta,
     )
     return q_out, k_out
 
