@@ -172,3 +172,10 @@ def test_launch_is_read_from_the_table():
         assert (meta["BLOCK_POSITIONS"], meta["num_warps"], meta["NUM_STAGES"]) == (64, 8, 2)
     finally:
         rotary_module.ROTARY_LAUNCH.update(kept)
+
+
+def test_head_dim_zero_rotates_nothing():
+    """An even head_dim of 0 is nothing to rotate (the launch divided by it before)."""
+    q = torch.randn(1, 2, 3, 0, device=DEVICE)
+    cos = torch.randn(3, 0, device=DEVICE)
+    assert rotary_embedding(q, cos, cos).shape == (1, 2, 3, 0)
