@@ -216,15 +216,16 @@ def launch_text(launch: dict) -> str:
 
 
 def points_of(args) -> list:
-    """(layer, backward, dtype, log2 size) in the order measured."""
+    """(layer, backward, dtype, log2 size) in the order measured: bf16 first (the widest gaps),
+    every layer at a size before the next size, so that a budget cut drops the last sizes."""
     dtypes = [getattr(torch, d) for d in args.dtypes.split(",")]
     sizes = [int(s) for s in args.sizes.split(",")]
     layers = args.only.split(",")
     return [
         (layer, backward, dtype, size)
-        for layer in layers
         for dtype in dtypes
         for size in sizes
+        for layer in layers
         for backward in (False, True)
     ]
 
