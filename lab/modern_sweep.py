@@ -25,7 +25,16 @@ tables to paste into ``tutorials/14-modern-block.py`` (then ``python tools/expor
 ``--budget``: seconds of measuring after start-up; points past it are skipped (and said).
 Without a GPU it runs every candidate once at a small size under Triton's interpreter against
 eager PyTorch (forward and backward), with made-up timings, to check the script end to end.
+``--registers`` (no GPU needed) compiles the rms_norm backward's and rotary's candidates for
+sm_90 with this machine's Triton (``sm90.py``) and prints registers and stack a thread: leads.
 """
+
+import os
+import sys
+
+# Compiled for sm_90, not interpreted: set before triton is imported, when run (not imported).
+if __name__ == "__main__" and "--registers" in sys.argv:
+    os.environ["TRITON_INTERPRET"] = "0"
 
 import argparse
 import contextlib
@@ -33,6 +42,7 @@ import csv
 import functools
 import itertools
 import json
+import re
 import statistics
 import time
 
@@ -230,7 +240,42 @@ def points_of(args) -> list:
     ]
 
 
+def registers() -> None:
+    """The candidates of the rewritten kernels compiled for sm_90, bf16, rows of 4,096 and
+    chapter 14's heads: registers and stack (spills) a thread."""
+    import sm90
+
+    def usage(kernel, signature, constants, warps, stages=3):
+        aligned = [name for name in signature if name.endswith(("_ptr", "_stride")) or name in ("N", "HALF")]
+        compiled = sm90.compile_sm90(kernel, signature, constants, aligned, num_warps=warps, num_stages=stages)
+        found = sm90.nvidia_tool("cuobjdump", "-res-usage", sm90.cubin_file(compiled))
+        return [int(re.search(rf"{k}:(\d+)", found).group(1)) for k in ("REG", "STACK")]
+
+    pointers = ("x_ptr", "dy_ptr", "dx_ptr", "weight_ptr", "rstd_ptr", "partial_ptr")
+    signature = {name: "*fp32" if name in ("rstd_ptr", "partial_ptr") else "*bf16" for name in pointers}
+    signature.update(dict.fromkeys(("x_row_stride", "dy_row_stride", "dx_row_stride", "M", "N"), "i32"))
+    signature["rows_per_program"] = "i32"
+    for stages, per_thread in itertools.product((1, 2, 3, 4), (16, 32)):
+        warps = 4096 // (32 * per_thread)
+        constants = dict(BLOCK_N=4096, HAS_WEIGHT=True, WANT_DW=True, NUM_STAGES=stages)
+        regs, stack = usage(rms_module.rms_norm_backward_kernel, signature, constants, warps)
+        print(f"rms_norm backward, {warps} warps, {stages} stages: {regs} registers, {stack} B of stack", flush=True)
+    names = ("q_ptr", "k_ptr", "q_out_ptr", "k_out_ptr", "cos_ptr", "sin_ptr")
+    signature = dict.fromkeys(names, "*bf16")
+    strides = [f"{t}_{s}_stride" for t in "qk" for s in ("batch", "head", "position")] + ["cos_stride"]
+    signature.update(dict.fromkeys(strides, "i32"))
+    signature.update(dict.fromkeys(("q_heads", "k_heads", "seq_len", "heads_per_program", "HALF"), "i32"))
+    tiles = sorted({(c["tile"], c["warps"], c["stages"]) for c in launches("ROTARY_LAUNCH")})
+    for (tile, warps, stages), backward in itertools.product(tiles, (False, True)):
+        constants = dict(BLOCK_POSITIONS=tile // 128, BLOCK_HALF=64, BACKWARD=backward, NUM_STAGES=stages)
+        regs, stack = usage(rotary_module.rotary_kernel, signature, constants, warps)
+        direction = "backward" if backward else "forward"
+        print(f"rotary {direction}, tile {tile}, {warps} warps, {stages} stages: {regs} registers, {stack} B of stack")
+
+
 def main() -> None:
+    if "--registers" in sys.argv:
+        return registers()
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--budget", type=float, default=200.0)
     parser.add_argument("--only", default="rms-norm,rotary,silu-mul")
