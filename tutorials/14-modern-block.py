@@ -10,7 +10,7 @@ behind functions that match PyTorch's and that ``torch.compile`` traces. What yo
 
 * what each layer must move, and how far eager PyTorch is from it;
 * RMSNorm from layer norm's pieces: one reduction fewer, and dW summed over rows with the
-  two-stage partial sums of chapter 03 (``runtime.partials``);
+  two-stage partial sums of chapter 03;
 * RoPE as a rotation of pairs (i, i + D/2), its backward as the rotation by -sin, q and k
   rotated in one launch, read through the strides of a fused QKV projection;
 * SwiGLU's product and its backward, and whether it pays to fuse it into the projection.
