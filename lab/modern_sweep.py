@@ -13,7 +13,8 @@ For each layer, direction, dtype (bf16, fp32) and size (2^24 and 2^27 elements, 
 
 as GB/s of the bytes the chapter counts: GPU time of CUDA-graph replays with L2 flushed
 (``do_bench``), the providers of a point timed in turns. Each table entry is then chosen: the
-candidate whose worst share of the best rate, over the points that use the entry, is highest.
+candidate whose worst share of the best rate, over the points that use the entry, is highest;
+the entry as it is stays unless that candidate beats it by 2% (``KEEP_WITHIN``) at each point.
 A second pass times, at each point, the table as it was, the table as chosen, torch.compile
 and the copy, in turns; points it has no time for show torch.compile as recorded
 (results/nvidia-h200, marked "rec"). Recorded Liger-Kernel is shown beside. Last, it prints the
@@ -59,6 +60,7 @@ import triton
 HIDDEN, HEAD_DIM, Q_HEADS, K_HEADS, FFN = 4096, 128, 32, 8, 8192  # chapter 14's shapes
 RECORDED = bench.default_results_dir() / "nvidia-h200"
 TURNS, REP_MS = 2, 20  # a point's providers in turns of REP_MS each
+KEEP_WITHIN = 1.02  # a table's entry stays unless a candidate beats it by 2% at each of its points
 COMPILE = "torch.compile"
 TABLES = ("FORWARD_LAUNCH", "BACKWARD_LAUNCH", "ROTARY_LAUNCH", "SWIGLU_LAUNCH")
 failures = set()
@@ -331,7 +333,7 @@ def main() -> None:
             print(f"[{elapsed():4.0f} s] {label}: {len(ours)} launches, {shown}{copy}", flush=True)
 
         # 2. Each table entry: the candidate with the best worst share over its points
-        chosen = {}
+        chosen, notes = {}, {}
         by_entry = {}
         for point, entry in entry_of.items():
             by_entry.setdefault(entry, []).append(point)
@@ -349,6 +351,13 @@ def main() -> None:
                 )
                 shares.append(worst)
             best = max(range(len(shares)), key=shares.__getitem__)
+            was = before[module, table][key]
+            if was in candidates:  # timed in the same turns: keep it unless beaten by KEEP_WITHIN
+                gain = min(results[p].get(best, 0.0) / results[p].get(candidates.index(was), 1e-9) for p in points)
+                notes[module, table, key] = f"{gain - 1:+.1%} over the entry it replaces, at its worst point"
+                if gain < KEEP_WITHIN:
+                    notes[module, table, key] = f"kept; the best, {launch_text(candidates[best])}, {gain - 1:+.1%}"
+                    best = candidates.index(was)
             chosen[module, table, key] = candidates[best]
         every_chosen = {**every_before, **chosen}
 
@@ -400,11 +409,15 @@ def main() -> None:
         print(f"# {module.__name__}\n{table} = {{")
         for key in entries:
             launch = every_chosen[module, table, key]
-            swept = (module, table, key) in chosen
             args_text = ", ".join(f"{k}={v}" for k, v in launch.items())
             key_text = ", ".join(json.dumps(part) for part in key)
-            print(f"    ({key_text}): dict({args_text}),{'' if swept else '  # not swept'}")
+            print(f"    ({key_text}): dict({args_text}),")
         print("}")
+    print("\n# Each entry")
+    for (module, table), entries in before.items():
+        for key in entries:
+            note = notes.get((module, table, key), "swept" if (module, table, key) in chosen else "not swept")
+            print(f"{table}[{', '.join(json.dumps(part) for part in key)}]: {note}")
     if skipped:
         print(f"\nOut of budget ({args.budget:.0f} s), not measured: {'; '.join(skipped)}")
     print(f"\n# {elapsed():.0f} s")
