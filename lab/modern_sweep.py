@@ -196,7 +196,8 @@ def rates(providers: dict, nbytes: float) -> dict:
             call = prepare()
             timers[name] = (bench.capture(call).replay, call) if ON_GPU else (call, call)
         except Exception as error:  # a launch that does not compile or fit
-            note_failure(str(name), error)
+            launches_text = "; ".join(launch_text(launch) for launch in (tables or {}).values())
+            note_failure(f"{name} ({launches_text})" if isinstance(name, int) else str(name), error)
     samples = {name: [] for name in timers}
     for _ in range(TURNS if ON_GPU else 1):
         for name, (timer, _) in timers.items():
