@@ -4,6 +4,7 @@ from conftest import random_tensor
 import pytest
 from stepkernels import RMSNorm, rms_norm
 from stepkernels.lessons.check_modern_block import check
+from stepkernels.ops import rms_norm as rms_module
 from stepkernels.ops.rms_norm import rms_norm_forward_op
 from stepkernels.runtime.core import DEVICE, FLOAT_DTYPES, ON_GPU
 import torch
@@ -143,3 +144,37 @@ def test_compiled_matches_eager():
 def test_full_size_on_the_gpu(shape, dtype):
     make = lambda r, d: (leaf(r(*shape)), shape[-1:], leaf(r(shape[-1])))  # noqa: E731
     check("rms_norm", rms_norm, reference, {str(shape): make}, dtypes=(dtype,))
+
+
+@pytest.mark.parametrize("itemsize", [2, 4])
+@pytest.mark.parametrize("elements", [2**24, 2**27])
+def test_launch_tables_hold_every_size(itemsize, elements):
+    """Each element size and call size finds its entry of the tables lab/modern_sweep.py fills."""
+    config = rms_module.forward_config(4096, elements // 4096, itemsize)
+    assert config["BLOCK_N"] == 4096 and 1 <= config["num_warps"] <= 32
+    rows_per_program, config = rms_module.backward_config(4096, elements // 4096, itemsize)
+    assert 1 <= rows_per_program <= 256 and 1 <= config["NUM_STAGES"] and 4 <= config["num_warps"] <= 16
+
+
+def test_launches_are_read_from_the_tables():
+    """An entry changed (as the sweep changes them) changes the launch."""
+    tables = rms_module.FORWARD_LAUNCH, rms_module.BACKWARD_LAUNCH
+    kept = [dict(table) for table in tables]
+    try:
+        tables[0][2, "large"] = dict(tile=8192, per_thread=16)
+        tables[1][4, "large"] = dict(programs_per_sm=1, stages=1, per_thread=32)
+        rms_module.forward_config.cache_clear()
+        rms_module.backward_config.cache_clear()
+        forward = rms_module.forward_config(4096, 2**27 // 4096, 2)
+        assert (forward["ROWS_PER_PROGRAM"], forward["num_warps"]) == (2, 16)
+        _, backward = rms_module.backward_config(4096, 2**27 // 4096, 4)
+        assert (backward["NUM_STAGES"], backward["num_warps"]) == (1, 4)
+        small = rms_module.FORWARD_LAUNCH[2, "small"]  # unchanged
+        rows = max(1, small["tile"] // 4096)
+        assert rms_module.forward_config(4096, 2**24 // 4096, 2)["ROWS_PER_PROGRAM"] == rows
+    finally:
+        for table, entries in zip(tables, kept, strict=True):
+            table.clear()
+            table.update(entries)
+        rms_module.forward_config.cache_clear()
+        rms_module.backward_config.cache_clear()

@@ -5,6 +5,7 @@ from conftest import random_tensor
 import pytest
 from stepkernels import rotary_embedding, rotary_embedding_qk
 from stepkernels.lessons.check_modern_block import check
+from stepkernels.ops import rotary as rotary_module
 from stepkernels.ops.rotary import rotary_op
 from stepkernels.runtime.core import DEVICE, FLOAT_DTYPES, ON_GPU
 import torch
@@ -149,3 +150,32 @@ def test_compiled_matches_eager():
 def test_full_size_on_the_gpu(dtype):
     cases = {"Llama 3 8B, 4096 positions, views of qkv": case(2, 32, 32, 4096, 128, layout="qkv")}
     check("rotary_embedding_qk", rotary_embedding_qk, reference_qk, cases, dtypes=(dtype,))
+
+
+@pytest.mark.parametrize("itemsize", [2, 4])
+@pytest.mark.parametrize("q_elements", [2**24, 2**27])
+def test_launch_table_holds_every_size(itemsize, q_elements):
+    """Chapter 14's shapes (q of 32 heads, k of 8, head_dim 128) find their entry of the table
+    that lab/modern_sweep.py fills; the grid covers every position and head."""
+    positions = q_elements // (32 * 128)
+    grid, heads_per_program, meta = rotary_module.rotary_launch(1, 40, positions, 64, itemsize)
+    assert grid[0] * meta["BLOCK_POSITIONS"] >= positions and grid[1] * heads_per_program >= 40
+    assert meta["BLOCK_HALF"] == 64 and meta["NUM_STAGES"] >= 1
+
+
+def test_launch_is_read_from_the_table():
+    """An entry changed (as the sweep changes them) changes the launch."""
+    kept = dict(rotary_module.ROTARY_LAUNCH)
+    try:
+        rotary_module.ROTARY_LAUNCH[2, "large"] = dict(tile=8192, programs_per_sm=4, warps=8, stages=2)
+        _, _, meta = rotary_module.rotary_launch(1, 40, 2**27 // (32 * 128), 64, 2)
+        assert (meta["BLOCK_POSITIONS"], meta["num_warps"], meta["NUM_STAGES"]) == (64, 8, 2)
+    finally:
+        rotary_module.ROTARY_LAUNCH.update(kept)
+
+
+def test_head_dim_zero_rotates_nothing():
+    """An even head_dim of 0 is nothing to rotate (the launch divided by it before)."""
+    q = torch.randn(1, 2, 3, 0, device=DEVICE)
+    cos = torch.randn(3, 0, device=DEVICE)
+    assert rotary_embedding(q, cos, cos).shape == (1, 2, 3, 0)

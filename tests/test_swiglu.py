@@ -4,6 +4,7 @@ from conftest import random_tensor
 import pytest
 from stepkernels import silu_mul
 from stepkernels.lessons.check_modern_block import check
+from stepkernels.ops import swiglu as swiglu_module
 from stepkernels.ops.swiglu import silu_mul_forward_op
 from stepkernels.runtime.core import FLOAT_DTYPES, ON_GPU
 import torch
@@ -85,3 +86,27 @@ def test_compiled_matches_eager():
 def test_full_size_on_the_gpu(dtype):
     cases = {"halves of (8192, 2 x 14336)": lambda r, d: halves(r, 8192, 14336)}
     check("silu_mul", silu_mul, reference, cases, dtypes=(dtype,))
+
+
+@pytest.mark.parametrize("kernel", ["forward", "backward"])
+@pytest.mark.parametrize("itemsize", [2, 4])
+@pytest.mark.parametrize("elements", [2**24, 2**27])
+def test_launch_table_holds_every_size(kernel, itemsize, elements):
+    """Rows of 8,192 find their entry of the table that lab/modern_sweep.py fills; the grid
+    covers every value."""
+    meta, grid = swiglu_module.swiglu_launch(elements // 8192, 8192, itemsize, kernel)
+    assert grid[0] * meta["BLOCK_ROWS"] >= elements // 8192 and grid[1] * meta["BLOCK_COLS"] >= 8192
+
+
+def test_launch_is_read_from_the_table():
+    """An entry changed (as the sweep changes them) changes the launch, of that kernel only."""
+    kept = dict(swiglu_module.SWIGLU_LAUNCH)
+    try:
+        swiglu_module.SWIGLU_LAUNCH["backward", 2, "large"] = dict(tile=2048, warps=8)
+        meta, _ = swiglu_module.swiglu_launch(2**27 // 8192, 8192, 2, "backward")
+        assert (meta["BLOCK_COLS"], meta["num_warps"]) == (2048, 8)
+        forward = swiglu_module.SWIGLU_LAUNCH["forward", 2, "large"]
+        meta, _ = swiglu_module.swiglu_launch(2**27 // 8192, 8192, 2, "forward")
+        assert (meta["BLOCK_COLS"], meta["num_warps"]) == (min(forward["tile"], 8192), forward["warps"])
+    finally:
+        swiglu_module.SWIGLU_LAUNCH.update(kept)

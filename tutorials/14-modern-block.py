@@ -10,7 +10,7 @@ behind functions that match PyTorch's and that ``torch.compile`` traces. What yo
 
 * what each layer must move, and how far eager PyTorch is from it;
 * RMSNorm from layer norm's pieces: one reduction fewer, and dW summed over rows with the
-  two-stage partial sums of chapter 03 (``runtime.partials``);
+  two-stage partial sums of chapter 03;
 * RoPE as a rotation of pairs (i, i + D/2), its backward as the rotation by -sin, q and k
   rotated in one launch, read through the strides of a fused QKV projection;
 * SwiGLU's product and its backward, and whether it pays to fuse it into the projection.
@@ -70,7 +70,9 @@ DEVICE = tutorial.DEVICE
 # of ``ROWS_PER_PROGRAM`` rows of ``BLOCK_N`` columns held in registers, short rows packed
 # several to a tile so that a program moves enough bytes, and keeps each row's rstd (4 bytes a
 # row) for the backward. Rows longer than ``MAX_N`` do not fit in registers: the function
-# refuses them (chapter 13 shows how to split a row over programs).
+# refuses them (chapter 13 shows how to split a row over programs). The launch (values a
+# program and a thread hold) is a small table by element size and call size, filled from a
+# sweep on the GPU (``lab/modern_sweep.py``); the other kernels here have one too.
 
 # @save ops/rms_norm
 import functools
@@ -83,8 +85,12 @@ from stepkernels.runtime.core import (
     refuse_double_backward,
     sm_count,
 )
-from stepkernels.runtime.launch import lean  # cheap repeated launches: chapter 08
-from stepkernels.runtime.partials import flush_partials  # chapter 03's partial sums
+from stepkernels.runtime.device import profile
+from stepkernels.runtime.launch import (  # cheap repeated launches: chapter 08
+    cdiv,
+    lean,
+    next_power_of_2,
+)
 from stepkernels.runtime.rows import as_rows
 import torch
 from torch import Tensor
@@ -126,14 +132,27 @@ def rms_norm_forward_kernel(
 
 
 MAX_N = 65536  # the longest row a program holds in registers
-FORWARD_TILE = 4096  # values a forward program normalizes at least, rows packed
+LARGE_FROM = 2**26  # elements from which a call takes the "large" launch
+# Launches by (bytes an element, "small" or "large"), from lab/modern_sweep.py on an H200.
+# Forward: values a program normalizes at least (short rows packed) and a thread holds.
+FORWARD_LAUNCH = {
+    (2, "small"): dict(tile=4096, per_thread=32),
+    (2, "large"): dict(tile=4096, per_thread=32),
+    (4, "small"): dict(tile=4096, per_thread=32),
+    (4, "large"): dict(tile=4096, per_thread=32),
+}
+
+
+def launch_of(table: dict, n_elements: int, itemsize: int) -> dict:
+    return table[min(itemsize, 4), "small" if n_elements < LARGE_FROM else "large"]
 
 
 @functools.cache  # once per shape: off the call's path
-def forward_config(n_cols: int, n_rows: int) -> dict:
-    block = triton.next_power_of_2(n_cols)
-    rows = max(1, min(FORWARD_TILE // block, triton.next_power_of_2(n_rows)))
-    warps = max(1, min(32, rows * block // 1024))  # 32 fp32 values a thread
+def forward_config(n_cols: int, n_rows: int, itemsize: int) -> dict:
+    launch = launch_of(FORWARD_LAUNCH, n_rows * n_cols, itemsize)
+    block = next_power_of_2(n_cols)
+    rows = max(1, min(launch["tile"] // block, next_power_of_2(n_rows)))
+    warps = max(1, min(32, rows * block // (32 * launch["per_thread"])))
     return dict(BLOCK_N=block, ROWS_PER_PROGRAM=rows, num_warps=warps)
 
 
@@ -144,8 +163,8 @@ def rms_norm_forward(x2d: Tensor, weight: Tensor | None, eps: float):
     rstd = torch.empty(n_rows, device=device, dtype=torch.float32)
     if n_rows == 0:
         return y, rstd
-    config = forward_config(n_cols, n_rows)
-    grid = (triton.cdiv(n_rows, config["ROWS_PER_PROGRAM"]),)
+    config = forward_config(n_cols, n_rows, x2d.element_size())
+    grid = (cdiv(n_rows, config["ROWS_PER_PROGRAM"]),)
     rms_norm_forward_kernel[grid](
         x2d,
         y,
@@ -170,13 +189,12 @@ def rms_norm_forward(x2d: Tensor, weight: Tensor | None, eps: float):
 #     dx = rstd * (g - x_hat * c),   c = sum(x_hat * g) / N,   dW = sum over rows of dy * x_hat
 #
 # layer norm's dx without its second constant (the mean's). A program walks
-# ``ROWS_PER_PROGRAM`` rows, loads of the next row issued before this row's arithmetic, and
-# sums ``dy * x_hat`` in registers. Its sums then go to chapter 03's ``flush_partials`` (the
-# runtime layer's device code): one partial row a program, added by a second kernel in a
-# fixed order, so dW has the same bits every run. ``flush_partials`` hands on (dW, dB) pairs;
-# RMSNorm has no dB, so it writes zeros there, N fp32 values a program: at N = 4,096 and 256
-# programs (about 2 an SM on an H100), 4 MB beside the 100 MB of a 2^24-element bf16
-# backward.
+# ``rows_per_program`` rows, loads of the next row issued before this row's arithmetic, and
+# sums ``dy * x_hat`` in registers. It stores them as one partial row of dW, N fp32 values,
+# which a second kernel adds in a fixed order, so dW has the same bits every run (chapter 03's
+# two-stage reduction; its ``flush_partials`` writes (dW, dB) pairs, and RMSNorm has no dB).
+# At N = 4,096 and 2 programs an SM, that is 4 MB written and read again beside the 96 MB of
+# a 2^24-element bf16 backward.
 
 
 # @save ops/rms_norm
@@ -194,8 +212,8 @@ def rms_norm_backward_kernel(
     dx_row_stride,
     M,
     N,
+    rows_per_program,  # not a constexpr: one compile serves every number of rows
     BLOCK_N: tl.constexpr,
-    ROWS_PER_PROGRAM: tl.constexpr,
     HAS_WEIGHT: tl.constexpr,
     WANT_DW: tl.constexpr,
     NUM_STAGES: tl.constexpr,
@@ -206,8 +224,8 @@ def rms_norm_backward_kernel(
     if HAS_WEIGHT:
         w = tl.load(weight_ptr + cols, mask=col_mask).to(tl.float32)
     dw = tl.zeros([BLOCK_N], tl.float32)
-    for i in tl.range(ROWS_PER_PROGRAM, num_stages=NUM_STAGES):
-        row = program_id * ROWS_PER_PROGRAM + i
+    for i in tl.range(rows_per_program, num_stages=NUM_STAGES):
+        row = program_id * rows_per_program + i
         mask, row64 = cols < tl.where(row < M, N, 0), row.to(tl.int64)
         x = tl.load(x_ptr + row64 * x_row_stride + cols, mask=mask, other=0.0)
         dy = tl.load(dy_ptr + row64 * dy_row_stride + cols, mask=mask, other=0.0)
@@ -220,11 +238,8 @@ def rms_norm_backward_kernel(
         dx_ptrs = dx_ptr + row64 * dx_row_stride + cols
         tl.store(dx_ptrs, dx.to(dx_ptr.dtype.element_ty), mask=mask)
         dw += dy * x_hat
-    if WANT_DW:  # a partial row of (dW, 0) a program, as layer norm's (dW, dB)
-        slots = (program_id, program_id, 0)
-        nothing = tl.zeros([BLOCK_N], tl.float32)
-        buffers = (partial_ptr, partial_ptr)
-        flush_partials(buffers, (dw, nothing), (cols, col_mask), N, slots, "two-stage")
+    if WANT_DW:  # a partial row of dW a program, summed by the next kernel
+        tl.store(partial_ptr + program_id.to(tl.int64) * N + cols, dw, mask=col_mask)
 
 
 @lean
@@ -232,33 +247,40 @@ def rms_norm_backward_kernel(
 def sum_weight_partials_kernel(
     partial_ptr, dw_ptr, num_partials, N, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr
 ):
-    """dW = the sum of the partial rows' first N values, in a fixed order."""
+    """dW = the sum of the partial rows, in a fixed order."""
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_mask = cols < N
     dw = tl.zeros([BLOCK_P, BLOCK_N], tl.float32)
     for first in tl.range(0, num_partials, BLOCK_P):
         slots = first + tl.arange(0, BLOCK_P)
         mask = (slots < num_partials)[:, None] & col_mask[None, :]
-        ptrs = partial_ptr + slots.to(tl.int64)[:, None] * 2 * N + cols[None, :]
+        ptrs = partial_ptr + slots.to(tl.int64)[:, None] * N + cols[None, :]
         dw += tl.load(ptrs, mask=mask, other=0.0)
     dw_sum = tl.sum(dw, axis=0).to(dw_ptr.dtype.element_ty)  # one rounding
     tl.store(dw_ptr + cols, dw_sum, mask=col_mask)
 
 
-BACKWARD_PROGRAMS_PER_SM = 2  # enough rows a program that partials stay few
-BACKWARD_STAGE_BYTES = 64 * 1024  # a row of x and one of dy in flight, at most
+# Backward: programs an SM (fewer: fewer partial rows; more: more rows in flight), loads of
+# rows in flight (NUM_STAGES, within the shared memory) and values a thread holds of a row.
+BACKWARD_LAUNCH = {
+    (2, "small"): dict(programs_per_sm=2, stages=2, per_thread=16),
+    (2, "large"): dict(programs_per_sm=2, stages=2, per_thread=16),
+    (4, "small"): dict(programs_per_sm=2, stages=2, per_thread=16),
+    (4, "large"): dict(programs_per_sm=2, stages=2, per_thread=16),
+}
 
 
 @functools.cache
-def backward_config(n_cols: int, n_rows: int, itemsize: int) -> dict:
-    block = triton.next_power_of_2(n_cols)
-    programs = 4 if INTERPRET else BACKWARD_PROGRAMS_PER_SM * sm_count()  # CPU: few
-    rows = min(256, triton.next_power_of_2(triton.cdiv(n_rows, programs)))
-    stages = 2 if 2 * block * itemsize * 2 <= BACKWARD_STAGE_BYTES else 1
-    warps = max(4, min(16, block // 512))
-    return dict(
-        BLOCK_N=block, ROWS_PER_PROGRAM=rows, NUM_STAGES=stages, num_warps=warps
-    )
+def backward_config(n_cols: int, n_rows: int, itemsize: int) -> tuple[int, dict]:
+    """Rows a program and the kernel's launch."""
+    launch = launch_of(BACKWARD_LAUNCH, n_rows * n_cols, itemsize)
+    block = next_power_of_2(n_cols)
+    programs = 4 if INTERPRET else launch["programs_per_sm"] * sm_count()  # CPU: few
+    rows = min(256, cdiv(n_rows, programs))  # at most ``programs`` programs
+    in_flight = (profile().shared_memory - 1024) // (2 * block * itemsize)
+    stages = max(1, min(launch["stages"], in_flight))  # x and dy rows a stage
+    warps = max(4, min(16, block // (32 * launch["per_thread"])))
+    return rows, dict(BLOCK_N=block, NUM_STAGES=stages, num_warps=warps)
 
 
 def rms_norm_backward(dy2d, x2d, weight, rstd, want_dw: bool):
@@ -269,11 +291,11 @@ def rms_norm_backward(dy2d, x2d, weight, rstd, want_dw: bool):
     dw = torch.empty(n_cols, device=device, dtype=weight.dtype) if want_dw else None
     if n_rows == 0:  # a sum over no rows
         return dx, None if dw is None else dw.zero_()
-    config = backward_config(n_cols, n_rows, x2d.element_size())
-    n_programs = triton.cdiv(n_rows, config["ROWS_PER_PROGRAM"])
+    rows_per_program, config = backward_config(n_cols, n_rows, x2d.element_size())
+    n_programs = cdiv(n_rows, rows_per_program)
     partials = dx  # never touched without dW
     if want_dw:
-        partials = torch.empty((n_programs, 2, n_cols), device=device)
+        partials = torch.empty((n_programs, n_cols), device=device)
     rms_norm_backward_kernel[(n_programs,)](
         x2d,
         dy2d,
@@ -286,14 +308,15 @@ def rms_norm_backward(dy2d, x2d, weight, rstd, want_dw: bool):
         dx.stride(0),
         n_rows,
         n_cols,
+        rows_per_program,
         HAS_WEIGHT=weight is not None,
         WANT_DW=want_dw,
         **config,
     )
     if want_dw:  # narrow column blocks, the partials of one loaded together
-        block_n = min(128, max(16, triton.next_power_of_2(n_cols // sm_count() or 1)))
-        block_p = min(triton.next_power_of_2(n_programs), max(16, 4096 // block_n))
-        sum_weight_partials_kernel[(triton.cdiv(n_cols, block_n),)](
+        block_n = min(128, max(16, next_power_of_2(n_cols // sm_count() or 1)))
+        block_p = min(next_power_of_2(n_programs), max(16, 4096 // block_n))
+        sum_weight_partials_kernel[(cdiv(n_cols, block_n),)](
             partials, dw, n_programs, n_cols, BLOCK_P=block_p, BLOCK_N=block_n
         )
     return dx, dw
@@ -471,12 +494,23 @@ from stepkernels.runtime.core import (
     refuse_double_backward,
     sm_count,
 )
-from stepkernels.runtime.launch import lean
+from stepkernels.runtime.launch import cdiv, lean, next_power_of_2
 import torch
 from torch import Tensor
 from torch.library import triton_op
 import triton
 import triton.language as tl
+
+
+@triton.jit
+def rotate_head(x, y, tables, mask, HALF):
+    """One head's tile: x and y point at the first halves of its rows, in and out."""
+    cos1, cos2, sin1, sin2 = tables
+    x1 = tl.load(x, mask=mask).to(tl.float32)
+    x2 = tl.load(x + HALF, mask=mask).to(tl.float32)
+    y1, y2 = x1 * cos1 - x2 * sin1, x2 * cos2 + x1 * sin2
+    tl.store(y, y1.to(y.dtype.element_ty), mask=mask)
+    tl.store(y + HALF, y2.to(y.dtype.element_ty), mask=mask)
 
 
 @lean
@@ -503,6 +537,7 @@ def rotary_kernel(
     BLOCK_POSITIONS: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
     BACKWARD: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
 ):
     position_blocks = tl.cdiv(seq_len, BLOCK_POSITIONS)
     batch = (tl.program_id(0) // position_blocks).to(tl.int64)
@@ -516,35 +551,54 @@ def rotary_kernel(
     cos2 = tl.load(cos_ptr + angle + HALF, mask=mask).to(tl.float32)
     sin1 = tl.load(sin_ptr + angle, mask=mask).to(tl.float32)
     sin2 = tl.load(sin_ptr + angle + HALF, mask=mask).to(tl.float32)
-    if (
-        BACKWARD
-    ):  # the transposed map: dx1 = dy1 cos1 + dy2 sin2, dx2 = dy2 cos2 - dy1 sin1
+    # The backward, the transposed map: dx1 = dy1 cos1 + dy2 sin2, dx2 = dy2 cos2 - dy1 sin1
+    if BACKWARD:
         sin1, sin2 = -sin2, -sin1
-    y_cols = (
-        positions[:, None] * (2 * HALF) + cols[None, :]
-    )  # rows of contiguous outputs
+    tables = (cos1, cos2, sin1, sin2)
+    y_cols = positions[:, None] * (2 * HALF) + cols[None, :]  # the outputs: contiguous
     first = tl.program_id(1) * heads_per_program
     last = tl.minimum(first + heads_per_program, q_heads + k_heads)
-    for head in tl.range(first, last):  # q's heads, then k's
-        if head < q_heads:
-            x = q_ptr + batch * q_batch_stride + tl.cast(head, tl.int64) * q_head_stride
-            x_rows = positions * q_position_stride
-            y = q_out_ptr + (batch * q_heads + head) * seq_len * (2 * HALF)
-        else:
-            k_head = tl.cast(head - q_heads, tl.int64)
-            x = k_ptr + batch * k_batch_stride + k_head * k_head_stride
-            x_rows = positions * k_position_stride
-            y = k_out_ptr + (batch * k_heads + k_head) * seq_len * (2 * HALF)
-        x_tile = x + x_rows[:, None] + cols[None, :]
-        x1 = tl.load(x_tile, mask=mask).to(tl.float32)
-        x2 = tl.load(x_tile + HALF, mask=mask).to(tl.float32)
-        y1, y2 = x1 * cos1 - x2 * sin1, x2 * cos2 + x1 * sin2
-        tl.store(y + y_cols, y1.to(y.dtype.element_ty), mask=mask)
-        tl.store(y + y_cols + HALF, y2.to(y.dtype.element_ty), mask=mask)
+    x_cols = positions[:, None] * q_position_stride + cols[None, :]
+    for head in tl.range(first, tl.minimum(last, q_heads), num_stages=NUM_STAGES):
+        x = q_ptr + batch * q_batch_stride + tl.cast(head, tl.int64) * q_head_stride
+        y = q_out_ptr + (batch * q_heads + head) * seq_len * (2 * HALF)
+        rotate_head(x + x_cols, y + y_cols, tables, mask, HALF)
+    x_cols = positions[:, None] * k_position_stride + cols[None, :]
+    for head in tl.range(
+        tl.maximum(first, q_heads) - q_heads, last - q_heads, num_stages=NUM_STAGES
+    ):
+        x = k_ptr + batch * k_batch_stride + tl.cast(head, tl.int64) * k_head_stride
+        y = k_out_ptr + (batch * k_heads + head) * seq_len * (2 * HALF)
+        rotate_head(x + x_cols, y + y_cols, tables, mask, HALF)
 
 
-ROTARY_TILE = 4096  # values of a head a program rotates at once
-ROTARY_PROGRAMS_PER_SM = 4  # heads split over programs where positions are too few
+# Launches by (bytes an element, "small" or "large": from 2^26 elements of q and k), from
+# lab/modern_sweep.py on an H200: values of a head a program rotates at once (its positions),
+# programs an SM (heads are split over programs where positions are too few), warps, and
+# loads of heads in flight (NUM_STAGES, 1: none ahead).
+ROTARY_LAUNCH = {
+    (2, "small"): dict(tile=4096, programs_per_sm=4, warps=4, stages=1),
+    (2, "large"): dict(tile=4096, programs_per_sm=4, warps=4, stages=1),
+    (4, "small"): dict(tile=4096, programs_per_sm=4, warps=4, stages=1),
+    (4, "large"): dict(tile=4096, programs_per_sm=4, warps=4, stages=1),
+}
+LARGE_FROM = 2**26
+
+
+def rotary_launch(batch: int, heads: int, seq_len: int, half: int, itemsize: int):
+    """The grid, heads a program and launch of ``rotary_kernel`` for heads of q and k."""
+    size = "small" if batch * heads * seq_len * 2 * half < LARGE_FROM else "large"
+    launch = ROTARY_LAUNCH[min(itemsize, 4), size]
+    block_half = next_power_of_2(half)
+    tile_positions = launch["tile"] // (2 * block_half)
+    positions = max(1, min(tile_positions, next_power_of_2(seq_len)))
+    position_programs = batch * cdiv(seq_len, positions)
+    wanted = cdiv(launch["programs_per_sm"] * sm_count(), position_programs)
+    heads_per_program = cdiv(heads, min(heads, wanted))
+    grid = (position_programs, cdiv(heads, heads_per_program))
+    meta = dict(BLOCK_POSITIONS=positions, BLOCK_HALF=block_half)
+    meta.update(NUM_STAGES=launch["stages"], num_warps=launch["warps"])
+    return grid, heads_per_program, meta
 
 
 def last_stride_one(t: Tensor) -> Tensor:
@@ -562,15 +616,13 @@ def rotate(q: Tensor, k: Tensor | None, cos: Tensor, sin: Tensor, backward: bool
     k_out = None if k is None else torch.empty(k.shape, device=k.device, dtype=k.dtype)
     (batch, q_heads, seq_len, dim), half = q.shape, q.shape[-1] // 2
     heads = q_heads + (0 if k is None else k.shape[1])
-    block_half = triton.next_power_of_2(half)
-    positions = min(ROTARY_TILE // (2 * block_half), triton.next_power_of_2(seq_len))
-    position_programs = batch * triton.cdiv(seq_len, max(1, positions))
-    if position_programs * heads * dim == 0:  # nothing to rotate
+    if batch * heads * seq_len * dim == 0:  # nothing to rotate
         return q_out, k_out
-    wanted = triton.cdiv(ROTARY_PROGRAMS_PER_SM * sm_count(), position_programs)
-    heads_per_program = triton.cdiv(heads, min(heads, wanted))
+    grid, heads_per_program, meta = rotary_launch(
+        batch, heads, seq_len, half, q.element_size()
+    )
     k_given = q if k is None else k
-    rotary_kernel[(position_programs, triton.cdiv(heads, heads_per_program))](
+    rotary_kernel[grid](
         q,
         k_given,
         q_out,
@@ -585,10 +637,8 @@ def rotate(q: Tensor, k: Tensor | None, cos: Tensor, sin: Tensor, backward: bool
         seq_len,
         heads_per_program,
         half,
-        BLOCK_POSITIONS=max(1, positions),
-        BLOCK_HALF=block_half,
         BACKWARD=backward,
-        num_warps=4,
+        **meta,
     )
     return q_out, k_out
 
@@ -769,7 +819,7 @@ check("rotary_embedding", rotary_embedding, rope_reference, single)
 
 # @save ops/swiglu
 from stepkernels.runtime.core import FLOAT_DTYPES, check_tensor, refuse_double_backward
-from stepkernels.runtime.launch import lean
+from stepkernels.runtime.launch import cdiv, lean, next_power_of_2
 from stepkernels.runtime.rows import as_rows
 import torch
 from torch import Tensor
@@ -837,14 +887,25 @@ def silu_mul_backward_kernel(
     tl.store(dup_ptr + at_grad, dup.to(dup_ptr.dtype.element_ty), mask=mask)
 
 
-SWIGLU_TILE = 4096  # values a program takes
+# Launches by (kernel, bytes an element, "small" or "large": from 2^26 elements), from
+# lab/modern_sweep.py on an H200: values a program takes, and warps.
+SWIGLU_LAUNCH = {
+    (kernel, itemsize, size): dict(tile=4096, warps=4)
+    for kernel in ("forward", "backward")
+    for itemsize in (2, 4)
+    for size in ("small", "large")
+}
+LARGE_FROM = 2**26
 
 
-def swiglu_launch(n_rows: int, n_cols: int) -> tuple[dict, tuple]:
-    block_cols = min(SWIGLU_TILE, triton.next_power_of_2(n_cols))
-    block_rows = min(SWIGLU_TILE // block_cols, triton.next_power_of_2(n_rows))
-    grid = (triton.cdiv(n_rows, block_rows), triton.cdiv(n_cols, block_cols))
-    return dict(BLOCK_ROWS=block_rows, BLOCK_COLS=block_cols, num_warps=4), grid
+def swiglu_launch(n_rows: int, n_cols: int, itemsize: int, kernel: str):
+    size = "small" if n_rows * n_cols < LARGE_FROM else "large"
+    launch = SWIGLU_LAUNCH[kernel, min(itemsize, 4), size]
+    block_cols = min(launch["tile"], next_power_of_2(n_cols))
+    block_rows = min(launch["tile"] // block_cols, next_power_of_2(n_rows))
+    grid = (cdiv(n_rows, block_rows), cdiv(n_cols, block_cols))
+    meta = dict(BLOCK_ROWS=block_rows, BLOCK_COLS=block_cols, num_warps=launch["warps"])
+    return meta, grid
 
 
 def rows_of(t: Tensor) -> Tensor:
@@ -855,7 +916,7 @@ def silu_mul_forward(gate: Tensor, up: Tensor) -> Tensor:
     out = torch.empty(gate.shape, device=gate.device, dtype=gate.dtype)
     if out.numel():  # an empty tensor may have no rows to view it as
         g2d, u2d = rows_of(gate), rows_of(up)
-        meta, grid = swiglu_launch(*g2d.shape)
+        meta, grid = swiglu_launch(*g2d.shape, gate.element_size(), "forward")
         strides = (g2d.stride(0), u2d.stride(0))
         silu_mul_kernel[grid](g2d, u2d, out, *strides, *g2d.shape, **meta)
     return out
@@ -867,7 +928,7 @@ def silu_mul_backward(dy: Tensor, gate: Tensor, up: Tensor) -> tuple[Tensor, Ten
     )
     if dy.numel():
         dy2d, g2d, u2d = rows_of(dy), rows_of(gate), rows_of(up)
-        meta, grid = swiglu_launch(*g2d.shape)
+        meta, grid = swiglu_launch(*g2d.shape, gate.element_size(), "backward")
         strides = (dy2d.stride(0), g2d.stride(0), u2d.stride(0))
         tensors = (dy2d, g2d, u2d, dgate, dup)
         silu_mul_backward_kernel[grid](*tensors, *strides, *g2d.shape, **meta)

@@ -14,8 +14,12 @@ from stepkernels.runtime.core import (
     refuse_double_backward,
     sm_count,
 )
-from stepkernels.runtime.launch import lean  # cheap repeated launches: chapter 08
-from stepkernels.runtime.partials import flush_partials  # chapter 03's partial sums
+from stepkernels.runtime.device import profile
+from stepkernels.runtime.launch import (  # cheap repeated launches: chapter 08
+    cdiv,
+    lean,
+    next_power_of_2,
+)
 from stepkernels.runtime.rows import as_rows
 import torch
 from torch import Tensor
@@ -57,14 +61,27 @@ def rms_norm_forward_kernel(
 
 
 MAX_N = 65536  # the longest row a program holds in registers
-FORWARD_TILE = 4096  # values a forward program normalizes at least, rows packed
+LARGE_FROM = 2**26  # elements from which a call takes the "large" launch
+# Launches by (bytes an element, "small" or "large"), from lab/modern_sweep.py on an H200.
+# Forward: values a program normalizes at least (short rows packed) and a thread holds.
+FORWARD_LAUNCH = {
+    (2, "small"): dict(tile=4096, per_thread=32),
+    (2, "large"): dict(tile=4096, per_thread=32),
+    (4, "small"): dict(tile=4096, per_thread=32),
+    (4, "large"): dict(tile=4096, per_thread=32),
+}
+
+
+def launch_of(table: dict, n_elements: int, itemsize: int) -> dict:
+    return table[min(itemsize, 4), "small" if n_elements < LARGE_FROM else "large"]
 
 
 @functools.cache  # once per shape: off the call's path
-def forward_config(n_cols: int, n_rows: int) -> dict:
-    block = triton.next_power_of_2(n_cols)
-    rows = max(1, min(FORWARD_TILE // block, triton.next_power_of_2(n_rows)))
-    warps = max(1, min(32, rows * block // 1024))  # 32 fp32 values a thread
+def forward_config(n_cols: int, n_rows: int, itemsize: int) -> dict:
+    launch = launch_of(FORWARD_LAUNCH, n_rows * n_cols, itemsize)
+    block = next_power_of_2(n_cols)
+    rows = max(1, min(launch["tile"] // block, next_power_of_2(n_rows)))
+    warps = max(1, min(32, rows * block // (32 * launch["per_thread"])))
     return dict(BLOCK_N=block, ROWS_PER_PROGRAM=rows, num_warps=warps)
 
 
@@ -75,8 +92,8 @@ def rms_norm_forward(x2d: Tensor, weight: Tensor | None, eps: float):
     rstd = torch.empty(n_rows, device=device, dtype=torch.float32)
     if n_rows == 0:
         return y, rstd
-    config = forward_config(n_cols, n_rows)
-    grid = (triton.cdiv(n_rows, config["ROWS_PER_PROGRAM"]),)
+    config = forward_config(n_cols, n_rows, x2d.element_size())
+    grid = (cdiv(n_rows, config["ROWS_PER_PROGRAM"]),)
     rms_norm_forward_kernel[grid](
         x2d,
         y,
@@ -107,8 +124,8 @@ def rms_norm_backward_kernel(
     dx_row_stride,
     M,
     N,
+    rows_per_program,  # not a constexpr: one compile serves every number of rows
     BLOCK_N: tl.constexpr,
-    ROWS_PER_PROGRAM: tl.constexpr,
     HAS_WEIGHT: tl.constexpr,
     WANT_DW: tl.constexpr,
     NUM_STAGES: tl.constexpr,
@@ -119,8 +136,8 @@ def rms_norm_backward_kernel(
     if HAS_WEIGHT:
         w = tl.load(weight_ptr + cols, mask=col_mask).to(tl.float32)
     dw = tl.zeros([BLOCK_N], tl.float32)
-    for i in tl.range(ROWS_PER_PROGRAM, num_stages=NUM_STAGES):
-        row = program_id * ROWS_PER_PROGRAM + i
+    for i in tl.range(rows_per_program, num_stages=NUM_STAGES):
+        row = program_id * rows_per_program + i
         mask, row64 = cols < tl.where(row < M, N, 0), row.to(tl.int64)
         x = tl.load(x_ptr + row64 * x_row_stride + cols, mask=mask, other=0.0)
         dy = tl.load(dy_ptr + row64 * dy_row_stride + cols, mask=mask, other=0.0)
@@ -133,11 +150,8 @@ def rms_norm_backward_kernel(
         dx_ptrs = dx_ptr + row64 * dx_row_stride + cols
         tl.store(dx_ptrs, dx.to(dx_ptr.dtype.element_ty), mask=mask)
         dw += dy * x_hat
-    if WANT_DW:  # a partial row of (dW, 0) a program, as layer norm's (dW, dB)
-        slots = (program_id, program_id, 0)
-        nothing = tl.zeros([BLOCK_N], tl.float32)
-        buffers = (partial_ptr, partial_ptr)
-        flush_partials(buffers, (dw, nothing), (cols, col_mask), N, slots, "two-stage")
+    if WANT_DW:  # a partial row of dW a program, summed by the next kernel
+        tl.store(partial_ptr + program_id.to(tl.int64) * N + cols, dw, mask=col_mask)
 
 
 @lean
@@ -145,33 +159,40 @@ def rms_norm_backward_kernel(
 def sum_weight_partials_kernel(
     partial_ptr, dw_ptr, num_partials, N, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr
 ):
-    """dW = the sum of the partial rows' first N values, in a fixed order."""
+    """dW = the sum of the partial rows, in a fixed order."""
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_mask = cols < N
     dw = tl.zeros([BLOCK_P, BLOCK_N], tl.float32)
     for first in tl.range(0, num_partials, BLOCK_P):
         slots = first + tl.arange(0, BLOCK_P)
         mask = (slots < num_partials)[:, None] & col_mask[None, :]
-        ptrs = partial_ptr + slots.to(tl.int64)[:, None] * 2 * N + cols[None, :]
+        ptrs = partial_ptr + slots.to(tl.int64)[:, None] * N + cols[None, :]
         dw += tl.load(ptrs, mask=mask, other=0.0)
     dw_sum = tl.sum(dw, axis=0).to(dw_ptr.dtype.element_ty)  # one rounding
     tl.store(dw_ptr + cols, dw_sum, mask=col_mask)
 
 
-BACKWARD_PROGRAMS_PER_SM = 2  # enough rows a program that partials stay few
-BACKWARD_STAGE_BYTES = 64 * 1024  # a row of x and one of dy in flight, at most
+# Backward: programs an SM (fewer: fewer partial rows; more: more rows in flight), loads of
+# rows in flight (NUM_STAGES, within the shared memory) and values a thread holds of a row.
+BACKWARD_LAUNCH = {
+    (2, "small"): dict(programs_per_sm=2, stages=2, per_thread=16),
+    (2, "large"): dict(programs_per_sm=2, stages=2, per_thread=16),
+    (4, "small"): dict(programs_per_sm=2, stages=2, per_thread=16),
+    (4, "large"): dict(programs_per_sm=2, stages=2, per_thread=16),
+}
 
 
 @functools.cache
-def backward_config(n_cols: int, n_rows: int, itemsize: int) -> dict:
-    block = triton.next_power_of_2(n_cols)
-    programs = 4 if INTERPRET else BACKWARD_PROGRAMS_PER_SM * sm_count()  # CPU: few
-    rows = min(256, triton.next_power_of_2(triton.cdiv(n_rows, programs)))
-    stages = 2 if 2 * block * itemsize * 2 <= BACKWARD_STAGE_BYTES else 1
-    warps = max(4, min(16, block // 512))
-    return dict(
-        BLOCK_N=block, ROWS_PER_PROGRAM=rows, NUM_STAGES=stages, num_warps=warps
-    )
+def backward_config(n_cols: int, n_rows: int, itemsize: int) -> tuple[int, dict]:
+    """Rows a program and the kernel's launch."""
+    launch = launch_of(BACKWARD_LAUNCH, n_rows * n_cols, itemsize)
+    block = next_power_of_2(n_cols)
+    programs = 4 if INTERPRET else launch["programs_per_sm"] * sm_count()  # CPU: few
+    rows = min(256, cdiv(n_rows, programs))  # at most ``programs`` programs
+    in_flight = (profile().shared_memory - 1024) // (2 * block * itemsize)
+    stages = max(1, min(launch["stages"], in_flight))  # x and dy rows a stage
+    warps = max(4, min(16, block // (32 * launch["per_thread"])))
+    return rows, dict(BLOCK_N=block, NUM_STAGES=stages, num_warps=warps)
 
 
 def rms_norm_backward(dy2d, x2d, weight, rstd, want_dw: bool):
@@ -182,11 +203,11 @@ def rms_norm_backward(dy2d, x2d, weight, rstd, want_dw: bool):
     dw = torch.empty(n_cols, device=device, dtype=weight.dtype) if want_dw else None
     if n_rows == 0:  # a sum over no rows
         return dx, None if dw is None else dw.zero_()
-    config = backward_config(n_cols, n_rows, x2d.element_size())
-    n_programs = triton.cdiv(n_rows, config["ROWS_PER_PROGRAM"])
+    rows_per_program, config = backward_config(n_cols, n_rows, x2d.element_size())
+    n_programs = cdiv(n_rows, rows_per_program)
     partials = dx  # never touched without dW
     if want_dw:
-        partials = torch.empty((n_programs, 2, n_cols), device=device)
+        partials = torch.empty((n_programs, n_cols), device=device)
     rms_norm_backward_kernel[(n_programs,)](
         x2d,
         dy2d,
@@ -199,14 +220,15 @@ def rms_norm_backward(dy2d, x2d, weight, rstd, want_dw: bool):
         dx.stride(0),
         n_rows,
         n_cols,
+        rows_per_program,
         HAS_WEIGHT=weight is not None,
         WANT_DW=want_dw,
         **config,
     )
     if want_dw:  # narrow column blocks, the partials of one loaded together
-        block_n = min(128, max(16, triton.next_power_of_2(n_cols // sm_count() or 1)))
-        block_p = min(triton.next_power_of_2(n_programs), max(16, 4096 // block_n))
-        sum_weight_partials_kernel[(triton.cdiv(n_cols, block_n),)](
+        block_n = min(128, max(16, next_power_of_2(n_cols // sm_count() or 1)))
+        block_p = min(next_power_of_2(n_programs), max(16, 4096 // block_n))
+        sum_weight_partials_kernel[(cdiv(n_cols, block_n),)](
             partials, dw, n_programs, n_cols, BLOCK_P=block_p, BLOCK_N=block_n
         )
     return dx, dw

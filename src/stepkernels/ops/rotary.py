@@ -12,12 +12,23 @@ from stepkernels.runtime.core import (
     refuse_double_backward,
     sm_count,
 )
-from stepkernels.runtime.launch import lean
+from stepkernels.runtime.launch import cdiv, lean, next_power_of_2
 import torch
 from torch import Tensor
 from torch.library import triton_op
 import triton
 import triton.language as tl
+
+
+@triton.jit
+def rotate_head(x, y, tables, mask, HALF):
+    """One head's tile: x and y point at the first halves of its rows, in and out."""
+    cos1, cos2, sin1, sin2 = tables
+    x1 = tl.load(x, mask=mask).to(tl.float32)
+    x2 = tl.load(x + HALF, mask=mask).to(tl.float32)
+    y1, y2 = x1 * cos1 - x2 * sin1, x2 * cos2 + x1 * sin2
+    tl.store(y, y1.to(y.dtype.element_ty), mask=mask)
+    tl.store(y + HALF, y2.to(y.dtype.element_ty), mask=mask)
 
 
 @lean
@@ -44,6 +55,7 @@ def rotary_kernel(
     BLOCK_POSITIONS: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
     BACKWARD: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
 ):
     position_blocks = tl.cdiv(seq_len, BLOCK_POSITIONS)
     batch = (tl.program_id(0) // position_blocks).to(tl.int64)
@@ -57,35 +69,54 @@ def rotary_kernel(
     cos2 = tl.load(cos_ptr + angle + HALF, mask=mask).to(tl.float32)
     sin1 = tl.load(sin_ptr + angle, mask=mask).to(tl.float32)
     sin2 = tl.load(sin_ptr + angle + HALF, mask=mask).to(tl.float32)
-    if (
-        BACKWARD
-    ):  # the transposed map: dx1 = dy1 cos1 + dy2 sin2, dx2 = dy2 cos2 - dy1 sin1
+    # The backward, the transposed map: dx1 = dy1 cos1 + dy2 sin2, dx2 = dy2 cos2 - dy1 sin1
+    if BACKWARD:
         sin1, sin2 = -sin2, -sin1
-    y_cols = (
-        positions[:, None] * (2 * HALF) + cols[None, :]
-    )  # rows of contiguous outputs
+    tables = (cos1, cos2, sin1, sin2)
+    y_cols = positions[:, None] * (2 * HALF) + cols[None, :]  # the outputs: contiguous
     first = tl.program_id(1) * heads_per_program
     last = tl.minimum(first + heads_per_program, q_heads + k_heads)
-    for head in tl.range(first, last):  # q's heads, then k's
-        if head < q_heads:
-            x = q_ptr + batch * q_batch_stride + tl.cast(head, tl.int64) * q_head_stride
-            x_rows = positions * q_position_stride
-            y = q_out_ptr + (batch * q_heads + head) * seq_len * (2 * HALF)
-        else:
-            k_head = tl.cast(head - q_heads, tl.int64)
-            x = k_ptr + batch * k_batch_stride + k_head * k_head_stride
-            x_rows = positions * k_position_stride
-            y = k_out_ptr + (batch * k_heads + k_head) * seq_len * (2 * HALF)
-        x_tile = x + x_rows[:, None] + cols[None, :]
-        x1 = tl.load(x_tile, mask=mask).to(tl.float32)
-        x2 = tl.load(x_tile + HALF, mask=mask).to(tl.float32)
-        y1, y2 = x1 * cos1 - x2 * sin1, x2 * cos2 + x1 * sin2
-        tl.store(y + y_cols, y1.to(y.dtype.element_ty), mask=mask)
-        tl.store(y + y_cols + HALF, y2.to(y.dtype.element_ty), mask=mask)
+    x_cols = positions[:, None] * q_position_stride + cols[None, :]
+    for head in tl.range(first, tl.minimum(last, q_heads), num_stages=NUM_STAGES):
+        x = q_ptr + batch * q_batch_stride + tl.cast(head, tl.int64) * q_head_stride
+        y = q_out_ptr + (batch * q_heads + head) * seq_len * (2 * HALF)
+        rotate_head(x + x_cols, y + y_cols, tables, mask, HALF)
+    x_cols = positions[:, None] * k_position_stride + cols[None, :]
+    for head in tl.range(
+        tl.maximum(first, q_heads) - q_heads, last - q_heads, num_stages=NUM_STAGES
+    ):
+        x = k_ptr + batch * k_batch_stride + tl.cast(head, tl.int64) * k_head_stride
+        y = k_out_ptr + (batch * k_heads + head) * seq_len * (2 * HALF)
+        rotate_head(x + x_cols, y + y_cols, tables, mask, HALF)
 
 
-ROTARY_TILE = 4096  # values of a head a program rotates at once
-ROTARY_PROGRAMS_PER_SM = 4  # heads split over programs where positions are too few
+# Launches by (bytes an element, "small" or "large": from 2^26 elements of q and k), from
+# lab/modern_sweep.py on an H200: values of a head a program rotates at once (its positions),
+# programs an SM (heads are split over programs where positions are too few), warps, and
+# loads of heads in flight (NUM_STAGES, 1: none ahead).
+ROTARY_LAUNCH = {
+    (2, "small"): dict(tile=4096, programs_per_sm=4, warps=4, stages=1),
+    (2, "large"): dict(tile=4096, programs_per_sm=4, warps=4, stages=1),
+    (4, "small"): dict(tile=4096, programs_per_sm=4, warps=4, stages=1),
+    (4, "large"): dict(tile=4096, programs_per_sm=4, warps=4, stages=1),
+}
+LARGE_FROM = 2**26
+
+
+def rotary_launch(batch: int, heads: int, seq_len: int, half: int, itemsize: int):
+    """The grid, heads a program and launch of ``rotary_kernel`` for heads of q and k."""
+    size = "small" if batch * heads * seq_len * 2 * half < LARGE_FROM else "large"
+    launch = ROTARY_LAUNCH[min(itemsize, 4), size]
+    block_half = next_power_of_2(half)
+    tile_positions = launch["tile"] // (2 * block_half)
+    positions = max(1, min(tile_positions, next_power_of_2(seq_len)))
+    position_programs = batch * cdiv(seq_len, positions)
+    wanted = cdiv(launch["programs_per_sm"] * sm_count(), position_programs)
+    heads_per_program = cdiv(heads, min(heads, wanted))
+    grid = (position_programs, cdiv(heads, heads_per_program))
+    meta = dict(BLOCK_POSITIONS=positions, BLOCK_HALF=block_half)
+    meta.update(NUM_STAGES=launch["stages"], num_warps=launch["warps"])
+    return grid, heads_per_program, meta
 
 
 def last_stride_one(t: Tensor) -> Tensor:
@@ -103,15 +134,13 @@ def rotate(q: Tensor, k: Tensor | None, cos: Tensor, sin: Tensor, backward: bool
     k_out = None if k is None else torch.empty(k.shape, device=k.device, dtype=k.dtype)
     (batch, q_heads, seq_len, dim), half = q.shape, q.shape[-1] // 2
     heads = q_heads + (0 if k is None else k.shape[1])
-    block_half = triton.next_power_of_2(half)
-    positions = min(ROTARY_TILE // (2 * block_half), triton.next_power_of_2(seq_len))
-    position_programs = batch * triton.cdiv(seq_len, max(1, positions))
-    if position_programs * heads * dim == 0:  # nothing to rotate
+    if batch * heads * seq_len * dim == 0:  # nothing to rotate
         return q_out, k_out
-    wanted = triton.cdiv(ROTARY_PROGRAMS_PER_SM * sm_count(), position_programs)
-    heads_per_program = triton.cdiv(heads, min(heads, wanted))
+    grid, heads_per_program, meta = rotary_launch(
+        batch, heads, seq_len, half, q.element_size()
+    )
     k_given = q if k is None else k
-    rotary_kernel[(position_programs, triton.cdiv(heads, heads_per_program))](
+    rotary_kernel[grid](
         q,
         k_given,
         q_out,
@@ -126,10 +155,8 @@ def rotate(q: Tensor, k: Tensor | None, cos: Tensor, sin: Tensor, backward: bool
         seq_len,
         heads_per_program,
         half,
-        BLOCK_POSITIONS=max(1, positions),
-        BLOCK_HALF=block_half,
         BACKWARD=backward,
-        num_warps=4,
+        **meta,
     )
     return q_out, k_out
 

@@ -5,7 +5,7 @@ modern decoder block."""
 # export`.
 
 from stepkernels.runtime.core import FLOAT_DTYPES, check_tensor, refuse_double_backward
-from stepkernels.runtime.launch import lean
+from stepkernels.runtime.launch import cdiv, lean, next_power_of_2
 from stepkernels.runtime.rows import as_rows
 import torch
 from torch import Tensor
@@ -73,14 +73,25 @@ def silu_mul_backward_kernel(
     tl.store(dup_ptr + at_grad, dup.to(dup_ptr.dtype.element_ty), mask=mask)
 
 
-SWIGLU_TILE = 4096  # values a program takes
+# Launches by (kernel, bytes an element, "small" or "large": from 2^26 elements), from
+# lab/modern_sweep.py on an H200: values a program takes, and warps.
+SWIGLU_LAUNCH = {
+    (kernel, itemsize, size): dict(tile=4096, warps=4)
+    for kernel in ("forward", "backward")
+    for itemsize in (2, 4)
+    for size in ("small", "large")
+}
+LARGE_FROM = 2**26
 
 
-def swiglu_launch(n_rows: int, n_cols: int) -> tuple[dict, tuple]:
-    block_cols = min(SWIGLU_TILE, triton.next_power_of_2(n_cols))
-    block_rows = min(SWIGLU_TILE // block_cols, triton.next_power_of_2(n_rows))
-    grid = (triton.cdiv(n_rows, block_rows), triton.cdiv(n_cols, block_cols))
-    return dict(BLOCK_ROWS=block_rows, BLOCK_COLS=block_cols, num_warps=4), grid
+def swiglu_launch(n_rows: int, n_cols: int, itemsize: int, kernel: str):
+    size = "small" if n_rows * n_cols < LARGE_FROM else "large"
+    launch = SWIGLU_LAUNCH[kernel, min(itemsize, 4), size]
+    block_cols = min(launch["tile"], next_power_of_2(n_cols))
+    block_rows = min(launch["tile"] // block_cols, next_power_of_2(n_rows))
+    grid = (cdiv(n_rows, block_rows), cdiv(n_cols, block_cols))
+    meta = dict(BLOCK_ROWS=block_rows, BLOCK_COLS=block_cols, num_warps=launch["warps"])
+    return meta, grid
 
 
 def rows_of(t: Tensor) -> Tensor:
@@ -91,7 +102,7 @@ def silu_mul_forward(gate: Tensor, up: Tensor) -> Tensor:
     out = torch.empty(gate.shape, device=gate.device, dtype=gate.dtype)
     if out.numel():  # an empty tensor may have no rows to view it as
         g2d, u2d = rows_of(gate), rows_of(up)
-        meta, grid = swiglu_launch(*g2d.shape)
+        meta, grid = swiglu_launch(*g2d.shape, gate.element_size(), "forward")
         strides = (g2d.stride(0), u2d.stride(0))
         silu_mul_kernel[grid](g2d, u2d, out, *strides, *g2d.shape, **meta)
     return out
@@ -103,7 +114,7 @@ def silu_mul_backward(dy: Tensor, gate: Tensor, up: Tensor) -> tuple[Tensor, Ten
     )
     if dy.numel():
         dy2d, g2d, u2d = rows_of(dy), rows_of(gate), rows_of(up)
-        meta, grid = swiglu_launch(*g2d.shape)
+        meta, grid = swiglu_launch(*g2d.shape, gate.element_size(), "backward")
         strides = (dy2d.stride(0), g2d.stride(0), u2d.stride(0))
         tensors = (dy2d, g2d, u2d, dgate, dup)
         silu_mul_backward_kernel[grid](*tensors, *strides, *g2d.shape, **meta)
