@@ -583,8 +583,9 @@ def test_accumulate_of_another_dtype_names_the_ones_taken():
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=str)
 def test_matmul_gives_weight_gradients_to_the_descriptor_kernel(monkeypatch, dtype):
-    # As on Hopper (4 SMs here): a weight gradient's shape goes to chapter 07's kernel, a
-    # skinny product (K = N) and an operand a descriptor cannot describe to the portable one.
+    # As on Hopper (4 SMs here): a weight gradient's shape goes to chapter 07's kernel (an
+    # operand a descriptor cannot describe copied into one it can), a skinny product (K = N)
+    # and a short reduction over such an operand to the portable one.
     monkeypatch.setattr(matmul_module, "ON_HOPPER", True)
     taken = []
     for name in ("launch_tma", "launch_portable"):
@@ -594,7 +595,9 @@ def test_matmul_gives_weight_gradients_to_the_descriptor_kernel(monkeypatch, dty
     cases = {
         "dW": (weight_gradient_operands(1024, 16, 24, dtype), "launch_tma"),
         "skinny": (operands(16, 256, 256, dtype)[:2], "launch_portable"),
-        "65 classes": (weight_gradient_operands(1024, 65, 24, dtype), "launch_portable"),
+        # the LM head's dW: dY's 65-class rows copied 16 bytes apart, K split
+        "65 classes": (weight_gradient_operands(1024, 65, 24, dtype), "launch_tma"),
+        "65 classes, short K": (weight_gradient_operands(96, 65, 24, dtype), "launch_portable"),
     }
     for (a, b), kernel in cases.values():
         taken.clear()

@@ -521,8 +521,11 @@ def product(
 ):
     """``matmul`` for arguments already checked (chapter 05's layer calls it three
     times a step: the checks once, in ``linear``)."""
-    if on_descriptors(a.dtype, a.shape[0], b.shape[1], a.shape[1]):
-        operands = tma_operands(a, b)
+    M, N, K = a.shape[0], b.shape[1], a.shape[1]
+    if on_descriptors(a.dtype, M, N, K):
+        # A long reduction pays for copying an operand whose rows a descriptor cannot
+        # describe: one pass over M x K values, where the portable kernel cannot split K.
+        operands = tma_operands(a, b, realign=splits_k(M, N, K))
         if operands is not None:
             return launch_tma(
                 *operands, activation, bias, return_preactivation, None, accumulate

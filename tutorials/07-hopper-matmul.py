@@ -457,12 +457,27 @@ def k_major_for_tf32(a, b):
     return a, b
 
 
-def tma_operands(a, b):
+def tma_operands(a, b, realign=False):
     """The operands as the descriptor kernel should get them (K-major for tf32), or None
-    when it cannot take them. ``matmul`` calls it on Hopper."""
+    when it cannot take them. ``matmul`` calls it on Hopper. ``realign``: copy an operand
+    whose rows (or columns) are not 16 bytes apart into one whose are."""
     if a.dtype == torch.float32 and dot_precision(a.dtype) == "tf32":
         a, b = k_major_for_tf32(a, b)
+    if realign:
+        a, b = aligned(a), aligned(b)
     return (a, b) if tma_applies(a, b) else None
+
+
+def aligned(t):
+    """``t``, or a copy in the same layout with its leading stride padded to 16 bytes
+    (the LM head's dY: rows of 65 classes, 130 bytes, that no descriptor describes)."""
+    if tma_layout(t) is not None or 1 not in t.stride():
+        return t
+    if t.stride(1) != 1:  # column-major: pad the transpose's rows
+        return aligned(t.mT).mT
+    step = 16 // t.element_size()
+    padded = t.new_empty(t.shape[0], -(-t.shape[1] // step) * step)
+    return padded[:, : t.shape[1]].copy_(t)
 
 
 def matmul_tma(
