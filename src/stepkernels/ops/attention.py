@@ -773,8 +773,10 @@ def varlen_attention(
                 f"are sequences, got {tuple(cu_seqlens_q.shape)} and "
                 f"{tuple(cu_seqlens_k.shape)}"
             )
-        if not isinstance(longest, int) or isinstance(longest, bool) or longest < 0:
-            raise TypeError(f"max_seqlen_{side} must be an int >= 0, got {longest!r}")
+        if not isinstance(longest, int) or isinstance(longest, bool):
+            raise TypeError(f"max_seqlen_{side} must be an int, got {longest!r}")
+        if longest < 0:
+            raise ValueError(f"max_seqlen_{side} must be >= 0, got {longest}")
     views = [t.unsqueeze(0).transpose(1, 2) for t in (q, k, v)]  # (1, H, total, D)
     check_attention_inputs(*views, causal, sm_scale, window)
     scale = q.shape[2] ** -0.5 if sm_scale is None else float(sm_scale)
