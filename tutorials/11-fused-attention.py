@@ -9,7 +9,9 @@ what it needs from the forward's log-sum-exp. What you will learn:
 * why naive attention is bound by memory and fused attention by the tensor cores;
 * chapter 02's online softmax in a tiled kernel, the scale folded into exp2;
 * which blocks a causal mask touches; tiles through TMA descriptors, zeros past the edges;
-* FlashAttention-2's split of the backward, without atomics: the same bits on every run.
+* FlashAttention-2's split of the backward, without atomics: the same bits on every run;
+* grouped-query heads, sliding windows and packed sequences of many lengths, from the same
+  three kernels, with loop bounds and offsets rather than copies.
 
 Prerequisites: chapter 02 (the online softmax), chapter 05 (autograd), chapter 07 (TMA).
 """
@@ -23,6 +25,7 @@ import itertools
 from stepkernels.lessons import bench, check_attention, tutorial
 import torch
 from torch.nn.attention import SDPBackend
+import torch.nn.functional as F
 
 tutorial.announce()
 DEVICE = tutorial.DEVICE
@@ -75,11 +78,30 @@ for n in (1024, 4096, 16384):
 #   made in the kernel (``tl.make_tensor_descriptor``, as chapter 07 does), every program
 #   would build its own, which cost up to 30% of the forward's time at N = 512 on the H100.
 #
+# Three variants change what a program reads, not how it computes:
+#
+# * **Grouped heads (GQA; MQA with one kv head)**: k and v have H / g heads, and query
+#   head h reads kv head h // g, as SDPA's ``enable_gqa``. The K and V bytes shrink g
+#   times; the FLOPs do not.
+# * **A sliding window**: with ``window=W`` (causal only), query i sees keys
+#   i - W < j <= i. ``key_blocks`` splits a program's key loop in three: the band's left
+#   edge, masked; the blocks every one of its rows sees whole; the diagonal, masked. Blocks
+#   left of the band are never loaded: N·W score pairs a head, not N²/2. A row that sees no
+#   key (more queries than keys) gives 0, as SDPA.
+# * **Packed sequences** (``varlen_attention``): (total, H, D) tensors, sequence s at rows
+#   [cu_seqlens[s], cu_seqlens[s + 1]), seen by the descriptors as one (1, H, total, D)
+#   batch. ``sequence`` reads a program's offsets and lengths; axis 0 of the grid covers
+#   the longest sequence and programs past their own's end return at once. A tile past a
+#   sequence's end holds the next sequence's rows, not zeros: the masks drop them, and O
+#   is written with masked stores, not through the descriptor, whose bounds are the
+#   whole tensor's.
+#
 # The helpers that walk blocks (``attend`` here, two more in the backward) take their
 # arguments in groups, each a tuple: what they update (``state``), the block the program
-# owns, the other side's descriptors with its (batch, head) and length, and the launch's
-# compile-time choices as one ``Tiling``. Triton inlines them: the compiled kernel is the
-# one a helper of sixteen loose arguments gave, instruction for instruction.
+# owns, the other side's descriptors with its (batch, head), first row, length and window,
+# and the launch's compile-time choices as one ``Tiling``. Triton inlines them: the
+# compiled kernel is the one a helper of sixteen loose arguments gave, instruction for
+# instruction.
 
 # @save ops/attention
 from dataclasses import dataclass
@@ -306,7 +328,17 @@ def attention_forward_kernel(
 # block does the same for dQ. Both rebuild P: seven products where five would do. Adding dQ
 # from the key programs with atomics saves two, but the result then depends on the order the
 # atomics land in; we keep the bits repeatable. The query programs run first and store δ
-# for the key programs. Causal loops split as in the forward.
+# for the key programs. Causal and windowed loops split as in the forward.
+#
+# With grouped heads, dK and dV of a kv head sum over its g query heads. A key program
+# owns a block of one kv head and loops over the group's query heads, its K and V tiles
+# loaded once and its dK, dV summed in registers: no k, v expanded to H heads, no
+# reduction after. In the forward, each query head's program loads its group's K and V
+# itself; the g programs that share them are neighbours in the grid (axis 1 counts
+# batch x heads), so the second read comes from L2 when they run together. Reading each
+# tile once per group from HBM for certain would take a program of g query heads: the
+# tile of K and V on chip, g accumulators of [BLOCK_M, D] (or one of [g·BLOCK_M, D] with
+# the group's rows stacked), as many registers as a g times larger BLOCK_M (exercise 2).
 
 
 # @save ops/attention
@@ -1023,6 +1055,41 @@ tutorial.show_refusals(
 )
 
 # %%
+# The variants against their references in fp64: grouped heads against SDPA's
+# ``enable_gqa=True`` (8 query heads, 2 kv heads), a window of 20 keys against a boolean
+# mask, and packed sequences of 30, 1 and the rest of the rows (``varlen_attention``) against
+# SDPA one sequence at a time. ``tests/test_attention_variants.py`` has windows of one key
+# to longer than the sequence, MQA, head dims 16 to 128 and sequences without queries.
+
+n = tutorial.choose(gpu=300, cpu=40)
+q, k, v = check_attention.inputs(1, 8, n, n, 64, torch.bfloat16, DEVICE)
+k, v = k[:, ::4], v[:, ::4]  # 2 kv heads, each serving 4 query heads
+check_attention.check(attention, q, k, v)
+check_attention.check(attention, q, k, v, causal=True, window=20)
+packed = [t[0].transpose(0, 1) for t in (q, k, v)]  # (total, heads, head_dim)
+starts = torch.tensor([0, 30, 31, n], dtype=torch.int32, device=DEVICE)
+longest = int(starts.diff().max())
+sequences = dict(cu_seqlens_q=starts, cu_seqlens_k=starts)
+sequences |= dict(max_seqlen_q=longest, max_seqlen_k=longest)
+check_attention.check(varlen_attention, *packed, causal=True, **sequences)
+print("grouped heads, a window and packed sequences match their references")
+tutorial.show_refusals(
+    "attention(), varlen_attention()",
+    {
+        "3 kv heads for 8": lambda: attention(
+            zeros(1, 8, 8, 64), *[zeros(1, 3, 8, 64)] * 2
+        ),
+        "window without causal": lambda: attention(*[zeros(1, 2, 8, 64)] * 3, window=4),
+        "int64 cu_seqlens": lambda: varlen_attention(
+            *packed, starts.long(), starts, n, n
+        ),
+        "cu_seqlens decreasing": lambda: varlen_attention(
+            *packed, starts.flip(0), starts, n, n
+        ),
+    },
+)
+
+# %%
 # Benchmarks
 # ----------
 # 16,384 tokens split into batches of sequences of N = 512 to 16,384, with 2,048 channels
@@ -1161,6 +1228,135 @@ for results in shown.values():
     bench.summarize(results.bench, results.points, results.env, results.live)
 
 # %%
+# Grouped heads, windows and packed sequences, measured
+# -----------------------------------------------------
+# Three variants, each forward and backward alone, bf16, head dim 128, 16 query heads and
+# 16,384 tokens as above. Their TFLOP/s count only the *useful* FLOPs: 4 D for each (query,
+# key) pair the variant keeps, in the forward, 2.5 times that in the backward, so a rate
+# equal to the causal benchmarks' above is "as fast per useful FLOP".
+#
+# * ``attention-gqa``: causal, 4 kv heads (groups of 4), N = 512 to 16,384; N²/2 pairs a
+#   head, as counted above. Peers: SDPA with ``enable_gqa=True``, as PyTorch picks and held
+#   to FlashAttention-2.
+# * ``attention-window``: a window of 1,024 keys, N = 2,048 to 16,384; 1,024 N - 1,024 ·
+#   1,023 / 2 pairs a head (the first 1,023 rows see fewer). Peer: SDPA with the window as
+#   a boolean mask, which its kernels read from memory (none takes a window).
+# * ``attention-varlen``: not causal, packed sequences of lengths drawn uniformly from 1 to
+#   twice the mean (x), to 16,384 tokens; Σ n² pairs a head. Peer: SDPA on a jagged nested
+#   tensor of the same packing (``torch.nested``, which takes no causal mask). Our call
+#   reads the cumulative lengths on the host to check them, a synchronization, so both
+#   providers are timed as called from Python (do_bench), not replayed in a CUDA graph.
+
+VARIANT_HEADS, VARIANT_HEAD_DIM = tutorial.choose(gpu=(16, 128), cpu=(4, 16))
+WINDOW = tutorial.choose(gpu=1024, cpu=8)
+
+
+def packed_lengths(mean):
+    """Sequence lengths drawn uniformly from 1 to 2 x mean - 1 (one seed), cut to TOKENS."""
+    generator, lengths = torch.Generator().manual_seed(0), []
+    while sum(lengths) < TOKENS:
+        n = int(torch.randint(1, 2 * mean, (1,), generator=generator))
+        lengths.append(min(n, TOKENS - sum(lengths)))
+    return lengths
+
+
+def useful_pairs(variant, n):
+    """(query, key) pairs of all the sequences, a head."""
+    if variant == "gqa":
+        return TOKENS * n / 2
+    if variant == "window":
+        w = min(WINDOW, n)
+        return TOKENS // n * (w * n - w * (w - 1) / 2)
+    return sum(length**2 for length in packed_lengths(n))
+
+
+def packed_call(provider, mean, dtype):
+    """Packed sequences: our call or SDPA's on a nested tensor, and q, k, v."""
+    lengths = packed_lengths(mean)
+    shape = (TOKENS, VARIANT_HEADS, VARIANT_HEAD_DIM)
+    q, k, v = (torch.randn(shape, device=DEVICE, dtype=dtype) for _ in "qkv")
+    offsets = torch.tensor([0, *lengths], device=DEVICE).cumsum(0)
+    starts, longest = offsets.to(torch.int32), max(lengths)
+    extent = dict(min_seqlen=min(lengths), max_seqlen=longest)
+    nested = lambda t: torch.nested.nested_tensor_from_jagged(t, offsets, **extent)
+
+    def call(q, k, v):
+        if provider == "triton":
+            return varlen_attention(q, k, v, starts, starts, longest, longest)
+        heads = [nested(t).transpose(1, 2) for t in (q, k, v)]  # (B, H, j, D)
+        return F.scaled_dot_product_attention(*heads).transpose(1, 2).values()
+
+    return call, (q, k, v)
+
+
+def variant_call(variant, provider, n, dtype):
+    """The call of ``provider`` on the variant's q, k, v, and those."""
+    if variant == "varlen":
+        return packed_call(provider, n, dtype)
+    heads = VARIANT_HEADS // 4 if variant == "gqa" else VARIANT_HEADS
+    make = lambda heads: torch.randn(
+        TOKENS // n, heads, n, VARIANT_HEAD_DIM, device=DEVICE, dtype=dtype
+    )
+    q, k, v = make(VARIANT_HEADS), make(heads), make(heads)
+    window = WINDOW if variant == "window" else None
+    if variant == "window":  # SDPA's: the window as a boolean mask
+        columns = torch.arange(n, device=DEVICE)
+        rows = columns[:, None]
+        mask = (columns <= rows) & (columns > rows - WINDOW)
+    backend = BACKENDS.get(provider) if tutorial.ON_GPU else None
+
+    def call(q, k, v):
+        if provider == "triton":
+            return attention(q, k, v, causal=True, window=window)
+        if variant == "gqa":
+            return check_attention.sdpa(backend, enable_gqa=True)(q, k, v, True)
+        return F.scaled_dot_product_attention(q, k, v, mask)
+
+    return call, (q, k, v)
+
+
+def make_variant_call(variant, provider, n, dtype, backward):
+    function, inputs = variant_call(variant, provider, n, dtype)
+    if not backward:
+        return lambda: function(*inputs)
+    inputs = [t.requires_grad_() for t in inputs]
+    out = function(*inputs)  # the backward alone, of this one graph, each call
+    grad_out = torch.randn_like(out)
+    return lambda: torch.autograd.grad(out, inputs, grad_out, retain_graph=True)
+
+
+VARIANTS = {  # peers, sequence lengths (varlen: the mean), the headline's, the smoke's
+    "gqa": (["torch", "torch (flash)"], SEQUENCES, 4096, 32),
+    "window": (["torch"], SEQUENCES[2:], 8192, 32),
+    "varlen": (["torch"], [128, 256, 512, 1024, 2048, 4096], 1024, 16),
+}
+
+
+def variant_benchmark(variant, backward):
+    peers, xs, headline, smoke = VARIANTS[variant]
+    direction = "backward" if backward else "forward"
+    flops = 4 * VARIANT_HEADS * VARIANT_HEAD_DIM * (2.5 if backward else 1)
+    return bench.Benchmark(
+        name=f"attention-{variant}-{direction}-d128",
+        x_name="mean sequence length, 16,384 tokens"
+        if variant == "varlen"
+        else "N (sequence), 16,384 tokens",
+        x_values=xs,
+        providers=["triton", *peers],
+        unit="TFLOP/s",
+        dtypes=(torch.bfloat16,),
+        make=lambda p, n, dtype: make_variant_call(variant, p, n, dtype, backward),
+        work=lambda n, dtype: flops * useful_pairs(variant, n),
+        smoke_x=smoke,
+        headline_x=headline,
+        uncapturable=("triton", "torch") if variant == "varlen" else (),
+    )
+
+
+for variant, backward in itertools.product(VARIANTS, (False, True)):
+    bench.run(variant_benchmark(variant, backward))
+
+# %%
 # What we learned
 # ---------------
 # * Fused attention is a matmul with a softmax in its loop: O(N D) bytes for O(N² D) FLOPs,
@@ -1168,6 +1364,10 @@ for results in shown.values():
 # * The online softmax needs one pass over the keys; L lets the backward rebuild P.
 # * Masks cost only where the mask is; descriptors handle the ragged edges for free.
 # * A backward split by what each program owns needs no atomics and repeats bit for bit.
+# * Grouped heads, windows and packed sequences are loop bounds and offsets in the same
+#   kernels: a window skips the blocks outside its band, a kv head's key program sums its
+#   group, and packed sequences need masked stores where the descriptor's edge is not
+#   theirs.
 #
 # The sweep behind the launch rules, and the variants that lost (warp specialization, lazy
 # rescaling, descriptors made in the kernel), are in ``lab/attention_sweep.py`` and
@@ -1177,7 +1377,8 @@ for results in shown.values():
 # ---------
 # 1. Add dQ to the key-block kernel with ``tl.atomic_add`` into an fp32 buffer, drop the
 #    query kernel, and time it: how much faster, and how far apart are two runs' dQ?
-# 2. Grouped-query attention: let k and v have fewer heads than q (each serves
-#    ``heads // kv_heads`` query heads). What changes in the forward, and in dK, dV?
+# 2. Grouped heads in the forward: let one program own a block of queries of all g query
+#    heads of a group, K and V loaded once for the g of them. How large a BLOCK_M still
+#    fits the registers, and does it beat the L2's reuse at g = 4?
 # 3. Add an ALiBi bias, a slope per head times (j - i), to the scores: where does it go so
 #    that the unmasked blocks stay cheap?

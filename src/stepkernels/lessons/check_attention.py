@@ -27,12 +27,13 @@ def naive_attention(q, k, v, causal=False):
     return torch.softmax(scores.float(), dim=-1).to(q.dtype) @ v
 
 
-def sdpa(backend=None):
-    """SDPA called as ``attention(q, k, v, causal)``, held to one ``SDPBackend`` if given."""
+def sdpa(backend=None, **options):
+    """SDPA called as ``attention(q, k, v, causal)``, held to one ``SDPBackend`` if given;
+    ``options`` (``enable_gqa=True``, say) passed on."""
 
     def call(q, k, v, causal=False):
         with sdpa_kernel(backend) if backend is not None else nullcontext():
-            return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+            return F.scaled_dot_product_attention(q, k, v, is_causal=causal, **options)
 
     return call
 
