@@ -251,13 +251,15 @@ def sequence(
 
 
 @triton.jit
-def query_block(BLOCK_M: tl.constexpr, CAUSAL: tl.constexpr):
-    """This program's first query: axis 0 of the grid counts query blocks. Causal
-    programs take the longest rows first."""
-    block = tl.program_id(0)
+def query_block(group, BLOCK_M: tl.constexpr, CAUSAL: tl.constexpr):
+    """This program's first query, and which of its kv head's ``group`` query heads it
+    takes: axis 0 of the grid counts query blocks, each ``group`` times, so the programs
+    that read the same K and V tiles run side by side. Causal programs take the longest
+    rows first."""
+    block = tl.program_id(0) // group
     if CAUSAL:
-        block = tl.num_programs(0) - 1 - block
-    return block * BLOCK_M
+        block = tl.num_programs(0) // group - 1 - block
+    return block * BLOCK_M, tl.program_id(0) % group
 
 
 @lean  # cheap repeated launches, descriptors too: chapter 08
@@ -283,10 +285,12 @@ def attention_forward_kernel(
     VARLEN: tl.constexpr,  # packed sequences
     PRECISION: tl.constexpr,
 ):
-    start_m = query_block(BLOCK_M, CAUSAL)
-    batch, head, q_start, n_q, kv_start, n_kv = sequence(
-        tl.program_id(1), n_heads, q_rows, kv_rows, cu_seqlens_q, cu_seqlens_k, VARLEN
+    start_m, member = query_block(group, BLOCK_M, CAUSAL)
+    starts = (cu_seqlens_q, cu_seqlens_k)
+    batch, kv_head, q_start, n_q, kv_start, n_kv = sequence(
+        tl.program_id(1), n_heads // group, q_rows, kv_rows, *starts, VARLEN
     )
+    head = kv_head * group + member
     if start_m >= n_q:  # packed: past the end of a sequence shorter than the longest
         return
     offs_m = start_m + tl.arange(0, BLOCK_M)
@@ -295,7 +299,7 @@ def attention_forward_kernel(
     row_sum = tl.zeros([BLOCK_M], tl.float32)
     row_max = tl.full([BLOCK_M], -float("inf"), tl.float32)
     state, block = (acc, row_sum, row_max), (q, offs_m, n_q)
-    key_side = (keys, values, batch, head // group, kv_start, n_kv, window)
+    key_side = (keys, values, batch, kv_head, kv_start, n_kv, window)
     TILING: tl.constexpr = Tiling(BLOCK_N, CAUSAL, PRECISION)
     # The window's left edge, masked; whole blocks no row of ours masks; the diagonal
     # and the ragged end, masked. Blocks outside the band are not visited.
@@ -333,10 +337,11 @@ def attention_forward_kernel(
 # With grouped heads, dK and dV of a kv head sum over its g query heads. A key program
 # owns a block of one kv head and loops over the group's query heads, its K and V tiles
 # loaded once and its dK, dV summed in registers: no k, v expanded to H heads, no
-# reduction after. In the forward, each query head's program loads its group's K and V
-# itself; the g programs that share them are neighbours in the grid (axis 1 counts
-# batch x heads), so the second read comes from L2 when they run together. Reading each
-# tile once per group from HBM for certain would take a program of g query heads: the
+# reduction after. In the forward (and the dQ kernel), each query head's program loads
+# its group's K and V itself; axis 0 of the grid counts each query block g times, one for
+# each head of the group, so the g programs that read the same tiles start side by side
+# and all but the first find them in L2. Reading each tile into the SM once per group
+# would take a program of g query heads: the
 # tile of K and V on chip, g accumulators of [BLOCK_M, D] (or one of [g·BLOCK_M, D] with
 # the group's rows stacked), as many registers as a g times larger BLOCK_M (exercise 2).
 
@@ -512,10 +517,12 @@ def attention_query_grad_kernel(
     VARLEN: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
-    start_m = query_block(BLOCK_M, CAUSAL)
-    batch, head, q_start, n_q, kv_start, n_kv = sequence(
-        tl.program_id(1), n_heads, q_rows, kv_rows, cu_seqlens_q, cu_seqlens_k, VARLEN
+    start_m, member = query_block(group, BLOCK_M, CAUSAL)
+    starts = (cu_seqlens_q, cu_seqlens_k)
+    batch, kv_head, q_start, n_q, kv_start, n_kv = sequence(
+        tl.program_id(1), n_heads // group, q_rows, kv_rows, *starts, VARLEN
     )
+    head = kv_head * group + member
     if start_m >= n_q:
         return
     offs_m = start_m + tl.arange(0, BLOCK_M)
@@ -530,7 +537,7 @@ def attention_query_grad_kernel(
     lse = tl.load(lse_ptr + stats + offs_m, offs_m < n_q, 0.0)
     dq = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     block = (q, do, lse, delta, offs_m, n_q)
-    key_side = (keys, values, batch, head // group, kv_start, n_kv, window)
+    key_side = (keys, values, batch, kv_head, kv_start, n_kv, window)
     TILING: tl.constexpr = Tiling(BLOCK_N, CAUSAL, PRECISION)
     lo, band, end, hi = key_blocks(start_m, n_kv, window, BLOCK_M, BLOCK_N, CAUSAL)
     dq = query_block_grad(dq, block, key_side, lo, band, scale_log2, True, TILING)
@@ -697,7 +704,8 @@ def attention_forward(
     launch = launch or default_launches(padded, q.element_size(), causal)[0]
     m, n = launch.block_m, launch.block_n
     sequences, longest_q, _, starts = launch_extent(q, k, packing)
-    attention_forward_kernel[(cdiv(longest_q, m), sequences * n_heads)](
+    group, kv_heads = n_heads // k.shape[1], k.shape[1]
+    attention_forward_kernel[(cdiv(longest_q, m) * group, sequences * kv_heads)](
         heads(q, m),
         heads(k, n),
         heads(v, n),
@@ -705,7 +713,7 @@ def attention_forward(
         lse,
         *starts,
         n_heads,
-        n_heads // k.shape[1],
+        group,
         n_q,
         k.shape[2],
         keys_seen(window),
@@ -734,7 +742,8 @@ def attention_backward(
     written = (lambda t, block: t) if packing else heads  # packed: pointers
     delta = torch.empty_like(lse)
     sequences, longest_q, longest_k, starts = launch_extent(q, k, packing)
-    shape = (n_heads // k.shape[1], n_q, k.shape[2], keys_seen(window))
+    group, kv_heads = n_heads // k.shape[1], k.shape[1]
+    shape = (group, n_q, k.shape[2], keys_seen(window))
     scales = (sm_scale * LOG2E, sm_scale)
     options = dict(
         HEAD_DIM=padded,
@@ -743,7 +752,7 @@ def attention_backward(
         PRECISION=dot_precision(q.dtype),
     )
     m, n = query_launch.block_m, query_launch.block_n  # first: it writes δ
-    attention_query_grad_kernel[(cdiv(longest_q, m), sequences * n_heads)](
+    attention_query_grad_kernel[(cdiv(longest_q, m) * group, sequences * kv_heads)](
         heads(q, m),
         heads(k, n),
         heads(v, n),
@@ -763,7 +772,7 @@ def attention_backward(
         num_stages=query_launch.num_stages,
     )
     m, n = key_launch.block_m, key_launch.block_n
-    attention_key_grads_kernel[(cdiv(longest_k, n), sequences * k.shape[1])](
+    attention_key_grads_kernel[(cdiv(longest_k, n), sequences * kv_heads)](
         heads(q, m),
         heads(k, n),
         heads(v, n),
@@ -773,7 +782,7 @@ def attention_backward(
         lse,
         delta,
         *starts,
-        k.shape[1],
+        kv_heads,
         *shape,
         *scales,
         BLOCK_M=m,
@@ -1056,14 +1065,14 @@ tutorial.show_refusals(
 
 # %%
 # The variants against their references in fp64: grouped heads against SDPA's
-# ``enable_gqa=True`` (8 query heads, 2 kv heads), a window of 20 keys against a boolean
+# ``enable_gqa=True`` (4 query heads, 2 kv heads), a window of 20 keys against a boolean
 # mask, and packed sequences of 30, 1 and the rest of the rows (``varlen_attention``) against
 # SDPA one sequence at a time. ``tests/test_attention_variants.py`` has windows of one key
 # to longer than the sequence, MQA, head dims 16 to 128 and sequences without queries.
 
 n = tutorial.choose(gpu=300, cpu=40)
-q, k, v = check_attention.inputs(1, 8, n, n, 64, torch.bfloat16, DEVICE)
-k, v = k[:, ::4], v[:, ::4]  # 2 kv heads, each serving 4 query heads
+q, k, v = check_attention.inputs(1, 4, n, n, 64, torch.bfloat16, DEVICE)
+k, v = k[:, ::2], v[:, ::2]  # 2 kv heads, each serving 2 query heads
 check_attention.check(attention, q, k, v)
 check_attention.check(attention, q, k, v, causal=True, window=20)
 packed = [t[0].transpose(0, 1) for t in (q, k, v)]  # (total, heads, head_dim)
@@ -1076,8 +1085,8 @@ print("grouped heads, a window and packed sequences match their references")
 tutorial.show_refusals(
     "attention(), varlen_attention()",
     {
-        "3 kv heads for 8": lambda: attention(
-            zeros(1, 8, 8, 64), *[zeros(1, 3, 8, 64)] * 2
+        "3 kv heads for 4": lambda: attention(
+            zeros(1, 4, 8, 64), *[zeros(1, 3, 8, 64)] * 2
         ),
         "window without causal": lambda: attention(*[zeros(1, 2, 8, 64)] * 3, window=4),
         "int64 cu_seqlens": lambda: varlen_attention(

@@ -150,13 +150,15 @@ def sequence(
 
 
 @triton.jit
-def query_block(BLOCK_M: tl.constexpr, CAUSAL: tl.constexpr):
-    """This program's first query: axis 0 of the grid counts query blocks. Causal
-    programs take the longest rows first."""
-    block = tl.program_id(0)
+def query_block(group, BLOCK_M: tl.constexpr, CAUSAL: tl.constexpr):
+    """This program's first query, and which of its kv head's ``group`` query heads it
+    takes: axis 0 of the grid counts query blocks, each ``group`` times, so the programs
+    that read the same K and V tiles run side by side. Causal programs take the longest
+    rows first."""
+    block = tl.program_id(0) // group
     if CAUSAL:
-        block = tl.num_programs(0) - 1 - block
-    return block * BLOCK_M
+        block = tl.num_programs(0) // group - 1 - block
+    return block * BLOCK_M, tl.program_id(0) % group
 
 
 @lean  # cheap repeated launches, descriptors too: chapter 08
@@ -182,10 +184,12 @@ def attention_forward_kernel(
     VARLEN: tl.constexpr,  # packed sequences
     PRECISION: tl.constexpr,
 ):
-    start_m = query_block(BLOCK_M, CAUSAL)
-    batch, head, q_start, n_q, kv_start, n_kv = sequence(
-        tl.program_id(1), n_heads, q_rows, kv_rows, cu_seqlens_q, cu_seqlens_k, VARLEN
+    start_m, member = query_block(group, BLOCK_M, CAUSAL)
+    starts = (cu_seqlens_q, cu_seqlens_k)
+    batch, kv_head, q_start, n_q, kv_start, n_kv = sequence(
+        tl.program_id(1), n_heads // group, q_rows, kv_rows, *starts, VARLEN
     )
+    head = kv_head * group + member
     if start_m >= n_q:  # packed: past the end of a sequence shorter than the longest
         return
     offs_m = start_m + tl.arange(0, BLOCK_M)
@@ -194,7 +198,7 @@ def attention_forward_kernel(
     row_sum = tl.zeros([BLOCK_M], tl.float32)
     row_max = tl.full([BLOCK_M], -float("inf"), tl.float32)
     state, block = (acc, row_sum, row_max), (q, offs_m, n_q)
-    key_side = (keys, values, batch, head // group, kv_start, n_kv, window)
+    key_side = (keys, values, batch, kv_head, kv_start, n_kv, window)
     TILING: tl.constexpr = Tiling(BLOCK_N, CAUSAL, PRECISION)
     # The window's left edge, masked; whole blocks no row of ours masks; the diagonal
     # and the ragged end, masked. Blocks outside the band are not visited.
@@ -383,10 +387,12 @@ def attention_query_grad_kernel(
     VARLEN: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
-    start_m = query_block(BLOCK_M, CAUSAL)
-    batch, head, q_start, n_q, kv_start, n_kv = sequence(
-        tl.program_id(1), n_heads, q_rows, kv_rows, cu_seqlens_q, cu_seqlens_k, VARLEN
+    start_m, member = query_block(group, BLOCK_M, CAUSAL)
+    starts = (cu_seqlens_q, cu_seqlens_k)
+    batch, kv_head, q_start, n_q, kv_start, n_kv = sequence(
+        tl.program_id(1), n_heads // group, q_rows, kv_rows, *starts, VARLEN
     )
+    head = kv_head * group + member
     if start_m >= n_q:
         return
     offs_m = start_m + tl.arange(0, BLOCK_M)
@@ -401,7 +407,7 @@ def attention_query_grad_kernel(
     lse = tl.load(lse_ptr + stats + offs_m, offs_m < n_q, 0.0)
     dq = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     block = (q, do, lse, delta, offs_m, n_q)
-    key_side = (keys, values, batch, head // group, kv_start, n_kv, window)
+    key_side = (keys, values, batch, kv_head, kv_start, n_kv, window)
     TILING: tl.constexpr = Tiling(BLOCK_N, CAUSAL, PRECISION)
     lo, band, end, hi = key_blocks(start_m, n_kv, window, BLOCK_M, BLOCK_N, CAUSAL)
     dq = query_block_grad(dq, block, key_side, lo, band, scale_log2, True, TILING)
@@ -556,7 +562,8 @@ def attention_forward(
     launch = launch or default_launches(padded, q.element_size(), causal)[0]
     m, n = launch.block_m, launch.block_n
     sequences, longest_q, _, starts = launch_extent(q, k, packing)
-    attention_forward_kernel[(cdiv(longest_q, m), sequences * n_heads)](
+    group, kv_heads = n_heads // k.shape[1], k.shape[1]
+    attention_forward_kernel[(cdiv(longest_q, m) * group, sequences * kv_heads)](
         heads(q, m),
         heads(k, n),
         heads(v, n),
@@ -564,7 +571,7 @@ def attention_forward(
         lse,
         *starts,
         n_heads,
-        n_heads // k.shape[1],
+        group,
         n_q,
         k.shape[2],
         keys_seen(window),
@@ -593,7 +600,8 @@ def attention_backward(
     written = (lambda t, block: t) if packing else heads  # packed: pointers
     delta = torch.empty_like(lse)
     sequences, longest_q, longest_k, starts = launch_extent(q, k, packing)
-    shape = (n_heads // k.shape[1], n_q, k.shape[2], keys_seen(window))
+    group, kv_heads = n_heads // k.shape[1], k.shape[1]
+    shape = (group, n_q, k.shape[2], keys_seen(window))
     scales = (sm_scale * LOG2E, sm_scale)
     options = dict(
         HEAD_DIM=padded,
@@ -602,7 +610,7 @@ def attention_backward(
         PRECISION=dot_precision(q.dtype),
     )
     m, n = query_launch.block_m, query_launch.block_n  # first: it writes δ
-    attention_query_grad_kernel[(cdiv(longest_q, m), sequences * n_heads)](
+    attention_query_grad_kernel[(cdiv(longest_q, m) * group, sequences * kv_heads)](
         heads(q, m),
         heads(k, n),
         heads(v, n),
@@ -622,7 +630,7 @@ def attention_backward(
         num_stages=query_launch.num_stages,
     )
     m, n = key_launch.block_m, key_launch.block_n
-    attention_key_grads_kernel[(cdiv(longest_k, n), sequences * k.shape[1])](
+    attention_key_grads_kernel[(cdiv(longest_k, n), sequences * kv_heads)](
         heads(q, m),
         heads(k, n),
         heads(v, n),
@@ -632,7 +640,7 @@ def attention_backward(
         lse,
         delta,
         *starts,
-        k.shape[1],
+        kv_heads,
         *shape,
         *scales,
         BLOCK_M=m,
