@@ -840,19 +840,17 @@ def attention_backward_op(
     causal: bool,
     sm_scale: float,
     window: int | None = None,
-    cu_seqlens_q: Tensor | None = None,
-    cu_seqlens_k: Tensor | None = None,
-    max_seqlen_q: int = 0,
-    max_seqlen_k: int = 0,
+    starts: Tensor | None = None,  # packed: cu_seqlens_q and cu_seqlens_k, stacked
+    longest: list[int] | None = None,  # packed: max_seqlen_q and max_seqlen_k
 ) -> tuple[Tensor, Tensor, Tensor]:
-    packing = packed(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    packing = None if starts is None else packed(*starts, *longest)
     q, k, v, o, do = (ready(t) for t in (q, k, v, o, do))
     return attention_backward(q, k, v, o, lse, do, causal, sm_scale, window, packing)
 
 
 @attention_backward_op.register_fake
-def _(q, k, v, o, lse, do, causal, sm_scale, window=None, cu_seqlens_q=None, *_):
-    return tuple(empty_outputs(t, cu_seqlens_q) for t in (q, k, v))
+def _(q, k, v, o, lse, do, causal, sm_scale, window=None, starts=None, longest=None):
+    return tuple(empty_outputs(t, starts) for t in (q, k, v))
 
 
 def attention_setup(ctx, inputs, output):
@@ -865,7 +863,8 @@ def attention_setup(ctx, inputs, output):
 def attention_op_backward(ctx, do, _lse_grad):
     refuse_double_backward("attention", "F.scaled_dot_product_attention")
     *tensors, cu_q, cu_k = ctx.saved_tensors
-    options = (ctx.causal, ctx.sm_scale, ctx.window, cu_q, cu_k, *ctx.longest)
+    starts = None if cu_q is None else torch.stack((cu_q, cu_k))
+    options = (ctx.causal, ctx.sm_scale, ctx.window, starts, ctx.longest)
     grads = attention_backward_op(*tensors, do, *options)
     return *grads, *[None] * 7
 
