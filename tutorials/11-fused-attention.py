@@ -1334,9 +1334,9 @@ def make_variant_call(variant, provider, n, dtype, backward):
 
 
 VARIANTS = {  # peers, sequence lengths (varlen: the mean), the headline's, the smoke's
-    "gqa": (["torch", "torch (flash)"], SEQUENCES, 4096, 32),
-    "window": (["torch"], SEQUENCES[2:], 8192, 32),
-    "varlen": (["torch"], [128, 256, 512, 1024, 2048, 4096], 1024, 16),
+    "gqa": (["torch", "torch (flash)"], SEQUENCES, 4096, 16),
+    "window": (["torch"], SEQUENCES[2:], 8192, 16),
+    "varlen": (["torch"], [128, 256, 512, 1024, 2048, 4096], 1024, 8),
 }
 
 
