@@ -141,7 +141,7 @@ def zeros(*shape, dtype=torch.float16):
     [
         (lambda: attention(zeros(2, 8, 16), zeros(2, 8, 16), zeros(2, 8, 16)), "batch, heads, sequence"),
         (lambda: attention(zeros(1, 2, 8, 64), zeros(1, 2, 8, 32), zeros(1, 2, 8, 32)), "same batch"),
-        (lambda: attention(zeros(1, 2, 8, 64), zeros(1, 4, 8, 64), zeros(1, 4, 8, 64)), "grouped heads"),
+        (lambda: attention(zeros(1, 2, 8, 64), zeros(1, 4, 8, 64), zeros(1, 4, 8, 64)), "multiple of k"),
         (lambda: attention(zeros(1, 2, 8, 64), zeros(1, 2, 9, 64), zeros(1, 2, 8, 64)), "one shape"),
         (lambda: attention(*[zeros(1, 2, 8, 256)] * 3), "head_dim must be 1 to 128"),
         (lambda: attention(zeros(1, 2, 8, 64), *[zeros(1, 2, 8, 64, dtype=torch.bfloat16)] * 2), "share a dtype"),

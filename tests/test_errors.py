@@ -42,6 +42,7 @@ from stepkernels import (
     rotary_embedding_qk,
     silu_mul,
     softmax,
+    varlen_attention,
 )
 from stepkernels.runtime.activations import activation_reference
 from stepkernels.runtime.core import DEVICE, ON_GPU
@@ -57,6 +58,8 @@ b = random_tensor((6,), seed=2)
 col = random_tensor((8, 6), seed=3)  # (K, N) for matmul
 feature_bias = random_tensor((8,), seed=4)
 q = random_tensor((1, 2, 4, 16), seed=5)
+packed = random_tensor((6, 2, 16), seed=10)  # (total, heads, head_dim): sequences of 2 and 4
+starts = torch.tensor([0, 2, 6], dtype=torch.int32, device=DEVICE)
 logits = random_tensor((4, 6), seed=6)
 target = torch.tensor([0, 5, 2, -100], device=DEVICE)
 seed_tensor = torch.tensor(7, device=DEVICE)
@@ -311,6 +314,118 @@ CASES = [
     ("attention", "bad scalar (type)", lambda: attention(q, q, q, causal="no"), TypeError, "causal"),
     ("attention", "bad scalar (type)", lambda: attention(q, q, q, sm_scale="0.5"), TypeError, "sm_scale"),
     ("attention", "bad scalar (value)", lambda: attention(q, q, q, sm_scale=-1.0), ValueError, "sm_scale"),
+    (
+        "attention",
+        "wrong shape",
+        lambda: attention(q, q[:, :1].repeat(1, 3, 1, 1), q[:, :1].repeat(1, 3, 1, 1)),
+        ValueError,
+        "k",
+    ),
+    ("attention", "bad scalar (type)", lambda: attention(q, q, q, causal=True, window=2.5), TypeError, "window"),
+    ("attention", "bad scalar (value)", lambda: attention(q, q, q, causal=True, window=0), ValueError, "window"),
+    ("attention", "bad scalar (value)", lambda: attention(q, q, q, window=3), ValueError, "window"),
+    # varlen_attention (chapter 11): packed sequences
+    (
+        "varlen_attention",
+        "wrong dtype",
+        lambda: varlen_attention(packed.int(), packed, packed, starts, starts, 4, 4),
+        TypeError,
+        "q",
+    ),
+    (
+        "varlen_attention",
+        "mismatched dtypes",
+        lambda: varlen_attention(packed, packed.half(), packed.half(), starts, starts, 4, 4),
+        TypeError,
+        "k",
+    ),
+    (
+        "varlen_attention",
+        "wrong device",
+        lambda: varlen_attention(packed, packed, packed.to(OTHER_DEVICE), starts, starts, 4, 4),
+        ValueError,
+        "v",
+    ),
+    ("varlen_attention", "wrong shape", lambda: varlen_attention(q, q, q, starts, starts, 4, 4), ValueError, "q"),
+    (
+        "varlen_attention",
+        "wrong shape",
+        lambda: varlen_attention(packed, packed[..., :8], packed[..., :8], starts, starts, 4, 4),
+        ValueError,
+        "k",
+    ),
+    (
+        "varlen_attention",
+        "wrong shape",
+        lambda: varlen_attention(
+            packed, packed[:, :1].repeat(1, 3, 1), packed[:, :1].repeat(1, 3, 1), starts, starts, 4, 4
+        ),
+        ValueError,
+        "k",
+    ),
+    (
+        "varlen_attention",
+        "wrong shape",
+        lambda: varlen_attention(packed, packed, packed, starts, starts[:2], 4, 4),
+        ValueError,
+        "cu_seqlens_k",
+    ),
+    (
+        "varlen_attention",
+        "not a tensor",
+        lambda: varlen_attention(packed, packed, packed, [0, 2, 6], starts, 4, 4),
+        TypeError,
+        "cu_seqlens_q",
+    ),
+    (
+        "varlen_attention",
+        "wrong dtype",
+        lambda: varlen_attention(packed, packed, packed, starts.long(), starts, 4, 4),
+        TypeError,
+        "cu_seqlens_q",
+    ),
+    (
+        "varlen_attention",
+        "bad scalar (value)",
+        lambda: varlen_attention(packed, packed, packed, starts, starts.flip(0), 4, 4),
+        ValueError,
+        "cu_seqlens_k",
+    ),
+    (
+        "varlen_attention",
+        "bad scalar (value)",
+        lambda: varlen_attention(packed, packed, packed, starts, starts, 3, 4),
+        ValueError,
+        "max_seqlen_q",
+    ),
+    (
+        "varlen_attention",
+        "bad scalar (value)",
+        lambda: varlen_attention(packed, packed, packed, starts, starts, 4, -1),
+        ValueError,
+        "max_seqlen_k",
+    ),
+    (
+        "varlen_attention",
+        "bad scalar (type)",
+        lambda: varlen_attention(packed, packed, packed, starts, starts, 4.0, 4),
+        TypeError,
+        "max_seqlen_q",
+    ),
+    (
+        "varlen_attention",
+        "bad scalar (type)",
+        lambda: varlen_attention(packed, packed, packed, starts, starts, 4, 4, causal="no"),
+        TypeError,
+        "causal",
+    ),
+    (
+        "varlen_attention",
+        "bad scalar (value)",
+        lambda: varlen_attention(packed, packed, packed, starts, starts, 4, 4, True, window=0),
+        ValueError,
+        "window",
+    ),
     # add (chapter 01)
     ("add", "wrong dtype", lambda: add(x.int(), x.int()), TypeError, "x"),
     ("add", "mismatched dtypes", lambda: add(x, x.half()), TypeError, "y"),
@@ -777,20 +892,26 @@ def test_linear_cross_entropy_refuses_or_answers(data):
 @PROPERTY
 @given(data=st.data())
 def test_attention_refuses_or_answers(data):
-    call = Call(data, "q", "k", "v", "causal", "sm_scale")
-    batch, heads, n_q, n_kv = (data.draw(st.integers(low, high)) for low, high in ((1, 2), (1, 2), (0, 5), (1, 5)))
-    head_dim = data.draw(st.sampled_from([1, 8, 16]))
+    call = Call(data, "q", "k", "v", "causal", "sm_scale", "window")
+    batch, kv_heads, group, n_q, n_kv = (
+        data.draw(st.integers(low, high)) for low, high in ((1, 2), (1, 2), (1, 3), (0, 5), (1, 5))
+    )
+    heads, head_dim = kv_heads * group, data.draw(st.sampled_from([1, 8, 16]))
     wrong = [(heads, n_q, head_dim), (batch, heads, n_q, head_dim + 1), (batch + 1, heads, n_q, head_dim)]
-    q = call.tensor("q", (batch, heads, n_q, head_dim), wrong_shapes=wrong)
-    k, v = (call.tensor(name, (batch, heads, n_kv, head_dim), wrong_shapes=wrong) for name in "kv")
+    q = call.tensor("q", (batch, heads, n_q, head_dim), wrong_shapes=wrong + [(batch, heads + 1, n_q, head_dim)])
+    k, v = (call.tensor(name, (batch, kv_heads, n_kv, head_dim), wrong_shapes=wrong) for name in "kv")
     causal = call("causal", st.booleans(), BAD_SCALARS)
     sm_scale = call("sm_scale", st.one_of(st.none(), st.floats(0.05, 2.0)), st.one_of(BAD_SCALARS, st.floats(-1, 0)))
+    window = call("window", st.one_of(st.none(), st.integers(1, 6)) if causal is True else st.none(), BAD_SCALARS)
 
-    def reference():  # SDPA's is_causal: query i sees keys j <= i
-        mask = torch.ones(n_q, n_kv, dtype=torch.bool, device=DEVICE).tril() if causal else None
-        return F.scaled_dot_product_attention(q.double(), k.double(), v.double(), mask, scale=sm_scale)
+    def reference():  # SDPA's is_causal: query i sees keys j <= i; a window: and j > i - window
+        rows, columns = torch.arange(n_q, device=DEVICE)[:, None], torch.arange(n_kv, device=DEVICE)
+        mask = columns <= rows if causal else None
+        if window is not None:
+            mask &= columns > rows - window
+        return F.scaled_dot_product_attention(q.double(), k.double(), v.double(), mask, scale=sm_scale, enable_gqa=True)
 
-    refused_or_right(lambda: attention(q, k, v, causal, sm_scale), reference, call.dtype)
+    refused_or_right(lambda: attention(q, k, v, causal, sm_scale, window), reference, call.dtype)
 
 
 @PROPERTY

@@ -105,6 +105,7 @@ def test_the_public_names_are_the_functions_and_modules_of_the_redesign():
     expected |= {"cross_entropy", "linear_cross_entropy", "attention", "GPT", "GPTConfig"}
     expected |= {"rms_norm", "RMSNorm", "rotary_embedding", "rotary_embedding_qk", "silu_mul"}
     expected |= {"FusedAdamW", "add_layer_norm"}  # chapter 15
+    expected |= {"varlen_attention"}  # chapter 11: packed sequences
     assert set(stepkernels.__all__) == expected
     for name in expected:
         public = getattr(stepkernels, name)

@@ -183,6 +183,21 @@ def attention():  # chapter 11: head dims up to 64 and 128, causal or not, each 
 
 
 @exercise
+def attention_variants():  # chapter 11: grouped heads in a window; packed sequences
+    starts = torch.tensor([0, 70, 200], dtype=torch.int32, device=DEVICE)
+    for head_dim in (64, 128):
+        for dtype in EVERY:
+            q = tensor(1, 4, 200, head_dim, dtype=dtype)
+            k, v = (tensor(1, 2, 200, head_dim, dtype=dtype) for _ in "kv")
+            backward(sk.attention(q, k, v, causal=True, window=64))
+            q = tensor(200, 4, head_dim, dtype=dtype)
+            k, v = (tensor(200, 2, head_dim, dtype=dtype) for _ in "kv")
+            for causal in (False, True):
+                packed = (starts, starts, 130, 130)
+                backward(sk.varlen_attention(q, k, v, *packed, causal=causal))
+
+
+@exercise
 def gpt():  # chapter 12: a training step at chapter 12's widths under bf16 autocast
     # (few tokens: its products' autotuned configs all come from matmul's large products)
     torch.manual_seed(0)

@@ -41,7 +41,7 @@ if not torch.cuda.is_available() and "TRITON_INTERPRET" not in os.environ:
 from stepkernels.models.gpt import GPT, GPTConfig  # noqa: E402
 from stepkernels.ops.adamw import FusedAdamW  # noqa: E402
 from stepkernels.ops.add_layer_norm import add_layer_norm  # noqa: E402
-from stepkernels.ops.attention import attention  # noqa: E402
+from stepkernels.ops.attention import attention, varlen_attention  # noqa: E402
 from stepkernels.ops.cross_entropy import cross_entropy  # noqa: E402
 from stepkernels.ops.dropout import Dropout, dropout, dropout_bias_act  # noqa: E402
 from stepkernels.ops.layer_norm import LayerNorm, layer_norm  # noqa: E402
@@ -81,4 +81,5 @@ __all__ = [
     "rotary_embedding_qk",
     "silu_mul",
     "softmax",
+    "varlen_attention",
 ]
