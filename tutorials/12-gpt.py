@@ -368,23 +368,12 @@ class TritonLayers:
         return silu_mul(gate, up)
 
     def attention(self, q, k, v):  # chapter 11
-        return attention(q, *kv_for_attention(q, k, v), causal=True)
+        # Grouped heads (fewer k and v heads than q) as they are: each program reads the
+        # k and v head of its query head's group (chapter 11).
+        return attention(q, k, v, causal=True)
 
     def loss(self, logits, targets):  # chapter 09
         return cross_entropy(logits.float(), targets)
-
-
-def kv_for_attention(q, k, v):
-    """k and v as our attention takes them: with as many heads as q, each k and v head
-    repeated for its group of query heads (SDPA's enable_gqa does the same).
-
-    TODO(issue 43): once chapter 11's attention takes k and v with fewer heads than q,
-    return them as they are: the copies here cost a pass over k and v, forward and
-    backward, that the kernel avoids by reading a head for its whole group."""
-    group = q.shape[1] // k.shape[1]
-    if group == 1:
-        return k, v
-    return k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
 
 
 # %%

@@ -1200,9 +1200,8 @@ print("\n".join(summary) or "No recordings of these benchmarks yet (see below)."
 #
 # ``use_triton`` still switches every layer over one state dict; PyTorch's side is
 # ``F.rms_norm``, ``rotate_half``, ``F.silu(gate) * up`` and SDPA with ``enable_gqa=True``.
-# Chapter 11's attention takes as many k and v heads as q has, so our layers repeat each k and
-# v head for its group before calling it (SDPA takes the grouped heads as they are);
-# ``kv_for_attention`` in ``models/gpt`` is the one place that does it. One copy more than in
+# Chapter 11's attention takes the grouped k and v heads as they are, as SDPA does: each
+# query head's programs read the k and v head of its group. One copy more than in
 # GPT-2's block: the rotation writes q as (B, H, T, D), so the attention's output, written in
 # q's layout, reaches the projection through a copy rather than as a view.
 #
