@@ -20,7 +20,7 @@ import inspect
 import linecache
 
 import stepkernels
-from stepkernels.runtime.launch import LeanKernel
+from stepkernels.runtime.launch import PLAN_CACHES, LeanKernel
 import torch
 import torch.nn.functional as F
 
@@ -141,11 +141,15 @@ def make_floor(
             dy = torch.ones_like(out) if dy is None else dy
             torch.autograd.grad(out, leaves, dy)
     known = {storage(v) for v in t.values() if isinstance(v, torch.Tensor)}
+    for plans in PLAN_CACHES:  # bound launches skip kernel[grid]: record without them
+        plans.clear()
     with launches_recorded() as forward:
         out = mine(t)
     phases = [Phase(forward, [out], known)]
     if backward:
         known = known | {storage(dy)} | set(phases[0].allocated)
+        for plans in PLAN_CACHES:
+            plans.clear()
         with launches_recorded() as backward_launches:
             results = torch.autograd.grad(out, leaves, dy)
         phases.append(Phase(backward_launches, list(results), known))
