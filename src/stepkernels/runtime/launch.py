@@ -389,9 +389,19 @@ def bound_launches(launches: list, *tensors: tuple) -> list | None:
     return None if None in bound else bound
 
 
-def plan_cache() -> dict:
-    """A dict for an operation's bound launches, emptied with any kernel's launchers."""
-    plans: dict = {}
+class Plans(dict):
+    """An operation's bound launches by its calls' keys: emptied with any kernel's
+    launchers, and when full (``MAX_ENTRIES``), as a kernel's launch keys are."""
+
+    def __setitem__(self, key, value):
+        if len(self) >= MAX_ENTRIES:
+            self.clear()
+        super().__setitem__(key, value)
+
+
+def plan_cache() -> Plans:
+    """A cache for an operation's bound launches (``Plans``)."""
+    plans = Plans()
     PLAN_CACHES.append(plans)
     return plans
 
