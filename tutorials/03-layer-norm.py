@@ -512,10 +512,9 @@ def rows_of(tensor, n_cols):
 class LayerNormFunction(torch.autograd.Function):
     @staticmethod
     def forward(
-        ctx, x, weight, bias, normalized_shape, eps, reduction, block_size, key
+        ctx, x, weight, bias, normalized_shape, eps, reduction, block_size, key, planned
     ):
-        planned = FORWARD_PLANS.get(key)  # key: a repeated call's (chapter 08), or None
-        if planned is not None:
+        if planned is not None:  # a repeated call's bound launch (chapter 08)
             y, x2d, weight, mean, rstd = planned(x, weight, bias)
         else:
             x2d = rows_of(x, math.prod(normalized_shape))
@@ -553,7 +552,7 @@ class LayerNormFunction(torch.autograd.Function):
             planned = BACKWARD_PLANS.get(key)
             if planned is not None and lean_now():
                 dx, dw, db = planned(x2d, dy, weight, mean, rstd)
-                return dx, dw, db, None, None, None, None, None
+                return dx, dw, db, None, None, None, None, None, None
         saved = (x2d, weight, mean, rstd)
         options = dict(reduction=ctx.reduction, block_size=ctx.block_size)
         with recorded_launches(key is not None) as launches:
@@ -566,7 +565,7 @@ class LayerNormFunction(torch.autograd.Function):
                 g if g is None else g.view(ctx.normalized_shape) for g in (dw, db)
             )
         dx = dx if dx.shape == dy.shape else dx.view(dy.shape)
-        return dx, dw, db, None, None, None, None, None
+        return dx, dw, db, None, None, None, None, None, None
 
 
 # A repeated call launches its kernels bound (chapter 08), under a key of all that they
@@ -667,7 +666,8 @@ def layer_norm(
     loaded at once."""
     given = (x, normalized_shape, weight, bias, eps, reduction, block_size)
     key = call_key(*given)
-    if key in FORWARD_PLANS:  # seen before: checked then
+    planned = None if key is None else FORWARD_PLANS.get(key)
+    if planned is not None:  # seen before: checked then
         shape = (
             (normalized_shape,) if type(normalized_shape) is int else normalized_shape
         )
@@ -676,11 +676,12 @@ def layer_norm(
     args = (x, weight, bias, shape, float(eps), reduction, block_size)
     if torch.compiler.is_compiling():  # operators the compiler traces (below)
         return traced_layer_norm(*args)
+    args = (*args, key, planned)
     grads = x.requires_grad or (weight is not None and weight.requires_grad)
     grads = grads or (bias is not None and bias.requires_grad)
     if grads and torch.is_grad_enabled():
-        return LayerNormFunction.apply(*args, key)
-    return LayerNormFunction.forward(None, *args, key)  # no autograd: ~15 µs less CPU
+        return LayerNormFunction.apply(*args)
+    return LayerNormFunction.forward(None, *args)  # no autograd: ~15 µs less CPU
 
 
 class LayerNorm(torch.nn.LayerNorm):

@@ -176,6 +176,13 @@ print(
 # needs a gradient, under ``torch.no_grad()`` or for inputs that do not require one, the
 # public functions call the forward wrapper directly instead of an ``autograd.Function``.
 #
+# The last step skips even the key. What a call's launches read from it is its tensors'
+# shapes, strides, dtypes, devices and alignments, and its other arguments: keyed by those, a
+# repeated call of softmax or layer norm (chapters 02 and 03) skips its checks, which passed
+# for that key, its launch rules and ``LeanKernel.key``. The first call's launches are
+# recorded (``recorded_launches``) and bound (``LeanKernel.bound``: grid, integers,
+# constexprs and compiled kernel fixed), so that a repeat hands the launcher its tensors.
+#
 # Benchmark: CPU per call, before and after
 # -----------------------------------------
 # Every public operation at 64 x 256 fp16 (attention: 1 x 4 heads of 64 x 64; matmul, linear
@@ -183,13 +190,12 @@ print(
 # what the CPU spends on it: forward alone (no input requires a gradient), and forward and
 # backward through ``torch.autograd.grad``. Ours, ours launched through Triton's own path
 # (inside ``triton_launches()``: what ``lean`` saves, the "before"), torch's own operation,
-# and the *floor*: the least any wrapper launching through Triton can cost
-# (``calls.make_floor``). It allocates the tensors ours allocates for its kernels and results
-# and launches as many kernels, each an empty ``@triton.jit`` function with our kernel's
-# parameters, through the compiled launcher with every argument bound once; with a
+# and the *floor*, the least a wrapper launching through Triton can cost
+# (``calls.make_floor``): our allocations and as many launches of empty ``@triton.jit``
+# twins of our kernels, through the compiled launcher with every argument bound; with a
 # backward, inside an ``autograd.Function``. Targets: at most 1.5 times torch's CPU time per
-# forward, twice per forward and backward; where Triton's launcher puts the floor above
-# that, at most 1.1 times the floor.
+# forward, twice per forward and backward; where the floor itself is above that, at most
+# 1.1 times the floor.
 
 ROWS, WIDTH = tutorial.choose(gpu=(64, 256), cpu=(8, 32))
 HEAD_DIM = tutorial.choose(gpu=64, cpu=16)
@@ -253,11 +259,6 @@ if calls:  # by the names recorded: a recording made before an operation joined 
     print("Slower lean than through Triton's launch:", ", ".join(slower) or "none")
 
 # %%
-# CPU time per call is the noisiest figure we record: the same call of the same code has
-# measured over three times apart on machines of one kind, so one recording says little below
-# a factor of 1.5, and a line "slower lean" above is within that noise unless
-# it repeats.
-#
 # Where the time of one call goes now: ``cProfile`` over 100 calls of ``layer_norm``'s
 # forward and backward, the functions that take the most time of their own. On a GPU these
 # are our wrappers, autograd's and the launcher; under the interpreter the interpreter's own
