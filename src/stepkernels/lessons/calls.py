@@ -152,7 +152,8 @@ def make_floor(
             plans.clear()
         with launches_recorded() as backward_launches:
             results = torch.autograd.grad(out, leaves, dy)
-        phases.append(Phase(backward_launches, list(results), known))
+        saved = set(phases[0].allocated)
+        phases.append(Phase(backward_launches, list(results), known, saved))
     compile_empty = compile_empty or empty_twin_compiled
     for phase in phases:
         phase.bind(compile_empty)
@@ -161,6 +162,7 @@ def make_floor(
     function = floor_function(*phases)
     call = lambda: torch.autograd.grad(function.apply(*leaves), leaves, dy)
     call.parts = (function, leaves, dy)  # for timing the forward and backward apart
+    call.phases = phases
     return call
 
 
@@ -200,7 +202,7 @@ class Phase:
     the kernels' arguments and the results, which stand for their storage where they lie
     on one), and the launches, bound once."""
 
-    def __init__(self, launches, results, known):
+    def __init__(self, launches, results, known, saved=()):
         self.launches, self.device = launches, results[0].device
         self.allocated: dict = {}  # storage -> (shape, dtype)
         for tensor in (
@@ -208,7 +210,10 @@ class Phase:
             *(t for _, _, a, _ in launches for t in tensors_of(a)),
         ):
             key = storage(tensor)
-            if key not in known and key not in self.allocated:
+            # a result on an input's storage (not one the forward saved) gets its own
+            result = any(tensor is r for r in results)
+            new = key not in known or (result and key not in saved)
+            if new and key not in self.allocated:
                 self.allocated[key] = (tuple(tensor.shape), tensor.dtype)
         self.results = [storage(r) for r in results]  # where each result lies
         self.bound: list = []
