@@ -674,7 +674,8 @@ def layer_norm(
     else:
         shape = layer_norm_arguments(*given, SUPPORTED_DTYPES, REDUCTIONS)  # or raises
     args = (x, weight, bias, shape, float(eps), reduction, block_size)
-    if torch.compiler.is_compiling():  # operators the compiler traces (below)
+    # Operators the compiler traces (below); a call is keyed only when not compiling.
+    if key is None and torch.compiler.is_compiling():
         return traced_layer_norm(*args)
     args = (*args, key, planned)
     grads = x.requires_grad or (weight is not None and weight.requires_grad)
