@@ -317,7 +317,7 @@ def empty_twin(kernel: LeanKernel):
             source.splitlines(True),
             filename,
         )
-        namespace = {"tl": triton.language}
+        namespace = {"tl": triton.language, "__name__": __name__}
         exec(compile(source, filename, "exec"), namespace)
         twin = triton.jit(do_not_specialize=unspecialized)(namespace[name])
         EMPTY_TWINS[function] = twin
