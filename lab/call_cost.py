@@ -32,9 +32,12 @@ torch's own op is timed twice: on the same CPU tensors (where it also *computes*
 slower than its GPU call's CPU cost; fp16 on a CPU is slow) and on 2 x 8 fp32 tensors
 (``tiny``: its dispatch and autograd with next to no computation, the nearest CPU stand-in
 for what a CUDA call costs the host; ``meta`` tensors are no stand-in: many of their ops are
-Python decompositions, milliseconds a call). The ratio is ours / torch tiny. "calls": the
-Python functions (and C functions called from Python) that one call of ours runs, as cProfile
+Python decompositions, milliseconds a call). "floor": chapter 08's floor of the call
+(``lessons/calls.py``'s ``make_floor``: our allocations and as many launches, of launchers that
+do nothing here, inside one autograd.Function); the ratio is ours / floor. "calls": the
+Python functions (and C functions called from Python) that one call runs, as cProfile
 counts them: the same from run to run, where a time on this shared machine moves by half.
+The calls, their inputs and torch's counterparts are chapter 08's (``lessons/calls.py``).
 
     python lab/call_cost.py [--profile] [--only softmax,layer_norm] [--calls 2000]
 """
@@ -56,10 +59,10 @@ if __name__ == "__main__":  # before the package is imported (importing the scri
     torch.set_num_threads(1)  # the fp16 ops torch computes here: no threads to wait for
 
 import stepkernels  # noqa: E402
+from stepkernels.lessons import calls  # noqa: E402
 from stepkernels.ops import matmul_hopper  # noqa: E402
 from stepkernels.runtime import arguments  # noqa: E402
 from stepkernels.runtime.launch import LeanKernel  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
 import triton  # noqa: E402
 
 
@@ -110,110 +113,37 @@ def launches_as_no_ops():
     arguments.classes_in_range = lambda *args, **kwargs: None  # a GPU skips it too
 
 
-ROWS, WIDTH = 64, 256
+ROWS, WIDTH, HEADS = 64, 256, (1, 4, 64, 64)
+TINY = (2, 8, (1, 1, 2, 8))  # torch's stand-in for a CUDA call: next to no computation
 DTYPE = torch.float16
-
-
-def inputs(grad, tiny=False):
-    """The tensors of every op; ``tiny``: 2 x 8 fp32 (heads 1 x 1 x 2 x 8)."""
-    g = torch.Generator().manual_seed(0)
-    rows, width, head = (2, 8, 8) if tiny else (ROWS, WIDTH, 64)
-    dtype = torch.float32 if tiny else DTYPE
-
-    def make(*shape, scale=1.0):
-        t = (torch.randn(*shape, generator=g) * scale).to(dtype)
-        return t.requires_grad_(grad)
-
-    t = {
-        "x": make(rows, width),
-        "w": make(width, width, scale=width**-0.5),
-        "b": make(width),
-        "ln_w": make(width),
-        "q": make(1, 1 if tiny else 4, rows, head),
-        "k": make(1, 1 if tiny else 4, rows, head),
-        "v": make(1, 1 if tiny else 4, rows, head),
-    }
-    t["target"] = torch.randint(width, (rows,), generator=g)
-    t["a"], t["b_mat"] = make(rows, width).detach(), make(width, width).detach()
-    return t
-
-
-SEED = 1234
-OPS = {  # name: (ours, torch's, the inputs that take a gradient); None: no backward
-    "softmax": (
-        lambda t: stepkernels.softmax(t["x"]),
-        lambda t: torch.softmax(t["x"], -1),
-        ("x",),
-    ),
-    "log_softmax": (
-        lambda t: stepkernels.log_softmax(t["x"]),
-        lambda t: torch.log_softmax(t["x"], -1),
-        ("x",),
-    ),
-    "layer_norm": (
-        lambda t: stepkernels.layer_norm(t["x"], (WIDTH,), t["ln_w"], t["b"]),
-        lambda t: F.layer_norm(t["x"], t["x"].shape[-1:], t["ln_w"], t["b"]),
-        ("x", "ln_w", "b"),
-    ),
-    "matmul": (
-        lambda t: stepkernels.matmul(t["a"], t["b_mat"]),
-        lambda t: torch.mm(t["a"], t["b_mat"]),
+CPU = torch.device("cpu")
+OPS = {  # chapter 08's table of calls (lessons/calls.py), and chapter 07's kernel
+    **calls.OPERATIONS,
+    "matmul_tma": (  # which matmul takes on Hopper (not here)
+        lambda t: matmul_hopper.matmul_tma(t["x"], t["w"].mT),
+        lambda t: torch.mm(t["x"], t["w"].mT),
         None,
-    ),
-    "matmul_tma": (  # chapter 07's kernel, which matmul takes on Hopper (not here)
-        lambda t: matmul_hopper.matmul_tma(t["a"], t["b_mat"]),
-        lambda t: torch.mm(t["a"], t["b_mat"]),
-        None,
-    ),
-    "linear": (
-        lambda t: stepkernels.linear(t["x"], t["w"], t["b"]),
-        lambda t: F.linear(t["x"], t["w"], t["b"]),
-        ("x", "w", "b"),
-    ),
-    "linear+gelu": (
-        lambda t: stepkernels.linear(t["x"], t["w"], t["b"], "gelu"),
-        lambda t: F.gelu(F.linear(t["x"], t["w"], t["b"])),
-        ("x", "w", "b"),
-    ),
-    "dropout": (
-        lambda t: stepkernels.dropout(t["x"], 0.1, SEED),
-        lambda t: F.dropout(t["x"], 0.1),
-        ("x",),
-    ),
-    "dropout_bias_act": (
-        lambda t: stepkernels.dropout_bias_act(t["x"], t["b"], 0.1, "gelu", SEED),
-        lambda t: F.dropout(F.gelu(t["x"] + t["b"]), 0.1),
-        ("x", "b"),
-    ),
-    "cross_entropy": (
-        lambda t: stepkernels.cross_entropy(t["x"], t["target"]),
-        lambda t: F.cross_entropy(t["x"], t["target"]),
-        ("x",),
-    ),
-    "linear_cross_entropy": (
-        lambda t: stepkernels.linear_cross_entropy(t["x"], t["w"], t["target"]),
-        lambda t: F.cross_entropy(F.linear(t["x"], t["w"]), t["target"]),
-        ("x", "w"),
-    ),
-    "attention": (
-        lambda t: stepkernels.attention(t["q"], t["k"], t["v"], causal=True),
-        lambda t: F.scaled_dot_product_attention(t["q"], t["k"], t["v"], is_causal=True),
-        ("q", "k", "v"),
     ),
 }
+calls.OPERATIONS.update(OPS)  # make_call and make_floor find matmul_tma too
 
 
-def call(fn, backward, grads, tiny=False):
-    """The call to time: ``fn`` alone (no input takes a gradient), or through
-    ``torch.autograd.grad`` with respect to ``grads``."""
-    t = inputs(grad=False, tiny=tiny)
-    if not backward:
-        return lambda: fn(t)
-    t = inputs(grad=True, tiny=tiny)
-    leaves = [t[name] for name in grads]
-    out = fn(t)
-    dy = torch.ones_like(out)
-    return lambda: torch.autograd.grad(fn(t), leaves, dy)
+def call(label, ours=True, tiny=False):
+    """The call ``label`` ("softmax", "softmax fwd+bwd"...), ours or torch's; ``tiny``: on
+    2 x 8 fp32 (heads 1 x 1 x 2 x 8)."""
+    torch.manual_seed(0)
+    shape, dtype = (TINY, torch.float32) if tiny else ((ROWS, WIDTH, HEADS), DTYPE)
+    return calls.make_call(label, ours, *shape, CPU, dtype)
+
+
+def no_launch(kernel, grid, args, tail, compiled):
+    """The floor's empty kernel, compiled: here the launcher that does nothing."""
+    return compiled
+
+
+def floor(label):
+    torch.manual_seed(0)
+    return calls.make_floor(label, ROWS, WIDTH, HEADS, CPU, DTYPE, no_launch)
 
 
 def cpu_us(fn, calls, batches=10):
@@ -278,27 +208,30 @@ def main():
         f"fastest of 10 batches of {options.calls // 10} (torch: of 2 of "
         f"{options.calls // 40})"
     )
-    header = f"{'op':<28} {'ours':>7} {'torch':>8} {'torch tiny':>11} {'ours/tiny':>10} {'calls':>6}"
+    header = (
+        f"{'op':<28} {'ours':>7} {'floor':>7} {'torch':>8} {'torch tiny':>11} "
+        f"{'ours/floor':>10} {'calls':>6} {'floor calls':>11}"
+    )
     print(header)
     for name in names:
-        ours, theirs, grads = OPS[name]
-        for backward in (False, True):
-            if backward and grads is None:
-                continue
-            label = f"{name}{' fwd+bwd' if backward else ''}"
+        for label in calls.labels([name]).values():
             try:
-                ours_call = call(ours, backward, grads)
+                ours_call = call(label)
                 mine = cpu_us(ours_call, options.calls)
+                floor_call = floor(label)
+                least = cpu_us(floor_call, options.calls)
             except RuntimeError as error:  # a kernel launched through Triton's own path
                 print(f"{label:<28} not timed: {str(error)[:60]}")
                 continue
             on_cpu = tiny = float("nan")
             if not options.no_torch:
-                on_cpu = cpu_us(call(theirs, backward, grads), options.calls // 20, 2)
-                tiny = cpu_us(call(theirs, backward, grads, tiny=True), options.calls)
+                on_cpu = cpu_us(call(label, ours=False), options.calls // 20, 2)
+                tiny = cpu_us(call(label, ours=False, tiny=True), options.calls)
+            lean = "" if mine_path(ours_call) else " (not lean)"
             print(
-                f"{label:<28} {mine:7.1f} {on_cpu:8.1f} {tiny:11.1f} "
-                f"{mine / tiny:9.1f}x {python_calls(ours_call):6.0f}" + ("" if mine_path(ours_call) else " (not lean)"),
+                f"{label:<28} {mine:7.1f} {least:7.1f} {on_cpu:8.1f} {tiny:11.1f} "
+                f"{mine / least:9.2f}x {python_calls(ours_call):6.0f} "
+                f"{python_calls(floor_call):11.0f}{lean}",
                 flush=True,
             )
             if options.profile:

@@ -2,11 +2,17 @@
 lean launches for every kernel of the public operations (tensor descriptors too), and
 arguments checked once per call."""
 
+import inspect
+import json
+import os
+from pathlib import Path
+import subprocess
 import sys
 
 from conftest import random_tensor
 import pytest
 import stepkernels
+from stepkernels.lessons import calls
 from stepkernels.runtime import arguments
 from stepkernels.runtime.core import DEVICE, ON_GPU
 from stepkernels.runtime.launch import LeanKernel, cdiv, next_power_of_2, triton_launches
@@ -140,3 +146,90 @@ def test_lean_attention_matches_tritons_path(dtype):
                 torch.testing.assert_close(got, want, rtol=0, atol=0)
     attention_module = sys.modules["stepkernels.ops.attention"]
     assert attention_module.attention_forward_kernel.entries  # the lean path was taken
+
+
+def test_bound_launches_pass_the_launcher_what_keyed_launches_pass():
+    """A repeated call of softmax or layer_norm replays its launches bound (chapter 08):
+    the same grids, integers, constexprs and tensors (by role: an input, or the call's own
+    new tensor) as the launch by key. Run without a GPU and without the interpreter, with
+    launchers that record what they are passed (tests/bound_launch_probe.py)."""
+    probe = Path(__file__).with_name("bound_launch_probe.py")
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "TRITON_INTERPRET": "0"}
+    ran = subprocess.run([sys.executable, str(probe)], env=env, capture_output=True, text=True, timeout=600)
+    assert ran.returncode == 0, ran.stderr[-3000:]
+    results = json.loads(ran.stdout)
+    assert len(results) == 7
+    for name, result in results.items():
+        assert result == {
+            "bound": True,
+            "same": True,
+            "launches": result["launches"],
+            "off": True,
+        }, name
+    assert results["layer_norm fwd+bwd"]["launches"] == 3  # forward, rows, partial sums
+
+
+@pytest.mark.skipif(not ON_GPU, reason="bound launches are taken on a GPU only")
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_bound_launches_match_tritons_path(dtype):
+    """softmax and layer_norm, forward and backward, called again and again (bound
+    launches): the same bits as through Triton's launch."""
+    x = random_tensor((64, 256), dtype, 0).requires_grad_()
+    w, b = (random_tensor((256,), dtype, s).requires_grad_() for s in (1, 2))
+    dy = random_tensor((64, 256), dtype, 3)
+    calls = {
+        "softmax": lambda: stepkernels.softmax(x),
+        "log_softmax": lambda: stepkernels.log_softmax(x),
+        "layer_norm": lambda: stepkernels.layer_norm(x, (256,), w, b),
+    }
+    for name, call in calls.items():
+        leaves = (x, w, b) if name == "layer_norm" else (x,)
+
+        def step(call=call, leaves=leaves):
+            out = call()
+            return (out.detach(), *torch.autograd.grad(out, leaves, dy))
+
+        with triton_launches():
+            expected = step()
+        for _ in range(3):
+            for got, want in zip(step(), expected, strict=True):
+                torch.testing.assert_close(got, want, rtol=0, atol=0)
+        with torch.no_grad():
+            torch.testing.assert_close(call(), expected[0], rtol=0, atol=0)
+
+
+def test_floor_allocates_and_launches_what_ours_does():
+    """Chapter 08's floor of layer_norm's forward and backward: ours allocates y, mean and
+    rstd, then dX, dW, dB and the partial sums, and launches one kernel, then two; the
+    floor's gradients have the leaves' shapes. (Under the interpreter it launches none.)"""
+    call = calls.make_floor("layer_norm fwd+bwd", 8, 32, (1, 1, 8, 16), DEVICE, torch.float32)
+    forward, backward = call.phases
+    assert [len(p.launches) for p in call.phases] == [1, 2]
+    assert len(forward.allocated) == 3 and len(backward.allocated) == 4
+    assert sorted(forward.allocated.values(), key=str) == sorted(
+        [((8, 32), torch.float32), ((8,), torch.float32), ((8,), torch.float32)], key=str
+    )
+    grads = call()
+    assert [tuple(g.shape) for g in grads] == [(8, 32), (32,), (32,)]
+    softmax = calls.make_floor("softmax", 8, 32, (1, 1, 8, 16), DEVICE, torch.float32)
+    assert softmax().shape == (8, 32) and len(softmax.__self__.launches) == 1
+
+
+def test_empty_twin_takes_the_kernels_parameters():
+    softmax_kernel = sys.modules["stepkernels.ops.softmax"].softmax_kernel
+    dropout_kernel = sys.modules["stepkernels.ops.dropout"].dropout_kernel
+    for kernel in (softmax_kernel, dropout_kernel):
+        twin = calls.empty_twin(kernel)
+        layers = [kernel.kernel]
+        while hasattr(layers[-1], "fn"):
+            layers.append(layers[-1].fn)
+        theirs = inspect.signature(layers[-1]).parameters.values()
+        mine = inspect.signature(twin.fn).parameters.values()
+        assert [(p.name, "constexpr" in str(p.annotation)) for p in mine] == [
+            (p.name, "constexpr" in str(p.annotation)) for p in theirs
+        ]
+        assert calls.empty_twin(kernel) is twin  # made once
+    x = torch.randn(2, 16, device=DEVICE)
+    y = torch.zeros_like(x)
+    calls.empty_twin(softmax_kernel)[(1,)](x, y, 2, 16, 16, 16, 2, 16, False)
+    assert not y.any()  # it does nothing

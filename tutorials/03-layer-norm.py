@@ -72,9 +72,13 @@ from stepkernels.runtime.arguments import (  # checks
 from stepkernels.runtime.core import INTERPRET, refuse_double_backward, sm_count
 from stepkernels.runtime.device import profile
 from stepkernels.runtime.launch import (  # cheap repeated launches: chapter 08
+    bound_launches,
     cdiv,
     lean,
+    lean_now,
     next_power_of_2,
+    plan_cache,
+    recorded_launches,
 )
 from stepkernels.runtime.partials import flush_partials
 import torch
@@ -507,16 +511,33 @@ def rows_of(tensor, n_cols):
 
 class LayerNormFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, normalized_shape, eps, reduction, block_size):
-        x2d = rows_of(x, math.prod(normalized_shape))
-        flat = lambda p: p if p is None or is_vector(p) else p.reshape(-1).contiguous()
-        weight, bias = flat(weight), flat(bias)
-        y, mean, rstd = layer_norm_forward(x2d, weight, bias, eps, block_size)
+    def forward(
+        ctx, x, weight, bias, normalized_shape, eps, reduction, block_size, key, planned
+    ):
+        if planned is not None:  # a repeated call's bound launch (chapter 08)
+            y, x2d, weight, mean, rstd = planned(x, weight, bias)
+        else:
+            x2d = rows_of(x, math.prod(normalized_shape))
+            flat = lambda p: (
+                p if p is None or is_vector(p) else p.reshape(-1).contiguous()
+            )
+            flat_weight, flat_bias = flat(weight), flat(bias)
+            with recorded_launches(key is not None) as launches:
+                y, mean, rstd = layer_norm_forward(
+                    x2d, flat_weight, flat_bias, eps, block_size
+                )
+            unchanged = x2d is x and flat_weight is weight and flat_bias is bias
+            if key is not None and unchanged:
+                params = (x if weight is None else weight, x if bias is None else bias)
+                bound = bound_launches(launches, (x, y, *params, mean, rstd))
+                if bound:
+                    FORWARD_PLANS[key] = planned_forward(*bound, len(mean))
+            weight, y = flat_weight, y if y.shape == x.shape else y.view(x.shape)
         if ctx is not None:  # None: called without autograd, nothing to save
             ctx.save_for_backward(x2d, weight, mean, rstd)
             ctx.normalized_shape, ctx.has_bias = normalized_shape, bias is not None
-            ctx.options = dict(reduction=reduction, block_size=block_size)
-        return y if y.shape == x.shape else y.view(x.shape)
+            ctx.reduction, ctx.block_size, ctx.key = reduction, block_size, key
+        return y
 
     @staticmethod
     def backward(ctx, dy):
@@ -524,16 +545,110 @@ class LayerNormFunction(torch.autograd.Function):
         x2d, weight, mean, rstd = ctx.saved_tensors
         want_dw = weight is not None and ctx.needs_input_grad[1]
         want_db = ctx.has_bias and ctx.needs_input_grad[2]
+        key = ctx.key if ctx.key is None or type(dy) is torch.Tensor else None
+        if key is not None:  # a repeated call: dy's layout too
+            key = (key, dy.shape, dy.stride(), dy.dtype, dy.data_ptr() % 16)
+            key = (*key, want_dw, want_db)
+            planned = BACKWARD_PLANS.get(key)
+            if planned is not None and lean_now():
+                dx, dw, db = planned(x2d, dy, weight, mean, rstd)
+                return dx, dw, db, None, None, None, None, None, None
         saved = (x2d, weight, mean, rstd)
-        dx, dw, db = layer_norm_backward(
-            rows_of(dy, x2d.shape[1]), *saved, want_dw, want_db, **ctx.options
-        )
+        options = dict(reduction=ctx.reduction, block_size=ctx.block_size)
+        with recorded_launches(key is not None) as launches:
+            dy2d = rows_of(dy, x2d.shape[1])
+            dx, dw, db = layer_norm_backward(dy2d, *saved, want_dw, want_db, **options)
+        if key is not None and dy2d is dy and ctx.reduction == "two-stage":
+            plan_backward(key, launches, saved, dy, dx, dw, db)
         if len(ctx.normalized_shape) > 1:
             dw, db = (
                 g if g is None else g.view(ctx.normalized_shape) for g in (dw, db)
             )
         dx = dx if dx.shape == dy.shape else dx.view(dy.shape)
-        return dx, dw, db, None, None, None, None
+        return dx, dw, db, None, None, None, None, None, None
+
+
+# A repeated call launches its kernels bound (chapter 08), under a key of all that they
+# read from the call: each tensor's layout, and the other arguments as given.
+FORWARD_PLANS, BACKWARD_PLANS = plan_cache(), plan_cache()
+TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
+
+
+def layout(t) -> tuple | None:
+    return (
+        None
+        if t is None
+        else (t.shape, t.stride(), t.dtype, t.device, t.data_ptr() % 16)
+    )
+
+
+def call_key(x, shape, weight, bias, eps, reduction, block_size) -> tuple | None:
+    """What the launches of a ``layer_norm`` call read from it, or None: the call is not
+    keyed (traced, or arguments whose value alone does not say they pass the checks)."""
+    keyed = type(x) in TENSOR_TYPES and type(eps) is float and block_size is None
+    keyed = keyed and (weight is None or type(weight) in TENSOR_TYPES)
+    keyed = keyed and (bias is None or type(bias) in TENSOR_TYPES)
+    if keyed and type(shape) is not torch.Size and type(shape) is not int:
+        keyed = type(shape) is tuple and len(shape) == 1 and type(shape[0]) is int
+    if not keyed or torch.compiler.is_compiling() or not lean_now():
+        return None
+    return layout(x), shape, layout(weight), layout(bias), eps, reduction
+
+
+def planned_forward(launch, n_rows):
+    def forward(x, weight, bias):
+        device = x.device
+        y = torch.empty_like(x, memory_format=torch.contiguous_format)
+        mean = torch.empty(n_rows, device=device, dtype=torch.float32)
+        rstd = torch.empty(n_rows, device=device, dtype=torch.float32)
+        params = (x if weight is None else weight, x if bias is None else bias)
+        launch(x, y, *params, mean, rstd)
+        return y, x, weight, mean, rstd
+
+    return forward
+
+
+def plan_backward(key, launches, saved, dy, dx, dw, db):
+    """Bind the backward's launches (two-stage: the rows, then the partial sums; without
+    dW and dB, the rows alone) for the calls with ``key``."""
+    x2d, weight, mean, rstd = saved
+    rows = (x2d, dy, dx, x2d if weight is None else weight, mean, rstd)
+    if dw is None and db is None:
+        bound = bound_launches(launches, (*rows, dx, dx))
+    elif len(launches) == 2:
+        partials = launches[0][2][6]
+        sums = (partials, partials, dx if dw is None else dw, dx if db is None else db)
+        bound = bound_launches(launches, (*rows, partials, partials), sums)
+    else:
+        return
+    if not bound:
+        return
+    shapes = (
+        partials.shape if len(bound) == 2 else None,
+        dw is not None,
+        db is not None,
+    )
+    BACKWARD_PLANS[key] = planned_backward(
+        bound, *shapes, (dw if dw is not None else db)
+    )
+
+
+def planned_backward(bound, partials_shape, want_dw, want_db, like):
+    def backward(x2d, dy, weight, mean, rstd):
+        device = x2d.device
+        dx = torch.empty_like(x2d, memory_format=torch.contiguous_format)
+        dw = torch.empty_like(like) if want_dw else None
+        db = torch.empty_like(like) if want_db else None
+        rows = (x2d, dy, dx, x2d if weight is None else weight, mean, rstd)
+        if partials_shape is None:
+            bound[0](*rows, dx, dx)
+            return dx, dw, db
+        partials = torch.empty(partials_shape, device=device, dtype=torch.float32)
+        bound[0](*rows, partials, partials)
+        bound[1](partials, partials, dx if dw is None else dw, dx if db is None else db)
+        return dx, dw, db
+
+    return backward
 
 
 def layer_norm(
@@ -550,11 +665,21 @@ def layer_norm(
     same bits every run) or "lock"; ``block_size``: a power of two, the most of a row
     loaded at once."""
     given = (x, normalized_shape, weight, bias, eps, reduction, block_size)
-    shape = layer_norm_arguments(*given, SUPPORTED_DTYPES, REDUCTIONS)  # or raises
+    key = call_key(*given)
+    planned = None if key is None else FORWARD_PLANS.get(key)
+    if planned is not None:  # seen before: checked then
+        shape = (
+            (normalized_shape,) if type(normalized_shape) is int else normalized_shape
+        )
+    else:
+        shape = layer_norm_arguments(*given, SUPPORTED_DTYPES, REDUCTIONS)  # or raises
     args = (x, weight, bias, shape, float(eps), reduction, block_size)
-    if torch.compiler.is_compiling():  # operators the compiler traces (below)
+    # Operators the compiler traces (below); a call is keyed only when not compiling.
+    if key is None and torch.compiler.is_compiling():
         return traced_layer_norm(*args)
-    grads = any(t is not None and t.requires_grad for t in (x, weight, bias))
+    args = (*args, key, planned)
+    grads = x.requires_grad or (weight is not None and weight.requires_grad)
+    grads = grads or (bias is not None and bias.requires_grad)
     if grads and torch.is_grad_enabled():
         return LayerNormFunction.apply(*args)
     return LayerNormFunction.forward(None, *args)  # no autograd: ~15 µs less CPU

@@ -10,9 +10,13 @@ import functools
 from stepkernels.runtime.arguments import softmax_arguments
 from stepkernels.runtime.core import refuse_double_backward
 from stepkernels.runtime.launch import (  # cheap repeated launches: chapter 08
+    bound_launches,
     cdiv,
     lean,
+    lean_now,
     next_power_of_2,
+    plan_cache,
+    recorded_launches,
 )
 from stepkernels.runtime.rows import as_rows, quiet
 from stepkernels.runtime.waiting import MAX_POLLS, publish_and_wait
@@ -300,8 +304,8 @@ def softmax_backward(y, dy, log: bool = False, launch: Launch | None = None):
 
 class SoftmaxFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, log):
-        y = softmax_forward(x, log)
+    def forward(ctx, x, log, planned=None):
+        y = softmax_forward(x, log) if planned is None else planned(x)
         ctx.save_for_backward(y)
         ctx.log = log
         return y
@@ -311,20 +315,65 @@ class SoftmaxFunction(torch.autograd.Function):
         name = "log_softmax" if ctx.log else "softmax"
         refuse_double_backward(name, f"torch.{name}")
         (y,) = ctx.saved_tensors
-        return softmax_backward(y, dy, ctx.log), None
+        return softmax_backward_planned(y, dy, ctx.log), None, None
+
+
+# A repeated call launches its kernel bound (chapter 08): under a key of all that the
+# launch read from the call, x's shape, strides, dtype, device and alignment.
+FORWARD_PLANS, BACKWARD_PLANS = plan_cache(), plan_cache()
+
+
+def planned_forward(launch):
+    def forward(x):
+        y = torch.empty_like(x, memory_format=torch.contiguous_format)
+        launch(x, y)
+        return y
+
+    return forward
+
+
+def softmax_backward_planned(y, dy, log):
+    """``softmax_backward``, bound after its first call with dy's layout."""
+    fast = type(dy) is torch.Tensor and lean_now()
+    if fast:
+        key = (y.shape, y.dtype, y.device, y.data_ptr() % 16, dy.stride(), dy.dtype)
+        key = (*key, dy.data_ptr() % 16, log)
+        launch = BACKWARD_PLANS.get(key)
+        if launch is not None:
+            dx = torch.empty_like(y, memory_format=torch.contiguous_format)
+            launch(y, dy, dx)
+            return dx
+    with recorded_launches(fast) as launches:
+        dx = softmax_backward(y, dy, log)
+    if fast and (bound := bound_launches(launches, (y, dy, dx))):
+        BACKWARD_PLANS[key] = bound[0]
+    return dx
 
 
 def softmax(x: torch.Tensor, dim: int = -1, *, log: bool = False) -> torch.Tensor:
     """``torch.softmax(x, dim)`` (``log=True``: ``log_softmax``) for fp32, fp16 and bf16,
     with autograd; a ``dim`` but the last (the fastest) is moved there, then back."""
+    fast = type(x) is torch.Tensor and type(dim) is int and type(log) is bool
+    fast = fast and not torch.compiler.is_compiling() and lean_now()
+    grad = x.requires_grad and torch.is_grad_enabled() if fast else None
+    if fast:  # a call seen before: checked then, its launch bound
+        key = (x.shape, x.stride(), x.dtype, x.device, x.data_ptr() % 16, dim, log)
+        planned = FORWARD_PLANS.get(key)
+        if planned is not None:
+            return SoftmaxFunction.apply(x, log, planned) if grad else planned(x)
     dim = softmax_arguments(x, dim, log, SUPPORTED_DTYPES)  # raises, saying what to do
     if dim != x.dim() - 1:
         return softmax(x.movedim(dim, -1), log=log).movedim(-1, dim)
     if torch.compiler.is_compiling():  # an operator the compiler traces (below)
         return softmax_op(x, log)
-    if x.requires_grad and torch.is_grad_enabled():
-        return SoftmaxFunction.apply(x, log)
-    return softmax_forward(x, log)  # autograd's machinery costs the CPU ~15 µs: skip it
+    with recorded_launches(fast) as launches:
+        if x.requires_grad and torch.is_grad_enabled():
+            y = SoftmaxFunction.apply(x, log)
+        else:  # autograd's machinery costs the CPU ~15 µs: skip it
+            y = softmax_forward(x, log)
+    if fast and (bound := bound_launches(launches, (x, y))):
+        FORWARD_PLANS[key] = planned_forward(bound[0])
+    return y
 
 
 def log_softmax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:

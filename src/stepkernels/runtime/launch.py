@@ -30,6 +30,14 @@ Triton's own path is kept where the shortcut would change behavior: under the in
 inside ``torch.compile`` (which traces the kernel, through ``wrap_triton``), when a launch hook is set
 (Proton, the profiler), for autotuners with pre-hooks, and for calls that pass a runtime
 argument by keyword. Chapter 08 measures what this saves.
+
+An operation can go further and skip the key itself for a call it has seen: within
+``recorded_launches()`` every lean launch is recorded, and ``LeanKernel.bound`` turns a
+recorded launch into a function of its leading tensors alone, with the grid, the integers and
+the constexprs bound as they were. The operation keeps it under what its own call's key holds
+(its inputs' shapes, strides, dtypes, devices and alignments: everything the launch read),
+in a cache that ``plan_cache`` makes and ``LeanKernel.forget`` empties, and uses it only while
+``lean_now()``: no launch hook, lean launches on.
 """
 
 from __future__ import annotations
@@ -113,6 +121,8 @@ class LeanKernel:
         """Drop the launchers kept here and, for an autotuned kernel, its choices: the next
         call with any key tunes (if autotuned) and goes through Triton again."""
         self.entries.clear()
+        for plans in PLAN_CACHES:  # the operations' bound launches: made again
+            plans.clear()
         if self.tuned is not None:
             self.tuned.cache.clear()
 
@@ -125,7 +135,44 @@ class LeanKernel:
             return torch.library.wrap_triton(self.kernel)[grid]
         if self.always_slow or not ENABLED[0]:
             return lambda *args, **meta: self.slow_launch(grid, args, meta)
+        if RECORDING:  # recorded_launches()
+            return lambda *args, **meta: self.recorded_launch(grid, args, meta)
         return lambda *args, **meta: self.launch(grid, args, meta)
+
+    def recorded_launch(self, grid, args, meta):
+        compiled = self.launch(grid, args, meta)
+        RECORDING[-1].append((self, grid, args, meta))
+        return compiled
+
+    def bound(self, grid, args: tuple, meta: dict):
+        """This launch again as a function of its leading tensors, everything else bound as
+        it was: grid, integers, constexprs, compiled kernel. None where the launch has no
+        lean entry or takes a tensor after another argument."""
+        current_device, current_stream, _ = self.runtime or self.bind_runtime()
+        device = current_device()
+        try:
+            entry = self.entries.get(self.key(args, meta, device))
+        except RuntimeError:  # a traced tensor
+            return None
+        leading = next(
+            (i for i, a in enumerate(args) if not isinstance(a, torch.Tensor)),
+            len(args),
+        )
+        rest = args[leading:]
+        if entry is None or any(type(a) not in PLAIN for a in rest):
+            return None
+        compiled, tail, cached_grid = entry
+        grid_x, grid_y, grid_z = (*(cached_grid or grid), 1, 1)[:3]
+        run, head = compiled.run, (compiled.function, compiled.packed_metadata)
+        rest = (*rest, *tail)
+
+        def launch(*tensors):
+            stream = current_stream(device)
+            run(
+                grid_x, grid_y, grid_z, stream, *head, None, None, None, *tensors, *rest
+            )
+
+        return launch
 
     def slow_launch(self, grid, args: tuple, meta: dict):
         """Triton's own launch; for the tensors without data that a ``triton_op`` is traced
@@ -297,6 +344,76 @@ class _KeyedArguments(dict):
 
 
 ENABLED = [True]
+RECORDING: list = []  # the lists recorded_launches() fills, innermost last
+PLAN_CACHES: list = []  # every plan_cache(), emptied by LeanKernel.forget
+KNOBS = [None]  # Triton's runtime knobs, once imported
+
+
+def _knobs():
+    import triton
+
+    KNOBS[0] = triton.knobs.runtime
+    return KNOBS[0]
+
+
+@contextlib.contextmanager
+def recorded_launches(record: bool = True):
+    """Within this block every lean launch is recorded in the list yielded, as (kernel,
+    grid, args, meta); those that Triton's own path takes (the interpreter's, inside
+    ``triton_launches()``) are not. ``record`` False: nothing is."""
+    launches: list = []
+    if not record:
+        yield launches
+        return
+    RECORDING.append(launches)
+    try:
+        yield launches
+    finally:  # this very list (another thread's may be equal to it)
+        del RECORDING[next(i for i, r in enumerate(RECORDING) if r is launches)]
+
+
+def bound_launches(launches: list, *tensors: tuple) -> list | None:
+    """The launches recorded (``recorded_launches``) as bound functions
+    (``LeanKernel.bound``), if they were one a tuple of ``tensors`` and each led with exactly
+    those tensors (no copy made between); else None."""
+    if len(launches) != len(tensors):
+        return None
+    bound = []
+    for (kernel, grid, args, meta), expected in zip(launches, tensors, strict=True):
+        leading = args[: len(expected)]
+        if len(args) > len(expected) and isinstance(args[len(expected)], torch.Tensor):
+            return None
+        if [t.data_ptr() for t in leading] != [t.data_ptr() for t in expected]:
+            return None
+        bound.append(kernel.bound(grid, args, meta))
+    return None if None in bound else bound
+
+
+class Plans(dict):
+    """An operation's bound launches by its calls' keys: emptied with any kernel's
+    launchers, and when full (``MAX_ENTRIES``), as a kernel's launch keys are."""
+
+    def __setitem__(self, key, value):
+        if len(self) >= MAX_ENTRIES:
+            self.clear()
+        super().__setitem__(key, value)
+
+
+def plan_cache() -> Plans:
+    """A cache for an operation's bound launches (``Plans``)."""
+    plans = Plans()
+    PLAN_CACHES.append(plans)
+    return plans
+
+
+def lean_now() -> bool:
+    """May an operation call a bound launch now: lean launches on, no launch hook set?"""
+    if not ENABLED[0] or INTERPRET:
+        return False
+    knobs = KNOBS[0] or _knobs()
+    enter, leave = knobs.launch_enter_hook, knobs.launch_exit_hook  # hooked(), inlined
+    unhooked = enter is None or getattr(enter, "calls", True) == []
+    return unhooked and (leave is None or getattr(leave, "calls", True) == [])
 
 
 @contextlib.contextmanager

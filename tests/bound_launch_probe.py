@@ -1,0 +1,122 @@
+"""Run by tests/test_launch_call_path.py in a process of its own, without a GPU and without
+Triton's interpreter (as lab/call_cost.py): every launch reaches a launcher that records what
+it was passed. Prints, per call, whether its repeat took the bound launches and whether it
+passed the launchers the same grids, integers, constexprs and tensors (by role) as the call
+launched by key before it."""
+
+import json
+import os
+import sys
+
+os.environ["TRITON_INTERPRET"] = "0"
+import stepkernels  # noqa: E402
+from stepkernels.runtime import launch  # noqa: E402
+from stepkernels.runtime.launch import PLAN_CACHES, LeanKernel  # noqa: E402
+import torch  # noqa: E402
+import triton  # noqa: E402
+
+PASSED: list = []  # what each launcher call was passed
+
+
+class Recorder:
+    function = packed_metadata = None
+
+    @staticmethod
+    def run(*args):
+        PASSED.append(args)
+
+
+class NoCompile:
+    def __getitem__(self, grid):
+        return lambda *args, **meta: Recorder
+
+
+FIRST_LAUNCH, LAUNCH = LeanKernel.first_launch, LeanKernel.launch
+KEYED = []  # launches that took LeanKernel's keyed path
+
+
+def first_launch(self, key, grid, args, meta):
+    kernel, self.kernel = self.kernel, NoCompile()
+    try:
+        if self.tuned is not None:
+            self.tuned.best_config = self.tuned.configs[0]
+        return FIRST_LAUNCH(self, key, grid, args, meta)
+    finally:
+        self.kernel = kernel
+
+
+def keyed_launch(self, grid, args, meta):
+    KEYED.append(self)
+    return LAUNCH(self, grid, args, meta)
+
+
+LeanKernel.first_launch, LeanKernel.launch = first_launch, keyed_launch
+LeanKernel.bind_runtime = lambda self: (
+    setattr(self, "runtime", (lambda: 0, lambda device: 0, triton.knobs.runtime)) or self.runtime
+)
+
+
+def roles(passed, inputs):
+    """A launcher's arguments with each tensor named by its role: an input's index, or the
+    order in which the call's new tensors first appear (so aliasing shows)."""
+    known = {t.data_ptr(): f"input {i}" for i, t in enumerate(inputs)}
+    new: dict = {}
+    out = []
+    for args in passed:
+        row = []
+        for a in args[9:]:  # after grid, stream, function, metadata and hooks
+            if isinstance(a, torch.Tensor):
+                ptr = a.data_ptr()
+                a = known.get(ptr) or new.setdefault(ptr, f"new {len(new)}")
+            row.append(repr(a))
+        out.append([*map(repr, args[:3]), *row])
+    return out
+
+
+def calls():
+    g = torch.Generator().manual_seed(0)
+    make = lambda *s: torch.randn(*s, generator=g).half()
+    x, w, b = make(16, 64), make(64), make(64)
+    x3 = make(2, 8, 64)
+    leaf = lambda t: t.clone().requires_grad_()
+    xl, wl, bl = leaf(x), leaf(w), leaf(b)
+
+    def fwd_bwd(fn, leaves):
+        out = fn()
+        return torch.autograd.grad(out, leaves, torch.ones_like(out))
+
+    layer_norm = stepkernels.layer_norm
+    return {
+        "softmax": (lambda: stepkernels.softmax(x), [x]),
+        "log_softmax 3-D": (lambda: stepkernels.log_softmax(x3), [x3]),
+        "softmax fwd+bwd": (
+            lambda: fwd_bwd(lambda: stepkernels.softmax(xl), [xl]),
+            [xl],
+        ),
+        "layer_norm": (lambda: layer_norm(x, (64,), w, b), [x, w, b]),
+        "layer_norm no bias": (lambda: layer_norm(x, 64, w), [x, w]),
+        "layer_norm fwd+bwd": (
+            lambda: fwd_bwd(lambda: layer_norm(xl, (64,), wl, bl), [xl, wl, bl]),
+            [xl, wl, bl],
+        ),
+        "layer_norm fwd+bwd x only": (
+            lambda: fwd_bwd(lambda: layer_norm(xl, (64,), w, b), [xl]),
+            [xl, w, b],
+        ),
+    }
+
+
+results = {}
+for name, (call, inputs) in calls().items():
+    call()  # the first: Triton's path, whose launchers LeanKernel keeps
+    for plans in PLAN_CACHES:
+        plans.clear()
+    PASSED.clear()
+    call()  # checked, launched by key, its launches bound
+    first = roles(PASSED, inputs)
+    PASSED.clear(), KEYED.clear()
+    call()  # the repeat
+    results[name] = dict(bound=not KEYED, same=roles(PASSED, inputs) == first, launches=len(first))
+    with launch.triton_launches():  # lean launches off: no bound ones either
+        results[name]["off"] = not launch.lean_now()
+json.dump(results, sys.stdout)
