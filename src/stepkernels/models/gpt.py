@@ -6,12 +6,20 @@ import dataclasses
 import math
 
 from stepkernels.ops.add_layer_norm import add_layer_norm
-from stepkernels.ops.attention import MAX_HEAD_DIM, attention
+from stepkernels.ops.attention import (
+    MAX_HEAD_DIM,
+    attention,
+    attention_backward,
+    attention_forward,
+    descriptor_ready,
+    ready,
+)
 from stepkernels.ops.cross_entropy import cross_entropy
 from stepkernels.ops.dropout import dropout, dropout_bias_act
 from stepkernels.ops.layer_norm import layer_norm
 from stepkernels.ops.linear import linear
 from stepkernels.runtime.arguments import classes_in_range, sampling_arguments
+from stepkernels.runtime.core import refuse_double_backward
 import torch
 from torch import nn
 import torch.nn.functional as F
@@ -112,6 +120,12 @@ class TorchLayers:
     def attention(self, q, k, v):
         return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
+    def qkv_attention(self, qkv, n_head):
+        """Causal attention over the heads of one QKV product (B, T, 3C): (B, T, C)."""
+        batch, time, width = qkv.shape[0], qkv.shape[1], qkv.shape[2] // 3
+        y = self.attention(*split_heads(qkv, n_head))
+        return y.transpose(1, 2).reshape(batch, time, width)
+
     def loss(self, logits, targets):
         return F.cross_entropy(logits.float(), targets.long())  # int32 too, as ours
 
@@ -153,8 +167,49 @@ class TritonLayers:
     def attention(self, q, k, v):  # chapter 11
         return attention(q, k, v, causal=True)
 
+    def qkv_attention(self, qkv, n_head):  # chapters 11 and 15
+        q = split_heads(qkv, n_head)[0]
+        if qkv.is_contiguous() and descriptor_ready(q) and qkv.numel() > 0:
+            if not torch.compiler.is_compiling():  # (the compiler: ch. 11's operator)
+                return QKVAttention.apply(qkv, n_head)
+        return TorchLayers.qkv_attention(self, qkv, n_head)
+
     def loss(self, logits, targets):  # chapter 09
         return cross_entropy(logits.float(), targets)
+
+
+def split_heads(qkv: torch.Tensor, n_head: int):
+    """q, k, v (B, H, T, D) of a QKV product (B, T, 3C): strided views, no copies."""
+    batch, time, width = qkv.shape[0], qkv.shape[1], qkv.shape[2] // 3
+    heads = qkv.view(batch, time, 3, n_head, width // n_head)
+    return heads.permute(2, 0, 3, 1, 4).unbind(0)
+
+
+class QKVAttention(torch.autograd.Function):
+    """Causal attention over the heads of a QKV product (B, T, 3C), read in place, to
+    (B, T, C). The backward writes dQ, dK and dV straight into one (B, T, 3C) gradient in
+    the product's layout, where autograd, going back through the views, would stack the
+    three (a join) and copy the stack into that layout (a strided copy): chapter 15."""
+
+    @staticmethod
+    def forward(ctx, qkv, n_head):
+        q, k, v = split_heads(qkv, n_head)
+        ctx.scale, ctx.n_head = q.shape[3] ** -0.5, n_head
+        o, lse = attention_forward(q, k, v, True, ctx.scale)
+        ctx.save_for_backward(qkv, o, lse)
+        return o.transpose(1, 2).reshape(qkv.shape[0], qkv.shape[1], -1)
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        refuse_double_backward("attention", "F.scaled_dot_product_attention")
+        qkv, o, lse = ctx.saved_tensors
+        batch, time, width = grad_y.shape
+        grad_o = grad_y.reshape(batch, time, ctx.n_head, -1).transpose(1, 2)
+        grad_qkv = torch.empty_like(qkv)  # its views: descriptor-ready, as qkv's
+        into = split_heads(grad_qkv, ctx.n_head)
+        heads = split_heads(qkv, ctx.n_head)
+        attention_backward(*heads, o, lse, ready(grad_o), True, ctx.scale, grads=into)
+        return grad_qkv, None
 
 
 class CausalSelfAttention(nn.Module):
@@ -168,12 +223,9 @@ class CausalSelfAttention(nn.Module):
         self.out = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
 
     def forward(self, x, layers, p, seed):
-        batch, time, width = x.shape
         qkv = layers.linear(x, self.qkv)
-        # (B, T, 3, H, D) viewed as three (B, H, T, D): strided views, no copies
-        heads = qkv.view(batch, time, 3, self.n_head, width // self.n_head)
-        q, k, v = heads.permute(2, 0, 3, 1, 4).unbind(0)
-        y = layers.attention(q, k, v).transpose(1, 2).reshape(batch, time, width)
+        # q, k, v: (B, T, 3, H, D) viewed as three (B, H, T, D), read in place
+        y = layers.qkv_attention(qkv, self.n_head)
         return layers.linear(y, self.out, p=p, seed=seed)
 
 

@@ -389,13 +389,17 @@ def attention_forward(q, k, v, causal, sm_scale, launch=None):
     return o, lse
 
 
-def attention_backward(q, k, v, o, lse, do, causal, sm_scale, launches=None):
-    """dQ, dK, dV for descriptor-ready tensors; ``launches``: (key, query) gradients."""
+def attention_backward(
+    q, k, v, o, lse, do, causal, sm_scale, launches=None, grads=None
+):
+    """dQ, dK, dV for descriptor-ready tensors; ``launches``: (key, query) gradients;
+    ``grads``: descriptor-ready dQ, dK, dV to write into (a caller's layout), else new."""
     batch, n_heads, n_q, head_dim = q.shape
     padded = padded_head_dim(head_dim)
     _, key_launch, query_launch = default_launches(padded, q.element_size(), causal)
     key_launch, query_launch = launches or (key_launch, query_launch)
-    dq, dk, dv = (empty_heads(t.shape, t.dtype, t.device) for t in (q, k, v))
+    new = (empty_heads(t.shape, t.dtype, t.device) for t in (q, k, v))
+    dq, dk, dv = new if grads is None else grads
     delta = torch.empty_like(lse)
     options = dict(HEAD_DIM=padded, CAUSAL=causal, PRECISION=dot_precision(q.dtype))
     m, n = query_launch.block_m, query_launch.block_n  # first: it writes δ

@@ -1,0 +1,96 @@
+"""Chapter 15's fusions of the GPT step's glue: attention on the heads of one QKV product,
+its gradient written in the product's layout (no join, no copy back), checked against fp64
+PyTorch; and lab/step_glue.py's map of the step's operators."""
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+import small_text
+from stepkernels.models import gpt
+from stepkernels.runtime.core import DEVICE
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+ROOT = Path(__file__).resolve().parent.parent
+TOLERANCES = {torch.float32: dict(rtol=1e-4, atol=1e-4), torch.bfloat16: dict(rtol=2e-2, atol=2e-2)}
+
+
+def reference(qkv, n_head):
+    """Causal attention of a (B, T, 3C) product in fp64, as the model's PyTorch layers."""
+    return gpt.TorchLayers().qkv_attention(qkv.double(), n_head)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    "batch, time, n_head, head_dim",
+    [(1, 1, 1, 16), (2, 37, 3, 16), (1, 20, 2, 24), (2, 9, 4, 8)],
+)
+def test_qkv_attention_matches_fp64(batch, time, n_head, head_dim, dtype):
+    torch.manual_seed(0)
+    width = n_head * head_dim
+    qkv = torch.randn(batch, time, 3 * width, device=DEVICE, dtype=dtype, requires_grad=True)
+    y = gpt.TritonLayers().qkv_attention(qkv, n_head)
+    grad_y = torch.randn_like(y)
+    (grad_qkv,) = torch.autograd.grad(y, qkv, grad_y)
+    qkv64 = qkv.detach().double().requires_grad_()
+    want = reference(qkv64, n_head)
+    (want_grad,) = torch.autograd.grad(want, qkv64, grad_y.double())
+    assert y.shape == (batch, time, width) and y.dtype == dtype
+    assert grad_qkv.shape == qkv.shape and grad_qkv.is_contiguous()
+    torch.testing.assert_close(y.double(), want, **TOLERANCES[dtype])
+    torch.testing.assert_close(grad_qkv.double(), want_grad, **TOLERANCES[dtype])
+
+
+def test_a_product_it_cannot_read_in_place_takes_the_general_path():
+    """A non-contiguous QKV product goes through split views and chapter 11's attention."""
+    torch.manual_seed(0)
+    wide = torch.randn(2, 10, 2 * 48, device=DEVICE, requires_grad=True)
+    qkv = wide[..., ::2]  # every other column: not contiguous
+    y = gpt.TritonLayers().qkv_attention(qkv, 2)
+    y.sum().backward()
+    want = reference(qkv.detach(), 2)
+    torch.testing.assert_close(y.double(), want, rtol=1e-4, atol=1e-4)
+    assert wide.grad[..., 1::2].abs().max() == 0
+
+
+class Operators(TorchDispatchMode):
+    """The names of the operators called inside, with the dtype and shape of the first."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        first = next((a for a in args if isinstance(a, torch.Tensor)), None)
+        shape = None if first is None else tuple(first.shape)
+        self.calls.append((func.overloadpacket.__name__, shape))
+        return func(*args, **(kwargs or {}))
+
+
+def test_the_backward_neither_joins_nor_copies_the_qkv_gradient():
+    """The GPT's backward on our layers: no stack or cat of dQ, dK, dV, and no copy of a
+    (B, T, 3, H, D) gradient into the QKV product's layout (both ran before the fusion)."""
+    config = gpt.GPTConfig(vocab_size=11, block_size=8, n_layer=2, n_head=2, n_embd=16)
+    model = gpt.GPT(config).to(DEVICE)
+    idx = torch.randint(11, (2, 8), device=DEVICE)
+    _, loss = model(idx, idx)
+    operators = Operators()
+    with operators:
+        loss.backward()
+    names = [name for name, _ in operators.calls]
+    assert "stack" not in names and "cat" not in names
+    assert not [c for c in operators.calls if c[0] == "clone" and c[1] == (2, 8, 3, 2, 8)]
+
+
+def test_the_map_charges_each_operator_to_a_line_of_the_package(tmp_path):
+    spec = importlib.util.spec_from_file_location("step_glue", ROOT / "lab" / "step_glue.py")
+    step_glue = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(step_glue)
+    found = step_glue.main(["--layers", "1", "--width", "8", "--data", str(small_text.prepare(tmp_path))])
+    casts = {where for (name, where, _), _ in found.items() if name == "_to_copy"}
+    assert any("models/gpt.py" in where and "(linear)" in where for where in casts)
+    assert any("[backward: ToCopyBackward0" in where for where in casts)
+    assert all(count > 0 for count in found.values())
+    norms = [where for (name, where, _) in found if name == "_foreach_norm"]
+    assert norms and all("train.py" in where for where in norms), "clipping's norms"
