@@ -94,3 +94,50 @@ def test_the_map_charges_each_operator_to_a_line_of_the_package(tmp_path):
     assert all(count > 0 for count in found.values())
     norms = [where for (name, where, _) in found if name == "_foreach_norm"]
     assert norms and all("train.py" in where for where in norms), "clipping's norms"
+
+
+def test_cast_all_is_each_tensors_cast_and_its_backward_casts_back():
+    torch.manual_seed(0)
+    tensors = [torch.randn(shape, requires_grad=True) for shape in [(3, 5), (7,), (1, 1), (2, 3, 4)]]
+    casts = gpt.cast_all(torch.bfloat16, *tensors)
+    for t, cast in zip(tensors, casts, strict=True):
+        assert cast.dtype == torch.bfloat16 and torch.equal(cast, t.detach().to(torch.bfloat16))
+    weights = [torch.randn(c.shape, dtype=torch.bfloat16) for c in casts]
+    # the third copy unused: no gradient for its tensor, as with .to()
+    sum((c.float() * w.float()).sum() for i, (c, w) in enumerate(zip(casts, weights, strict=True)) if i != 2).backward()
+    for i, (t, w) in enumerate(zip(tensors, weights, strict=True)):
+        if i == 2:
+            assert t.grad is None
+        else:
+            assert t.grad.dtype == torch.float32 and torch.equal(t.grad, w.float())
+
+
+def step_of(model, idx, cast_at_once: bool, monkeypatch):
+    """Loss, gradients and the operators of a forward and backward under bf16 autocast."""
+    if not cast_at_once:  # each weight cast where a product uses it, as before the fusion
+        monkeypatch.setattr(gpt.TritonLayers, "__init__", lambda self, model=None: setattr(self, "casts", {}))
+    model.zero_grad(set_to_none=True)
+    operators = Operators()
+    with operators, torch.autocast(DEVICE.type, torch.bfloat16):
+        _, loss = model(idx, idx)
+        loss.backward()
+    monkeypatch.undo()
+    grads = {name: p.grad.clone() for name, p in model.named_parameters()}
+    return loss.detach(), grads, [name for name, _ in operators.calls]
+
+
+def test_weights_cast_at_once_give_the_same_step_in_fewer_casts(monkeypatch):
+    """Under autocast our layers' products take bf16 weights: cast all at once (three
+    operators forward, three backward) they give the step, loss and every gradient, that one
+    cast per weight gives (two operators per weight)."""
+    torch.manual_seed(0)
+    config = gpt.GPTConfig(vocab_size=11, block_size=8, n_layer=2, n_head=2, n_embd=16)
+    model = gpt.GPT(config).to(DEVICE)
+    idx = torch.randint(11, (2, 8), device=DEVICE)
+    loss, grads, calls = step_of(model, idx, True, monkeypatch)
+    want_loss, want_grads, want_calls = step_of(model, idx, False, monkeypatch)
+    assert torch.equal(loss, want_loss)
+    for name, grad in grads.items():
+        assert torch.equal(grad, want_grads[name]), name
+    weights = 1 + 4 * 2 * config.n_layer  # the output layer's, and each linear's w and b
+    assert want_calls.count("_to_copy") - calls.count("_to_copy") >= 2 * weights - 2

@@ -240,7 +240,28 @@ class TorchLayers:
 
 class TritonLayers:
     """The same layers on the collection's kernels. Under autocast, as PyTorch does: norms and
-    the loss in fp32, products in the autocast dtype (weights cast per call)."""
+    the loss in fp32, products in the autocast dtype: given the ``model``, its products'
+    weights are cast all at once (``cast_all``, chapter 15), else each as a product uses it."""
+
+    def __init__(self, model: nn.Module | None = None):
+        self.casts = {}  # id of a parameter: its copy in the autocast dtype
+        device = next(model.parameters()).device.type if model is not None else None
+        if device is not None and torch.is_autocast_enabled(device):
+            dtype = torch.get_autocast_dtype(device)
+            linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
+            weights = [t for m in linears for t in (m.weight, m.bias) if t is not None]
+            weights += [model.tokens.weight]  # the output layer's (weight tying)
+            # (FSDP's shards are not plain tensors yet: they are gathered block by block.)
+            weights = [
+                t for t in weights if t.dtype != dtype and type(t.data) is torch.Tensor
+            ]
+            self.casts = dict(
+                zip(map(id, weights), cast_all(dtype, *weights), strict=True)
+            )
+
+    def cast(self, weight, dtype):
+        cast = self.casts.get(id(weight))
+        return weight.to(dtype) if cast is None else cast
 
     def norm(self, x, norm):  # chapter 03
         y = layer_norm(x, norm.normalized_shape, norm.weight, norm.bias, norm.eps)
@@ -257,8 +278,8 @@ class TritonLayers:
 
     def linear(self, x, layer, activation=None, p=0.0, seed=None):  # chapters 05, 06
         dtype = compute_dtype(x)
-        weight, bias = layer.weight.to(dtype), getattr(layer, "bias", None)
-        bias = None if bias is None else bias.to(dtype)
+        weight, bias = self.cast(layer.weight, dtype), getattr(layer, "bias", None)
+        bias = None if bias is None else self.cast(bias, dtype)
         if p == 0 or bias is None:
             # With an activation, the backward recomputes x W^T + b instead of keeping it:
             # 4C values a token (50 MB a layer here) for one more product.
@@ -319,6 +340,36 @@ class QKVAttention(torch.autograd.Function):
         heads = split_heads(qkv, ctx.n_head)
         attention_backward(*heads, o, lse, ready(grad_o), True, ctx.scale, grads=into)
         return grad_qkv, None
+
+
+def cast_all(dtype: torch.dtype, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """``tensors``, each ``.to(dtype)``, differentiably, in three launches for any number."""
+    return CastAll.apply(dtype, *tensors)
+
+
+class CastAll(torch.autograd.Function):
+    """Tensors joined into one, cast, and viewed apart; the backward joins their gradients,
+    casts them back and views them apart: two joins and two casts, where one cast apiece
+    is a launch apiece, forward and backward (chapter 15)."""
+
+    @staticmethod
+    def forward(ctx, dtype, *tensors):
+        ctx.dtype, ctx.shapes = tensors[0].dtype, [t.shape for t in tensors]
+        ctx.set_materialize_grads(False)  # a copy nobody used: no gradient, as .to's
+        return apart(torch.cat([t.reshape(-1) for t in tensors]).to(dtype), ctx.shapes)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        used = [i for i, g in enumerate(grads) if g is not None]
+        flat = torch.cat([grads[i].reshape(-1) for i in used]).to(ctx.dtype)
+        back = dict(zip(used, apart(flat, [ctx.shapes[i] for i in used]), strict=True))
+        return None, *(back.get(i) for i in range(len(grads)))
+
+
+def apart(flat, shapes):
+    """Views of ``flat``, one after the other, of the given shapes."""
+    parts = flat.split([math.prod(shape) for shape in shapes])
+    return tuple(part.view(shape) for part, shape in zip(parts, shapes, strict=True))
 
 
 # %%
@@ -427,7 +478,7 @@ class GPT(nn.Module):
         (other than -100, ignored) is an error on both layers: a ValueError for CPU tensors,
         checked first; on a GPU a device-side assert in the loss, ours or PyTorch's."""
         check_tokens(idx, targets, self.config.block_size, self.config.vocab_size)
-        layers = TritonLayers() if self.use_triton else TorchLayers()
+        layers = TritonLayers(self) if self.use_triton else TorchLayers()
         p = self.config.dropout if self.training else 0.0
         seeds = self.seeds.add_(len(self.seeds)) if p > 0 and self.use_triton else None
         site = (lambda i: seeds[i]) if seeds is not None else (lambda i: None)

@@ -28,7 +28,7 @@ import math
 
 from stepkernels.lessons import bench, tutorial
 from stepkernels.models.config import Config
-from stepkernels.models.gpt import GPT, GPTConfig
+from stepkernels.models.gpt import GPT, GPTConfig, TritonLayers, split_heads
 import torch
 import triton
 import triton.language as tl
@@ -1117,6 +1117,46 @@ assert losses[True][-1] < losses[True][0], "the model should learn"
 torch.testing.assert_close(losses[True], losses[False], rtol=0, atol=1e-4)
 
 # %%
+# The glue between the kernels
+# ----------------------------
+# The profile also lists PyTorch's kernels between ours: copies, casts, joins, sums.
+# ``lab/step_glue.py`` finds the line of Python behind each without a GPU: it runs one
+# step at a tiny width on the CPU, catches every PyTorch operator at the dispatcher, and
+# charges one of the backward to the forward line that recorded its autograd node. Two
+# kinds of glue went.
+#
+# Attention reads q, k and v in place, strided views of the QKV product (B, T, 3, H, D).
+# Autograd, going back through those views, stacked dQ, dK and dV (a join) and copied the
+# stack into the product's layout (a strided copy): two more passes over 3 × M × C
+# values. Chapter 12's ``QKVAttention`` takes the product itself, and its backward gives
+# chapter 11's kernels three views of one (B, T, 3C) gradient to write into.
+#
+# Under autocast every product cast its weight and its bias to bf16, a launch each, and
+# the backward cast each gradient back to fp32, another. ``cast_all`` joins the weights,
+# casts them and views them apart (a join and a cast, however many), and its backward
+# does the same for their gradients. It reads the weights twice, not once; at the
+# Shakespeare shape the launches it saves cost more than that.
+
+with torch.device("meta"):
+    model = GPT(shakespeare.model_config(84))
+linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+weights = [model.tokens.weight] + [t for m in linears for t in (m.weight, m.bias)]
+megabytes = sum(t.numel() for t in weights) * 4 / 1e6
+print(
+    f"{len(weights)} weights of products, {megabytes:.0f} MB in fp32. Launches a step"
+)
+print(f"cast one by one: {2 * len(weights)}; at once: 4 (a join and a cast each way)")
+
+# The fused backward writes the gradient that autograd made through the views, bit for
+# bit (the same kernels): chapter 12's general path, split views and ``attention``.
+layers = TritonLayers()
+qkv = torch.randn(2, 9, 3 * 16, device=DEVICE, requires_grad=True)
+fused = torch.autograd.grad(layers.qkv_attention(qkv, 2).sum(), qkv)[0]
+q, k, v = split_heads(qkv, 2)
+through_views = torch.autograd.grad(layers.attention(q, k, v).sum(), qkv)[0]
+assert fused.is_contiguous() and torch.equal(fused, through_views)
+
+# %%
 # Chapter 12's race measures what both fusions give the whole step: ``make bench``
 # records it again with the new blocks and optimizer, and the profile above, recorded
 # before and after, says which kernels went and what their time became.
@@ -1131,6 +1171,8 @@ torch.testing.assert_close(losses[True], losses[False], rtol=0, atol=1e-4)
 #   buffer.
 # * A kernel with two outputs takes two incoming gradients: the residual addition's
 #   backward costs nothing once the norm's backward adds them.
+# * Glue hides in autograd's backward of views and casts: a function that owns the whole
+#   layout (the QKV product, all weights at once) writes its gradient where it belongs.
 #
 # Exercises
 # ---------
