@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import small_text
 from stepkernels.models import gpt
-from stepkernels.runtime.core import DEVICE
+from stepkernels.runtime.core import DEVICE, ON_GPU
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -141,3 +141,27 @@ def test_weights_cast_at_once_give_the_same_step_in_fewer_casts(monkeypatch):
         assert torch.equal(grad, want_grads[name]), name
     weights = 1 + 4 * 2 * config.n_layer  # the output layer's, and each linear's w and b
     assert want_calls.count("_to_copy") - calls.count("_to_copy") >= 2 * weights - 2
+
+
+@pytest.mark.parametrize("x_dtype, residual_dtype", [(torch.float32, torch.bfloat16), (torch.float16, torch.bfloat16)])
+def test_add_layer_norm_writes_the_updates_gradient_in_its_dtype(x_dtype, residual_dtype):
+    """The update's gradient (bf16 under autocast) comes from the backward kernel, rounded
+    once as dx.to() would, with no cast after it; inputs of two dtypes both narrower than h
+    (fp16 + bf16: h in fp32) get one from the kernel and one cast."""
+    from stepkernels import add_layer_norm
+    from test_add_layer_norm import check
+
+    check((37, 96), x_dtype, residual_dtype)  # against fp64
+    torch.manual_seed(0)
+    x = torch.randn(37, 96, device=DEVICE, dtype=x_dtype, requires_grad=True)
+    residual = torch.randn(37, 96, device=DEVICE, dtype=residual_dtype, requires_grad=True)
+    h, y = add_layer_norm(x, residual, (96,))
+    operators = Operators()
+    with operators:
+        torch.autograd.backward([h, y], [torch.ones_like(h), torch.randn_like(y)])
+    casts = [c for c in operators.calls if c[0] == "_to_copy"]
+    assert len(casts) == (0 if x_dtype == h.dtype else 1)
+    if x_dtype == torch.float32:  # dx itself: the update's gradient is its rounding,
+        rounded = x.grad.to(residual_dtype)  # bit for bit on a GPU; the interpreter
+        ulp = 0 if ON_GPU else 2**-7  # truncates where a GPU rounds: one unit at most
+        torch.testing.assert_close(residual.grad, rounded, rtol=ulp, atol=0)

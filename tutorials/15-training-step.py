@@ -666,6 +666,7 @@ def add_layer_norm_backward_kernel(
     dy_ptr,  # gradient of y
     dh_ptr,  # gradient of h from its other uses (the stream goes on); HAS_DH
     dx_ptr,  # out: gradient of x and of residual, dh + layer_norm's backward of dy
+    dx_low_ptr,  # out: the same in the other input's dtype (bf16 update); HAS_DX_LOW
     weight_ptr,
     mean_ptr,
     rstd_ptr,
@@ -678,6 +679,7 @@ def add_layer_norm_backward_kernel(
     ROWS_PER_PROGRAM: tl.constexpr,
     HAS_WEIGHT: tl.constexpr,
     HAS_DH: tl.constexpr,
+    HAS_DX_LOW: tl.constexpr,
     REDUCTION: tl.constexpr,  # "two-stage": a partial row a program (chapter 03)
 ):
     program_id = tl.program_id(axis=0)
@@ -702,6 +704,9 @@ def add_layer_norm_backward_kernel(
             dh = tl.load(dh_ptr + row64 * dh_row_stride + cols, mask=mask, other=0.0)
             dx += dh.to(tl.float32)
         tl.store(dx_ptr + row64 * N + cols, dx.to(dx_ptr.dtype.element_ty), mask=mask)
+        if HAS_DX_LOW:  # rounded here, not by a cast kernel that reads dx again
+            low = dx.to(dx_low_ptr.dtype.element_ty)
+            tl.store(dx_low_ptr + row64 * N + cols, low, mask=mask)
         dw, db = dw + dy * h_hat, db + dy  # masked lanes: dy = 0
     slots = (program_id, program_id, 0)
     flush_partials(
@@ -773,19 +778,24 @@ def add_layer_norm_forward(x, residual, weight, bias, eps, out_dtype):
     return h, y, mean, rstd
 
 
-def add_layer_norm_backward(h, dy, dh, weight, mean, rstd):
-    """dx in h's dtype (the gradient of x and of the update), and the (2, N) fp32 sums
-    of dW and dB; dy and dh (None: h not used further) as rows."""
+def add_layer_norm_backward(h, dy, dh, weight, mean, rstd, low_dtype=None):
+    """dx in h's dtype (the gradient of x and of the update), the same in ``low_dtype``
+    (an empty tensor if None), and the (2, N) fp32 sums of dW and dB; dy and dh (None:
+    h not used further) as rows."""
     (n_rows, n_cols), device = h.shape, h.device
     backward = backward_config(n_cols, n_rows)
     programs = triton.cdiv(n_rows, backward["ROWS_PER_PROGRAM"])
     partials = torch.empty((programs, 2, n_cols), device=device)
     dx = torch.empty_like(h)
+    dx_low = (
+        h.new_empty(0) if low_dtype is None else torch.empty_like(h, dtype=low_dtype)
+    )
     add_layer_norm_backward_kernel[(programs,)](
         h,
         dy,
         dh if dh is not None else dy,
         dx,
+        dx if low_dtype is None else dx_low,
         weight if weight is not None else h,
         mean,
         rstd,
@@ -796,10 +806,24 @@ def add_layer_norm_backward(h, dy, dh, weight, mean, rstd):
         n_cols,
         HAS_WEIGHT=weight is not None,
         HAS_DH=dh is not None,
+        HAS_DX_LOW=low_dtype is not None,
         REDUCTION="two-stage",
         **backward,
     )
-    return dx, partials.sum(dim=0)  # (2, N): dW, dB in fp32, rounded once by callers
+    return dx, dx_low, partials.sum(dim=0)  # (2, N) sums: fp32, rounded once by callers
+
+
+def low_dtype_of(h, dtypes):
+    """The inputs' dtype other than h's (the update's, under autocast), else None."""
+    return next((dtype for dtype in dtypes if dtype != h.dtype), None)
+
+
+def input_grads(dx, dx_low, dtypes):
+    """dx as the gradient of each input, in that input's dtype."""
+    return tuple(
+        dx if d == dx.dtype else dx_low if d == dx_low.dtype else dx.to(d)
+        for d in dtypes
+    )
 
 
 def weight_grads(sums, h, weight, has_bias):
@@ -831,9 +855,10 @@ class AddLayerNormFunction(torch.autograd.Function):
         if dy is None:  # y unused: the sum's gradient passes through, none for w and b
             return dh.to(dx_dtype), dh.to(residual_dtype), None, None, None, None
         dy, dh = as_rows(dy), None if dh is None else as_rows(dh)
-        dx, sums = add_layer_norm_backward(h, dy, dh, weight, mean, rstd)
+        low = low_dtype_of(h, ctx.dtypes)
+        dx, dx_low, sums = add_layer_norm_backward(h, dy, dh, weight, mean, rstd, low)
         dw, db = weight_grads(sums, h, weight, ctx.has_bias)
-        return dx.to(dx_dtype), dx.to(residual_dtype), dw, db, None, None
+        return *input_grads(dx, dx_low, ctx.dtypes), dw, db, None, None
 
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -921,9 +946,11 @@ def add_layer_norm_backward_op(
     weight: Tensor | None,
     mean: Tensor,
     rstd: Tensor,
-) -> tuple[Tensor, Tensor]:
+    low_dtype: torch.dtype | None = None,
+) -> tuple[Tensor, Tensor, Tensor]:
     rows = (concrete(h), concrete(dy), None if dh is None else concrete(dh))
-    return add_layer_norm_backward(*rows, weight, mean, rstd)  # dx, the sums of dW, dB
+    # dx, dx in low_dtype (or empty), the sums of dW and dB
+    return add_layer_norm_backward(*rows, weight, mean, rstd, low_dtype)
 
 
 def add_layer_norm_setup(ctx, inputs, output):
@@ -941,9 +968,10 @@ def add_layer_norm_op_backward(ctx, dh, dy, _mean_grad, _rstd_grad):
     if dy is None:  # y unused: the sum's gradient passes through, none for w and b
         return dh.to(dx_dtype), dh.to(residual_dtype), None, None, None, None
     dy, dh = as_rows(dy), None if dh is None else as_rows(dh)
-    dx, sums = add_layer_norm_backward_op(h, dy, dh, weight, mean, rstd)
+    low = low_dtype_of(h, ctx.dtypes)
+    dx, dx_low, sums = add_layer_norm_backward_op(h, dy, dh, weight, mean, rstd, low)
     dw, db = weight_grads(sums, h, weight, ctx.has_bias)
-    return dx.to(dx_dtype), dx.to(residual_dtype), dw, db, None, None
+    return *input_grads(dx, dx_low, ctx.dtypes), dw, db, None, None
 
 
 add_layer_norm_forward_op.register_autograd(
@@ -1122,7 +1150,7 @@ torch.testing.assert_close(losses[True], losses[False], rtol=0, atol=1e-4)
 # The profile also lists PyTorch's kernels between ours: copies, casts, joins, sums.
 # ``lab/step_glue.py`` finds the line of Python behind each without a GPU: it runs one
 # step at a tiny width on the CPU, catches every PyTorch operator at the dispatcher, and
-# charges one of the backward to the forward line that recorded its autograd node. Two
+# charges one of the backward to the forward line that recorded its autograd node. Three
 # kinds of glue went.
 #
 # Attention reads q, k and v in place, strided views of the QKV product (B, T, 3, H, D).
@@ -1135,7 +1163,9 @@ torch.testing.assert_close(losses[True], losses[False], rtol=0, atol=1e-4)
 # the backward cast each gradient back to fp32, another. ``cast_all`` joins the weights,
 # casts them and views them apart (a join and a cast, however many), and its backward
 # does the same for their gradients. It reads the weights twice, not once; at the
-# Shakespeare shape the launches it saves cost more than that.
+# Shakespeare shape the launches it saves cost more than that. And the backward of
+# ``add_layer_norm`` wrote the stream's gradient in fp32, which a cast then read again to
+# give the bf16 update its own: the kernel now writes both (``HAS_DX_LOW``).
 
 with torch.device("meta"):
     model = GPT(shakespeare.model_config(84))
