@@ -589,7 +589,10 @@ optimizer_step = bench.run(
 import functools
 import math
 
-from stepkernels.ops.layer_norm import layer_norm  # rows too long for one program
+from stepkernels.ops.layer_norm import (
+    layer_norm,  # rows too long for one program
+    sum_partials_kernel,  # chapter 03's second stage of dW and dB
+)
 from stepkernels.runtime.arguments import layer_norm_arguments
 from stepkernels.runtime.core import (
     INTERPRET,
@@ -810,7 +813,33 @@ def add_layer_norm_backward(h, dy, dh, weight, mean, rstd, low_dtype=None):
         REDUCTION="two-stage",
         **backward,
     )
-    return dx, dx_low, partials.sum(dim=0)  # (2, N) sums: fp32, rounded once by callers
+    return dx, dx_low, sum_partials(partials)  # (2, N): fp32, rounded once by callers
+
+
+def sum_partials(partials):
+    """The (2, N) sums of (programs, 2, N) partial sums by chapter 03's second stage:
+    narrow column blocks, each program's share of the partials loaded in tiles."""
+    n_partials, _, n_cols = partials.shape
+    sums = partials.new_empty((2, n_cols))
+    block_n = min(
+        128, max(16, triton.next_power_of_2(triton.cdiv(n_cols, 2 * sm_count())))
+    )
+    block_p = min(triton.next_power_of_2(n_partials), max(32, 4096 // block_n))
+    sum_partials_kernel[(triton.cdiv(n_cols, block_n),)](
+        partials,
+        partials,  # no visit counts (HAS_COUNTS False): not read
+        sums[0],
+        sums[1],
+        n_partials,
+        n_cols,
+        HAS_COUNTS=False,
+        HAS_DW=True,
+        HAS_DB=True,
+        BLOCK_P=block_p,
+        BLOCK_N=block_n,
+        num_warps=4,
+    )
+    return sums
 
 
 def low_dtype_of(h, dtypes):
