@@ -14,8 +14,9 @@ line). Views and empty allocations launch no kernel and are left out.
     python lab/step_glue.py --layers 1    # one block: quicker (about 2 minutes)
 
 The counts a step are those of the GPU's step with as many blocks (the same Python runs, and
-one operator is one kernel or a few); CPU times are not results and none are printed. The
-output of a run is in step_glue.log.
+one operator is one kernel or a few), except the token checks (``classes_in_range``), which
+only CPU tensors get (a GPU asserts in the loss's kernel instead); CPU times are not results
+and none are printed. The output of a run is in step_glue.log.
 """
 
 from __future__ import annotations

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import small_text
 from stepkernels.models import gpt
+from stepkernels.ops.adamw import FusedAdamW
 from stepkernels.runtime.core import DEVICE, ON_GPU
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -88,12 +89,13 @@ def test_the_map_charges_each_operator_to_a_line_of_the_package(tmp_path):
     step_glue = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(step_glue)
     found = step_glue.main(["--layers", "1", "--width", "8", "--data", str(small_text.prepare(tmp_path))])
-    casts = {where for (name, where, _), _ in found.items() if name == "_to_copy"}
-    assert any("models/gpt.py" in where and "(linear)" in where for where in casts)
-    assert any("[backward: ToCopyBackward0" in where for where in casts)
+    casts = [where for (name, where, _) in found if name == "_to_copy"]
+    assert any("[backward: CastAllBackward" in where for where in casts), "weights' grads"
+    assert any("gpt.py" in where and "[backward: ToCopyBackward0" in where for where in casts)
+    assert not any("(linear)" in where and "gpt.py" in where for where in casts), "no cast apiece"
     assert all(count > 0 for count in found.values())
-    norms = [where for (name, where, _) in found if name == "_foreach_norm"]
-    assert norms and all("train.py" in where for where in norms), "clipping's norms"
+    # clipping runs in FusedAdamW's kernels: none of clip_grad_norm_'s operators
+    assert not [name for (name, _, _) in found if name in ("_foreach_norm", "_foreach_mul_")]
 
 
 def test_cast_all_is_each_tensors_cast_and_its_backward_casts_back():
@@ -165,3 +167,60 @@ def test_add_layer_norm_writes_the_updates_gradient_in_its_dtype(x_dtype, residu
         rounded = x.grad.to(residual_dtype)  # bit for bit on a GPU; the interpreter
         ulp = 0 if ON_GPU else 2**-7  # truncates where a GPU rounds: one unit at most
         torch.testing.assert_close(residual.grad, rounded, rtol=ulp, atol=0)
+
+
+@pytest.mark.parametrize("max_norm", [0.5, 1e6])
+def test_clipping_in_the_update_is_clip_grad_norm_then_adamw(max_norm):
+    """FusedAdamW.clip_grad_norm then step: torch's clip_grad_norm_ then AdamW, over steps
+    with new gradients at new addresses, a parameter without one, two groups."""
+    torch.manual_seed(0)
+    shapes = [(7, 5), (5,), (1,), (3, 2, 9), (1300,), (4,)]
+    ours = [torch.nn.Parameter(torch.randn(s, device=DEVICE)) for s in shapes]
+    theirs = [torch.nn.Parameter(p.detach().clone()) for p in ours]
+    groups = lambda ps: [dict(params=ps[::2], weight_decay=0.1), dict(params=ps[1::2], weight_decay=0.0)]
+    fused = FusedAdamW(groups(ours), lr=1e-2, betas=(0.9, 0.99))
+    reference = torch.optim.AdamW(groups(theirs), lr=1e-2, betas=(0.9, 0.99))
+    for _ in range(3):
+        fused.zero_grad()
+        reference.zero_grad()
+        for p, q in zip(ours[:-1], theirs[:-1], strict=True):  # the last: no gradient
+            p.grad = 3 * torch.randn(p.shape, device=DEVICE)
+            q.grad = p.grad.clone()
+        kept = [p.grad.clone() for p in ours[:-1]]
+        norm = fused.clip_grad_norm(max_norm)
+        want = torch.nn.utils.clip_grad_norm_(theirs, max_norm)
+        torch.testing.assert_close(norm, want, rtol=1e-5, atol=0)
+        fused.step()
+        reference.step()
+        for p, q in zip(ours, theirs, strict=True):
+            torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+        assert all(torch.equal(p.grad, g) for p, g in zip(ours, kept, strict=False)), "left as they are"
+    fused.zero_grad()
+    assert fused.clip_grad_norm(1.0).item() == 0.0  # no gradient at all
+
+
+def test_a_clip_applies_to_the_next_step_only():
+    torch.manual_seed(0)
+    p = torch.nn.Parameter(torch.zeros(10, device=DEVICE))
+    q = torch.nn.Parameter(torch.zeros(10, device=DEVICE))
+    fused = FusedAdamW([p], lr=1.0, betas=(0.0, 0.0), weight_decay=0.0)
+    reference = FusedAdamW([q], lr=1.0, betas=(0.0, 0.0), weight_decay=0.0)
+    for clip in (True, False):  # with beta 0, a step moves each element by lr * sign(g)
+        p.grad = torch.full((10,), 1e-3, device=DEVICE)
+        q.grad = p.grad.clone()
+        if clip:
+            fused.clip_grad_norm(1e-9)
+        fused.step()
+        reference.step()
+    # Each unclipped step moves an element by -1; the clipped one, its g scaled to about
+    # 3e-10 beside eps = 1e-8, by about -0.03: p moved once by a full step, q twice.
+    assert (p - q).min() > 0.9 and p.max() < -0.99
+
+
+@pytest.mark.parametrize(
+    "max_norm, error", [(0.0, ValueError), (-1.0, ValueError), (True, TypeError), ("1", TypeError)]
+)
+def test_clip_refuses_a_bad_max_norm(max_norm, error):
+    fused = FusedAdamW([torch.nn.Parameter(torch.zeros(3, device=DEVICE))])
+    with pytest.raises(error, match="max_norm"):
+        fused.clip_grad_norm(max_norm)

@@ -467,7 +467,9 @@ class Trainer:
                     _, loss = self.forward(x_i, y_i)
                 (loss / accum if accum > 1 else loss).backward()
             total = loss.detach() if total is None else total + loss.detach()
-        if self.cfg.grad_clip > 0:  # a tensor result: no synchronization
+        if self.cfg.grad_clip > 0 and isinstance(self.optimizer, FusedAdamW):
+            self.optimizer.clip_grad_norm(self.cfg.grad_clip)  # in its update: ch. 15
+        elif self.cfg.grad_clip > 0:  # a tensor result: no synchronization
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
         self.optimizer.step()
         if self.parallel.several and self.drops():
