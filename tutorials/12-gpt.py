@@ -245,19 +245,10 @@ class TritonLayers:
 
     def __init__(self, model: nn.Module | None = None):
         self.casts = {}  # id of a parameter: its copy in the autocast dtype
-        device = next(model.parameters()).device.type if model is not None else None
-        if device is not None and torch.is_autocast_enabled(device):
-            dtype = torch.get_autocast_dtype(device)
-            linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
-            weights = [t for m in linears for t in (m.weight, m.bias) if t is not None]
-            weights += [model.tokens.weight]  # the output layer's (weight tying)
-            # (FSDP's shards are not plain tensors yet: they are gathered block by block.)
-            weights = [
-                t for t in weights if t.dtype != dtype and type(t.data) is torch.Tensor
-            ]
-            self.casts = dict(
-                zip(map(id, weights), cast_all(dtype, *weights), strict=True)
-            )
+        weights = [] if model is None else product_weights(model)
+        if weights and not torch.compiler.is_compiling():  # (compiled: fused anyway)
+            casts = cast_all(torch.get_autocast_dtype(weights[0].device.type), *weights)
+            self.casts = dict(zip(map(id, weights), casts, strict=True))
 
     def cast(self, weight, dtype):
         cast = self.casts.get(id(weight))
@@ -297,9 +288,9 @@ class TritonLayers:
         return attention(q, k, v, causal=True)
 
     def qkv_attention(self, qkv, n_head):  # chapters 11 and 15
-        q = split_heads(qkv, n_head)[0]
-        if qkv.is_contiguous() and descriptor_ready(q) and qkv.numel() > 0:
-            if not torch.compiler.is_compiling():  # (the compiler: ch. 11's operator)
+        if not torch.compiler.is_compiling():  # (the compiler: ch. 11's operator)
+            q = split_heads(qkv, n_head)[0]
+            if qkv.is_contiguous() and descriptor_ready(q) and qkv.numel() > 0:
                 return QKVAttention.apply(qkv, n_head)
         return TorchLayers.qkv_attention(self, qkv, n_head)
 
@@ -340,6 +331,19 @@ class QKVAttention(torch.autograd.Function):
         heads = split_heads(qkv, ctx.n_head)
         attention_backward(*heads, o, lse, ready(grad_o), True, ctx.scale, grads=into)
         return grad_qkv, None
+
+
+def product_weights(model: nn.Module) -> list[torch.Tensor]:
+    """The weights and biases the products of ``model`` cast under autocast, if on."""
+    device = next(model.parameters()).device.type
+    if not torch.is_autocast_enabled(device):
+        return []
+    dtype = torch.get_autocast_dtype(device)
+    linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
+    weights = [t for m in linears for t in (m.weight, m.bias) if t is not None]
+    weights += [model.tokens.weight]  # the output layer's (weight tying)
+    # FSDP's shards are not plain tensors yet: gathered block by block, cast per call.
+    return [t for t in weights if t.dtype != dtype and type(t.data) is torch.Tensor]
 
 
 def cast_all(dtype: torch.dtype, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
