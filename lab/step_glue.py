@@ -35,12 +35,12 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 # Operators that launch no kernel: views, metadata, allocations.
-NO_KERNEL = {
-    "view", "_unsafe_view", "reshape", "t", "transpose", "permute", "expand", "unbind",
-    "select", "slice", "as_strided", "detach", "alias", "unsqueeze", "squeeze",
-    "empty", "empty_strided", "empty_like", "new_empty", "new_empty_strided", "split",
-    "lift_fresh", "_local_scalar_dense", "is_pinned", "_pin_memory", "set_",
-}  # fmt: skip
+NO_KERNEL = set(
+    """view _unsafe_view reshape t transpose permute expand unbind select slice as_strided
+    detach alias unsqueeze squeeze split empty empty_strided empty_like new_empty
+    new_empty_strided lift_fresh _local_scalar_dense is_pinned _pin_memory set_
+    promote_types _record_function_enter_new _record_function_exit""".split()
+)
 OURS = ("/stepkernels/",)
 NONE = "(no line of the package)"
 INTERPRETER = ("triton/runtime/interpreter", "triton/language/")

@@ -192,9 +192,10 @@ tutorial.show_refusals(
 # Under ``torch.autocast``, PyTorch runs matrix products in bf16 and norms and losses in fp32,
 # casting each operand as it goes, while the residual stream stays fp32. Our functions take
 # what they are given (one dtype per call, chapter 05), so ``TritonLayers`` does autocast's work
-# itself: it casts the weights and the normalized activations to the autocast dtype before each
-# product, and gives the loss fp32 logits. Outside autocast everything stays fp32, which is how
-# we compare the two exactly.
+# itself: it casts the normalized activations to the autocast dtype before each product, and
+# the products' weights all at once at the start of the forward (``cast_all``, chapter 15),
+# and gives the loss fp32 logits. Outside autocast everything stays fp32, which is how we
+# compare the two exactly.
 
 
 # @save models/gpt
