@@ -38,7 +38,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 NO_KERNEL = set(
     """view _unsafe_view reshape t transpose permute expand unbind select slice as_strided
     detach alias unsqueeze squeeze split empty empty_strided empty_like new_empty
-    new_empty_strided lift_fresh _local_scalar_dense is_pinned _pin_memory set_
+    new_empty_strided lift_fresh _local_scalar_dense is_pinned _pin_memory set_ split_with_sizes
     promote_types _record_function_enter_new _record_function_exit""".split()
 )
 OURS = ("/stepkernels/",)
