@@ -306,6 +306,10 @@ def opcheck_cases():
             ops.add_layer_norm_backward,
             (h.detach(), dy, random_tensor((6, 32), seed=13), w.detach(), h_mean.detach(), h_rstd.detach()),
         ),
+        "add_layer_norm_backward_low_dtype": (
+            ops.add_layer_norm_backward,
+            (h.detach(), dy, None, w.detach(), h_mean.detach(), h_rstd.detach(), torch.bfloat16),
+        ),
         "add_layer_norm_backward_no_dh": (
             ops.add_layer_norm_backward,
             (h.detach(), dy, None, None, h_mean.detach(), h_rstd.detach()),

@@ -28,7 +28,7 @@ import math
 
 from stepkernels.lessons import bench, tutorial
 from stepkernels.models.config import Config
-from stepkernels.models.gpt import GPT, GPTConfig
+from stepkernels.models.gpt import GPT, GPTConfig, TritonLayers, split_heads
 import torch
 import triton
 import triton.language as tl
@@ -185,6 +185,8 @@ def adamw_kernel(
     grad_scale_ptr,  # UNSCALE: the loss scale s the gradients still carry
     found_inf_ptr,  # SKIP_ON_INF: nonzero if a gradient overflowed (fp16 loss scaling)
     lr_value,  # the learning rate when it is a number (LR_IN_TENSOR False)
+    norm_ptr,  # the gradients' total norm (CLIP): clip_grad_norm_'s, done in the update
+    max_norm,
     beta1,
     beta2,
     eps,
@@ -192,6 +194,7 @@ def adamw_kernel(
     LR_IN_TENSOR: tl.constexpr,
     UNSCALE: tl.constexpr,
     SKIP_ON_INF: tl.constexpr,
+    CLIP: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     program_id = tl.program_id(axis=0)
@@ -217,6 +220,8 @@ def adamw_kernel(
     if UNSCALE:  # g / s, stored back as PyTorch's fused AdamW leaves its gradients
         grad = grad / tl.load(grad_scale_ptr)
         tl.store(grad_ptr + offsets, grad, mask=mask)
+    if CLIP:  # g scaled as clip_grad_norm_ scales it (the unscaled g), here as read
+        grad *= tl.minimum(max_norm / (tl.load(norm_ptr) + 1e-6), 1.0)
     exp_avg = tl.load(exp_avg_ptr + start + offsets, mask=mask)
     exp_avg_sq = tl.load(exp_avg_sq_ptr + start + offsets, mask=mask)
     param = param * (1.0 - lr * weight_decay)  # decoupled weight decay, first
@@ -227,6 +232,37 @@ def adamw_kernel(
     tl.store(param_ptr + offsets, param, mask=mask)
     tl.store(exp_avg_ptr + start + offsets, exp_avg, mask=mask)
     tl.store(exp_avg_sq_ptr + start + offsets, exp_avg_sq, mask=mask)
+
+
+@lean
+@triton.jit
+def grad_squares_kernel(
+    tensors_ptr, block_tensor_ptr, partial_ptr, BLOCK: tl.constexpr
+):
+    """Each program's sum of g² over its block, through adamw_kernel's tables."""
+    program_id = tl.program_id(axis=0)
+    row = tensors_ptr + tl.load(block_tensor_ptr + program_id).to(tl.int64) * 5
+    grad_address, numel, first_block = (
+        tl.load(row + 1),
+        tl.load(row + 3),
+        tl.load(row + 4),
+    )
+    offsets = (program_id - first_block) * BLOCK + tl.arange(0, BLOCK)
+    mask = offsets < tl.where(grad_address != 0, numel, 0)
+    grad_ptr = grad_address.to(tl.pointer_type(tl.float32))
+    grad = tl.load(grad_ptr + offsets, mask=mask, other=0.0)
+    tl.store(partial_ptr + program_id, tl.sum(grad * grad, axis=0))
+
+
+@lean
+@triton.jit
+def norm_kernel(partial_ptr, n_partials, norm_ptr, BLOCK: tl.constexpr):
+    """One program: the square root of the sum of ``n_partials`` partial sums."""
+    total = tl.zeros([BLOCK], tl.float32)
+    for first in tl.range(0, n_partials, BLOCK):
+        slots = first + tl.arange(0, BLOCK)
+        total += tl.load(partial_ptr + slots, mask=slots < n_partials, other=0.0)
+    tl.store(norm_ptr, tl.sqrt(tl.sum(total, axis=0)))
 
 
 # %%
@@ -250,11 +286,13 @@ def adamw_update(
     step,
     grad_scale=None,
     found_inf=None,
+    clip=None,
 ):
     """One AdamW step over a group: ``tables`` = (its tensors' rows, each program's row),
     ``moments`` = its flat (exp_avg, exp_avg_sq); ``step``: one fp32 value, this step's t.
     ``grad_scale``: one float, the scale the gradients carry (they are divided by it);
-    ``found_inf``: one float, the step changes nothing where it is not 0."""
+    ``found_inf``: one float, the step changes nothing where it is not 0; ``clip``: (the
+    gradients' total norm, a one-value tensor, and the largest allowed)."""
     tensors, block_tensor = tables
     if block_tensor.numel() == 0:
         return
@@ -277,6 +315,8 @@ def adamw_update(
             step if grad_scale is None else grad_scale,
             step if found_inf is None else found_inf,
             0.0 if in_tensor else float(lr),
+            step if clip is None else clip[0],  # not read without CLIP
+            1.0 if clip is None else clip[1],
             beta1,
             beta2,
             eps,
@@ -284,6 +324,7 @@ def adamw_update(
             LR_IN_TENSOR=in_tensor,
             UNSCALE=grad_scale is not None,
             SKIP_ON_INF=found_inf is not None,
+            CLIP=clip is not None,
             BLOCK=ADAMW_BLOCK,
             num_warps=ADAMW_WARPS,
         )
@@ -363,6 +404,8 @@ class FusedAdamW(torch.optim.Optimizer):
         self.spares = []  # per group: pinned host rows for the next CUDA-graph capture
         self.pinned = []  # host rows that recorded graphs read at each replay: kept
         self.steps = None  # one fp32 step count per group, on the parameters' device
+        self.written = set()  # groups whose table was written for the coming step
+        self.clip = None  # (total norm, max_norm) for the coming step: clip_grad_norm
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
         super().__init__(params, defaults)
 
@@ -472,14 +515,59 @@ class FusedAdamW(torch.optim.Optimizer):
             1 if found_inf is None else (found_inf.to(self.steps) == 0).float()
         )
         for index, group in enumerate(self.param_groups):
-            self.write_addresses(index)
+            self.write_table(index)
             beta1, beta2 = group["betas"]
             args = (group["lr"], beta1, beta2, group["eps"], group["weight_decay"])
             step = self.steps[index : index + 1]
             adamw_update(
-                self.tables[index], self.moments[index], *args, step, **scaling
+                self.tables[index],
+                self.moments[index],
+                *args,
+                step,
+                **scaling,
+                clip=self.clip,
             )
+        self.written, self.clip = set(), None
         return loss
+
+    def zero_grad(self, set_to_none=True):
+        self.written, self.clip = set(), None  # new gradients: new addresses
+        super().zero_grad(set_to_none)
+
+    def write_table(self, index):
+        """write_addresses once a step (a capture records one copy a group)."""
+        if index not in self.written:
+            self.write_addresses(index)
+            self.written.add(index)
+
+    @torch.no_grad()
+    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
+        """``torch.nn.utils.clip_grad_norm_`` over the optimizer's parameters, fused: the
+        gradients' total norm in one launch a group and one more, and its scale applied by
+        the next ``step`` as it reads each gradient; the gradients are left as they are.
+        Returns the total norm, a tensor on the parameters' device (no synchronization)."""
+        if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)):
+            raise TypeError(f"max_norm must be a number, got {max_norm!r}")
+        if not max_norm > 0:
+            raise ValueError(f"max_norm must be > 0, got {max_norm!r}")
+        if len({tensors.device for tensors, _ in self.tables}) > 1:
+            raise ValueError("clip_grad_norm: the groups are on several devices")
+        counts = [block_tensor.numel() for _, block_tensor in self.tables]
+        total = sum(counts)  # programs: one partial sum each
+        partials = self.steps.new_empty(total) if total else self.steps.new_zeros(1)
+        first = 0
+        for index, count in enumerate(counts):
+            self.write_table(index)
+            if count:
+                tensors, block_tensor = self.tables[index]
+                grad_squares_kernel[(count,)](
+                    tensors, block_tensor, partials[first:], BLOCK=ADAMW_BLOCK
+                )
+            first += count
+        norm = self.steps.new_empty(1)
+        norm_kernel[(1,)](partials, partials.numel(), norm, BLOCK=1024)
+        self.clip = (norm, float(max_norm))
+        return norm[0]
 
     def state_dict(self):
         """PyTorch's AdamW's layout: each parameter's own step tensor and moments."""
@@ -560,6 +648,27 @@ def check_adamw(shapes, steps=5, seed=0):
 
 shapes = [(7, 5), (5,), (1,), (3, 2, 9), (130,)]
 print(f"5 steps as torch's fused AdamW: largest difference {check_adamw(shapes):.1e}")
+
+# %%
+# The training command clips the gradients first: ``clip_grad_norm_`` launches norms per
+# tensor, their norm, a scale, and a pass that multiplies every gradient by it.
+# ``FusedAdamW.clip_grad_norm`` reads the same tables: one launch a group sums g² per
+# block, one more adds the partial sums (in a fixed order: the same norm at every run),
+# and the update scales g by min(1, max_norm / norm) as it reads it. The gradients are
+# left as they are; the next step alone is clipped.
+
+params = [torch.nn.Parameter(torch.randn(s, device=DEVICE)) for s in shapes]
+copies = [torch.nn.Parameter(p.detach().clone()) for p in params]
+for p, q in zip(params, copies, strict=True):
+    p.grad = torch.randn(p.shape, device=DEVICE)
+    q.grad = p.grad.clone()
+fused, reference = FusedAdamW(params), torch.optim.AdamW(copies)
+norms = fused.clip_grad_norm(0.1), torch.nn.utils.clip_grad_norm_(copies, 0.1)
+fused.step()
+reference.step()
+print(f"gradient norm {norms[0].item():.4f} (ours), {norms[1].item():.4f} (PyTorch's)")
+for p, q in zip(params, copies, strict=True):
+    torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
 
 # %%
 # Benchmark: the optimizer step
@@ -658,7 +767,10 @@ optimizer_step = bench.run(
 import functools
 import math
 
-from stepkernels.ops.layer_norm import layer_norm  # rows too long for one program
+from stepkernels.ops.layer_norm import (
+    layer_norm,  # rows too long for one program
+    sum_partials_kernel,  # chapter 03's second stage of dW and dB
+)
 from stepkernels.runtime.arguments import layer_norm_arguments
 from stepkernels.runtime.core import (
     INTERPRET,
@@ -735,6 +847,7 @@ def add_layer_norm_backward_kernel(
     dy_ptr,  # gradient of y
     dh_ptr,  # gradient of h from its other uses (the stream goes on); HAS_DH
     dx_ptr,  # out: gradient of x and of residual, dh + layer_norm's backward of dy
+    dx_low_ptr,  # out: the same in the other input's dtype (bf16 update); HAS_DX_LOW
     weight_ptr,
     mean_ptr,
     rstd_ptr,
@@ -747,6 +860,7 @@ def add_layer_norm_backward_kernel(
     ROWS_PER_PROGRAM: tl.constexpr,
     HAS_WEIGHT: tl.constexpr,
     HAS_DH: tl.constexpr,
+    HAS_DX_LOW: tl.constexpr,
     REDUCTION: tl.constexpr,  # "two-stage": a partial row a program (chapter 03)
 ):
     program_id = tl.program_id(axis=0)
@@ -771,6 +885,9 @@ def add_layer_norm_backward_kernel(
             dh = tl.load(dh_ptr + row64 * dh_row_stride + cols, mask=mask, other=0.0)
             dx += dh.to(tl.float32)
         tl.store(dx_ptr + row64 * N + cols, dx.to(dx_ptr.dtype.element_ty), mask=mask)
+        if HAS_DX_LOW:  # rounded here, not by a cast kernel that reads dx again
+            low = dx.to(dx_low_ptr.dtype.element_ty)
+            tl.store(dx_low_ptr + row64 * N + cols, low, mask=mask)
         dw, db = dw + dy * h_hat, db + dy  # masked lanes: dy = 0
     slots = (program_id, program_id, 0)
     flush_partials(
@@ -842,19 +959,24 @@ def add_layer_norm_forward(x, residual, weight, bias, eps, out_dtype):
     return h, y, mean, rstd
 
 
-def add_layer_norm_backward(h, dy, dh, weight, mean, rstd):
-    """dx in h's dtype (the gradient of x and of the update), and the (2, N) fp32 sums
-    of dW and dB; dy and dh (None: h not used further) as rows."""
+def add_layer_norm_backward(h, dy, dh, weight, mean, rstd, low_dtype=None):
+    """dx in h's dtype (the gradient of x and of the update), the same in ``low_dtype``
+    (an empty tensor if None), and the (2, N) fp32 sums of dW and dB; dy and dh (None:
+    h not used further) as rows."""
     (n_rows, n_cols), device = h.shape, h.device
     backward = backward_config(n_cols, n_rows)
     programs = triton.cdiv(n_rows, backward["ROWS_PER_PROGRAM"])
     partials = torch.empty((programs, 2, n_cols), device=device)
     dx = torch.empty_like(h)
+    dx_low = (
+        h.new_empty(0) if low_dtype is None else torch.empty_like(h, dtype=low_dtype)
+    )
     add_layer_norm_backward_kernel[(programs,)](
         h,
         dy,
         dh if dh is not None else dy,
         dx,
+        dx if low_dtype is None else dx_low,
         weight if weight is not None else h,
         mean,
         rstd,
@@ -865,10 +987,50 @@ def add_layer_norm_backward(h, dy, dh, weight, mean, rstd):
         n_cols,
         HAS_WEIGHT=weight is not None,
         HAS_DH=dh is not None,
+        HAS_DX_LOW=low_dtype is not None,
         REDUCTION="two-stage",
         **backward,
     )
-    return dx, partials.sum(dim=0)  # (2, N): dW, dB in fp32, rounded once by callers
+    return dx, dx_low, sum_partials(partials)  # (2, N): fp32, rounded once by callers
+
+
+def sum_partials(partials):
+    """The (2, N) sums of (programs, 2, N) partial sums by chapter 03's second stage:
+    narrow column blocks, each program's share of the partials loaded in tiles."""
+    n_partials, _, n_cols = partials.shape
+    sums = partials.new_empty((2, n_cols))
+    block_n = min(
+        128, max(16, triton.next_power_of_2(triton.cdiv(n_cols, 2 * sm_count())))
+    )
+    block_p = min(triton.next_power_of_2(n_partials), max(32, 4096 // block_n))
+    sum_partials_kernel[(triton.cdiv(n_cols, block_n),)](
+        partials,
+        partials,  # no visit counts (HAS_COUNTS False): not read
+        sums[0],
+        sums[1],
+        n_partials,
+        n_cols,
+        HAS_COUNTS=False,
+        HAS_DW=True,
+        HAS_DB=True,
+        BLOCK_P=block_p,
+        BLOCK_N=block_n,
+        num_warps=4,
+    )
+    return sums
+
+
+def low_dtype_of(h, dtypes):
+    """The inputs' dtype other than h's (the update's, under autocast), else None."""
+    return next((dtype for dtype in dtypes if dtype != h.dtype), None)
+
+
+def input_grads(dx, dx_low, dtypes):
+    """dx as the gradient of each input, in that input's dtype."""
+    return tuple(
+        dx if d == dx.dtype else dx_low if d == dx_low.dtype else dx.to(d)
+        for d in dtypes
+    )
 
 
 def weight_grads(sums, h, weight, has_bias):
@@ -900,9 +1062,10 @@ class AddLayerNormFunction(torch.autograd.Function):
         if dy is None:  # y unused: the sum's gradient passes through, none for w and b
             return dh.to(dx_dtype), dh.to(residual_dtype), None, None, None, None
         dy, dh = as_rows(dy), None if dh is None else as_rows(dh)
-        dx, sums = add_layer_norm_backward(h, dy, dh, weight, mean, rstd)
+        low = low_dtype_of(h, ctx.dtypes)
+        dx, dx_low, sums = add_layer_norm_backward(h, dy, dh, weight, mean, rstd, low)
         dw, db = weight_grads(sums, h, weight, ctx.has_bias)
-        return dx.to(dx_dtype), dx.to(residual_dtype), dw, db, None, None
+        return *input_grads(dx, dx_low, ctx.dtypes), dw, db, None, None
 
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -990,9 +1153,11 @@ def add_layer_norm_backward_op(
     weight: Tensor | None,
     mean: Tensor,
     rstd: Tensor,
-) -> tuple[Tensor, Tensor]:
+    low_dtype: torch.dtype | None = None,
+) -> tuple[Tensor, Tensor, Tensor]:
     rows = (concrete(h), concrete(dy), None if dh is None else concrete(dh))
-    return add_layer_norm_backward(*rows, weight, mean, rstd)  # dx, the sums of dW, dB
+    # dx, dx in low_dtype (or empty), the sums of dW and dB
+    return add_layer_norm_backward(*rows, weight, mean, rstd, low_dtype)
 
 
 def add_layer_norm_setup(ctx, inputs, output):
@@ -1010,9 +1175,10 @@ def add_layer_norm_op_backward(ctx, dh, dy, _mean_grad, _rstd_grad):
     if dy is None:  # y unused: the sum's gradient passes through, none for w and b
         return dh.to(dx_dtype), dh.to(residual_dtype), None, None, None, None
     dy, dh = as_rows(dy), None if dh is None else as_rows(dh)
-    dx, sums = add_layer_norm_backward_op(h, dy, dh, weight, mean, rstd)
+    low = low_dtype_of(h, ctx.dtypes)
+    dx, dx_low, sums = add_layer_norm_backward_op(h, dy, dh, weight, mean, rstd, low)
     dw, db = weight_grads(sums, h, weight, ctx.has_bias)
-    return dx.to(dx_dtype), dx.to(residual_dtype), dw, db, None, None
+    return *input_grads(dx, dx_low, ctx.dtypes), dw, db, None, None
 
 
 add_layer_norm_forward_op.register_autograd(
@@ -1186,6 +1352,48 @@ assert losses[True][-1] < losses[True][0], "the model should learn"
 torch.testing.assert_close(losses[True], losses[False], rtol=0, atol=1e-4)
 
 # %%
+# The glue between the kernels
+# ----------------------------
+# The profile also lists PyTorch's kernels between ours: copies, casts, joins, sums.
+# ``lab/step_glue.py`` finds the line of Python behind each without a GPU: it runs one
+# step at a tiny width on the CPU, catches every PyTorch operator at the dispatcher, and
+# charges one of the backward to the forward line that recorded its autograd node. Three
+# kinds of glue went.
+#
+# Attention reads q, k and v in place, strided views of the QKV product (B, T, 3, H, D).
+# Autograd, going back through those views, stacked dQ, dK and dV (a join) and copied the
+# stack into the product's layout (a strided copy): two more passes over 3 × M × C
+# values. Chapter 12's ``QKVAttention`` takes the product itself, and its backward gives
+# chapter 11's kernels three views of one (B, T, 3C) gradient to write into.
+#
+# Under autocast every product cast its weight and its bias to bf16, a launch each, and
+# the backward cast each gradient back to fp32, another. ``cast_all`` joins the weights,
+# casts them and views them apart (a join and a cast, however many), and its backward
+# does the same for their gradients. It reads the weights twice, not once; at the
+# Shakespeare shape the launches it saves cost more than that. And the backward of
+# ``add_layer_norm`` wrote the stream's gradient in fp32, which a cast then read again to
+# give the bf16 update its own: the kernel now writes both (``HAS_DX_LOW``).
+
+with torch.device("meta"):
+    model = GPT(shakespeare.model_config(84))
+linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+weights = [model.tokens.weight] + [t for m in linears for t in (m.weight, m.bias)]
+megabytes = sum(t.numel() for t in weights) * 4 / 1e6
+print(
+    f"{len(weights)} weights of products, {megabytes:.0f} MB in fp32. Launches a step"
+)
+print(f"cast one by one: {2 * len(weights)}; at once: 4 (a join and a cast each way)")
+
+# The fused backward writes the gradient that autograd made through the views, bit for
+# bit (the same kernels): chapter 12's general path, split views and ``attention``.
+layers = TritonLayers()
+qkv = torch.randn(2, 9, 3 * 16, device=DEVICE, requires_grad=True)
+fused = torch.autograd.grad(layers.qkv_attention(qkv, 2).sum(), qkv)[0]
+q, k, v = split_heads(qkv, 2)
+through_views = torch.autograd.grad(layers.attention(q, k, v).sum(), qkv)[0]
+assert fused.is_contiguous() and torch.equal(fused, through_views)
+
+# %%
 # Chapter 12's race measures what both fusions give the whole step: ``make bench``
 # records it again with the new blocks and optimizer, and the profile above, recorded
 # before and after, says which kernels went and what their time became.
@@ -1200,13 +1408,13 @@ torch.testing.assert_close(losses[True], losses[False], rtol=0, atol=1e-4)
 #   buffer.
 # * A kernel with two outputs takes two incoming gradients: the residual addition's
 #   backward costs nothing once the norm's backward adds them.
+# * Glue hides in autograd's backward of views and casts: a function that owns the whole
+#   layout (the QKV product, all weights at once) writes its gradient where it belongs.
 #
 # Exercises
 # ---------
-# 1. Fold gradient clipping into the optimizer: a first kernel sums g² over the
-#    gradients through the same table, and the AdamW kernel scales g by min(1, max_norm
-#    / norm) as it reads it. How many bytes and launches does ``clip_grad_norm_`` cost a
-#    step, and what is left of them?
+# 1. ``clip_grad_norm`` reads every gradient once more than the update does. Could the
+#    norm of this step's gradients be summed where they are written (the products' dW)?
 # 2. Keep the moments in bf16 (the update in fp32): how many bytes a parameter is that,
 #    and how far does the loss curve move?
 # 3. Fuse the embedding's addition (tokens + positions) into the first block's norm.

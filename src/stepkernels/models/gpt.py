@@ -6,7 +6,14 @@ import dataclasses
 import math
 
 from stepkernels.ops.add_layer_norm import add_layer_norm
-from stepkernels.ops.attention import MAX_HEAD_DIM, attention
+from stepkernels.ops.attention import (
+    MAX_HEAD_DIM,
+    attention,
+    attention_backward,
+    attention_forward,
+    descriptor_ready,
+    ready,
+)
 from stepkernels.ops.cross_entropy import cross_entropy
 from stepkernels.ops.dropout import dropout, dropout_bias_act
 from stepkernels.ops.layer_norm import layer_norm
@@ -15,6 +22,7 @@ from stepkernels.ops.rms_norm import rms_norm
 from stepkernels.ops.rotary import rotary_embedding_qk
 from stepkernels.ops.swiglu import silu_mul
 from stepkernels.runtime.arguments import classes_in_range, sampling_arguments
+from stepkernels.runtime.core import refuse_double_backward
 import torch
 from torch import nn
 import torch.nn.functional as F
@@ -207,13 +215,31 @@ class TorchLayers:
             q, k, v, is_causal=True, enable_gqa=grouped
         )
 
+    def qkv_attention(self, qkv, n_head):
+        """Causal attention over the heads of one QKV product (B, T, 3C): (B, T, C)."""
+        batch, time, width = qkv.shape[0], qkv.shape[1], qkv.shape[2] // 3
+        y = self.attention(*split_heads(qkv, n_head))
+        return y.transpose(1, 2).reshape(batch, time, width)
+
     def loss(self, logits, targets):
         return F.cross_entropy(logits.float(), targets.long())  # int32 too, as ours
 
 
 class TritonLayers:
     """The same layers on the collection's kernels. Under autocast, as PyTorch does: norms and
-    the loss in fp32, products in the autocast dtype (weights cast per call)."""
+    the loss in fp32, products in the autocast dtype: given the ``model``, its products'
+    weights are cast all at once (``cast_all``, chapter 15), else each as a product uses it."""
+
+    def __init__(self, model: nn.Module | None = None):
+        self.casts = {}  # id of a parameter: its copy in the autocast dtype
+        weights = [] if model is None else product_weights(model)
+        if weights and not torch.compiler.is_compiling():  # (compiled: fused anyway)
+            casts = cast_all(torch.get_autocast_dtype(weights[0].device.type), *weights)
+            self.casts = dict(zip(map(id, weights), casts, strict=True))
+
+    def cast(self, weight, dtype):
+        cast = self.casts.get(id(weight))
+        return weight.to(dtype) if cast is None else cast
 
     def norm(self, x, norm):  # chapters 03 and 14
         if isinstance(norm, nn.RMSNorm):
@@ -235,8 +261,8 @@ class TritonLayers:
 
     def linear(self, x, layer, activation=None, p=0.0, seed=None):  # chapters 05, 06
         dtype = compute_dtype(x)
-        weight, bias = layer.weight.to(dtype), getattr(layer, "bias", None)
-        bias = None if bias is None else bias.to(dtype)
+        weight, bias = self.cast(layer.weight, dtype), getattr(layer, "bias", None)
+        bias = None if bias is None else self.cast(bias, dtype)
         if p == 0 or bias is None:
             # With an activation, the backward recomputes x W^T + b instead of keeping it:
             # 4C values a token (50 MB a layer here) for one more product.
@@ -261,8 +287,92 @@ class TritonLayers:
         # k and v head of its query head's group (chapter 11).
         return attention(q, k, v, causal=True)
 
+    def qkv_attention(self, qkv, n_head):  # chapters 11 and 15
+        if not torch.compiler.is_compiling():  # (the compiler: ch. 11's operator)
+            q = split_heads(qkv, n_head)[0]
+            if qkv.is_contiguous() and descriptor_ready(q) and qkv.numel() > 0:
+                return QKVAttention.apply(qkv, n_head)
+        return TorchLayers.qkv_attention(self, qkv, n_head)
+
     def loss(self, logits, targets):  # chapter 09
         return cross_entropy(logits.float(), targets)
+
+
+def split_heads(qkv: torch.Tensor, n_head: int):
+    """q, k, v (B, H, T, D) of a QKV product (B, T, 3C): strided views, no copies."""
+    batch, time, width = qkv.shape[0], qkv.shape[1], qkv.shape[2] // 3
+    heads = qkv.view(batch, time, 3, n_head, width // n_head)
+    return heads.permute(2, 0, 3, 1, 4).unbind(0)
+
+
+class QKVAttention(torch.autograd.Function):
+    """Causal attention over the heads of a QKV product (B, T, 3C), read in place, to
+    (B, T, C). The backward writes dQ, dK and dV straight into one (B, T, 3C) gradient in
+    the product's layout, where autograd, going back through the views, would stack the
+    three (a join) and copy the stack into that layout (a strided copy): chapter 15."""
+
+    @staticmethod
+    def forward(ctx, qkv, n_head):
+        q, k, v = split_heads(qkv, n_head)
+        ctx.scale, ctx.n_head = q.shape[3] ** -0.5, n_head
+        o, lse = attention_forward(q, k, v, True, ctx.scale)
+        ctx.save_for_backward(qkv, o, lse)
+        return o.transpose(1, 2).reshape(qkv.shape[0], qkv.shape[1], -1)
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        refuse_double_backward("attention", "F.scaled_dot_product_attention")
+        qkv, o, lse = ctx.saved_tensors
+        batch, time, width = grad_y.shape
+        grad_o = grad_y.reshape(batch, time, ctx.n_head, -1).transpose(1, 2)
+        grad_qkv = torch.empty_like(qkv)  # its views: descriptor-ready, as qkv's
+        into = split_heads(grad_qkv, ctx.n_head)
+        heads = split_heads(qkv, ctx.n_head)
+        attention_backward(*heads, o, lse, ready(grad_o), True, ctx.scale, grads=into)
+        return grad_qkv, None
+
+
+def product_weights(model: nn.Module) -> list[torch.Tensor]:
+    """The weights and biases the products of ``model`` cast under autocast, if on."""
+    device = next(model.parameters()).device.type
+    if not torch.is_autocast_enabled(device):
+        return []
+    dtype = torch.get_autocast_dtype(device)
+    linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
+    weights = [t for m in linears for t in (m.weight, m.bias) if t is not None]
+    weights += [model.tokens.weight]  # the output layer's (weight tying)
+    # FSDP's shards are not plain tensors yet: gathered block by block, cast per call.
+    return [t for t in weights if t.dtype != dtype and type(t.data) is torch.Tensor]
+
+
+def cast_all(dtype: torch.dtype, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """``tensors``, each ``.to(dtype)``, differentiably, in three launches for any number."""
+    return CastAll.apply(dtype, *tensors)
+
+
+class CastAll(torch.autograd.Function):
+    """Tensors joined into one, cast, and viewed apart; the backward joins their gradients,
+    casts them back and views them apart: two joins and two casts, where one cast apiece
+    is a launch apiece, forward and backward (chapter 15)."""
+
+    @staticmethod
+    def forward(ctx, dtype, *tensors):
+        ctx.dtype, ctx.shapes = tensors[0].dtype, [t.shape for t in tensors]
+        ctx.set_materialize_grads(False)  # a copy nobody used: no gradient, as .to's
+        return apart(torch.cat([t.reshape(-1) for t in tensors]).to(dtype), ctx.shapes)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        used = [i for i, g in enumerate(grads) if g is not None]
+        flat = torch.cat([grads[i].reshape(-1) for i in used]).to(ctx.dtype)
+        back = dict(zip(used, apart(flat, [ctx.shapes[i] for i in used]), strict=True))
+        return None, *(back.get(i) for i in range(len(grads)))
+
+
+def apart(flat, shapes):
+    """Views of ``flat``, one after the other, of the given shapes."""
+    parts = flat.split([math.prod(shape) for shape in shapes])
+    return tuple(part.view(shape) for part, shape in zip(parts, shapes, strict=True))
 
 
 class CausalSelfAttention(nn.Module):
@@ -279,13 +389,18 @@ class CausalSelfAttention(nn.Module):
     def forward(self, x, layers, p, seed, rotation=None):
         batch, time, width = x.shape
         qkv = layers.linear(x, self.qkv)
-        # (B, T, H + 2 H_kv, D) viewed as (B, H, T, D) and two (B, H_kv, T, D): strided
-        # views, no copies (with H_kv = H, the (B, T, 3, H, D) of GPT-2's layout)
-        heads = qkv.view(batch, time, -1, width // self.n_head).transpose(1, 2)
-        q, k, v = heads.split([self.n_head, self.n_kv_head, self.n_kv_head], dim=1)
-        if rotation is not None:  # rotary: (cos, sin) of the positions
-            q, k = layers.rotary(q, k, *rotation)
-        y = layers.attention(q, k, v).transpose(1, 2).reshape(batch, time, width)
+        if rotation is None and self.n_kv_head == self.n_head:
+            # GPT-2's block: the attention reads q, k, v in the product, (B, T, 3, H, D),
+            # and its backward writes their gradients in that layout (chapter 15)
+            y = layers.qkv_attention(qkv, self.n_head)
+        else:
+            # (B, T, H + 2 H_kv, D) viewed as (B, H, T, D) and two (B, H_kv, T, D):
+            # strided views, no copies
+            heads = qkv.view(batch, time, -1, width // self.n_head).transpose(1, 2)
+            q, k, v = heads.split([self.n_head, self.n_kv_head, self.n_kv_head], dim=1)
+            if rotation is not None:  # rotary: (cos, sin) of the positions
+                q, k = layers.rotary(q, k, *rotation)
+            y = layers.attention(q, k, v).transpose(1, 2).reshape(batch, time, width)
         return layers.linear(y, self.out, p=p, seed=seed)
 
 
@@ -388,7 +503,7 @@ class GPT(nn.Module):
         (other than -100, ignored) is an error on both layers: a ValueError for CPU tensors,
         checked first; on a GPU a device-side assert in the loss, ours or PyTorch's."""
         check_tokens(idx, targets, self.config.block_size, self.config.vocab_size)
-        layers = TritonLayers() if self.use_triton else TorchLayers()
+        layers = TritonLayers(self) if self.use_triton else TorchLayers()
         p = self.config.dropout if self.training else 0.0
         seeds = self.seeds.add_(len(self.seeds)) if p > 0 and self.use_triton else None
         site = (lambda i: seeds[i]) if seeds is not None else (lambda i: None)

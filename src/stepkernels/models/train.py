@@ -488,8 +488,11 @@ class Trainer:
                     _, loss = self.forward(x_i, y_i)
                 self.scaler.scale(loss / accum if accum > 1 else loss).backward()
             total = loss.detach() if total is None else total + loss.detach()
-        if self.cfg.grad_clip > 0:  # a tensor result: no synchronization
+        if self.cfg.grad_clip > 0:
             self.scaler.unscale_(self.optimizer)  # clip the gradients, not their scale
+        if self.cfg.grad_clip > 0 and isinstance(self.optimizer, FusedAdamW):
+            self.optimizer.clip_grad_norm(self.cfg.grad_clip)  # in its update: ch. 15
+        elif self.cfg.grad_clip > 0:  # a tensor result: no synchronization
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
         self.scaler.step(self.optimizer)  # skipped where a gradient is inf or nan
         self.scaler.update()

@@ -25,6 +25,8 @@ def adamw_kernel(
     grad_scale_ptr,  # UNSCALE: the loss scale s the gradients still carry
     found_inf_ptr,  # SKIP_ON_INF: nonzero if a gradient overflowed (fp16 loss scaling)
     lr_value,  # the learning rate when it is a number (LR_IN_TENSOR False)
+    norm_ptr,  # the gradients' total norm (CLIP): clip_grad_norm_'s, done in the update
+    max_norm,
     beta1,
     beta2,
     eps,
@@ -32,6 +34,7 @@ def adamw_kernel(
     LR_IN_TENSOR: tl.constexpr,
     UNSCALE: tl.constexpr,
     SKIP_ON_INF: tl.constexpr,
+    CLIP: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     program_id = tl.program_id(axis=0)
@@ -57,6 +60,8 @@ def adamw_kernel(
     if UNSCALE:  # g / s, stored back as PyTorch's fused AdamW leaves its gradients
         grad = grad / tl.load(grad_scale_ptr)
         tl.store(grad_ptr + offsets, grad, mask=mask)
+    if CLIP:  # g scaled as clip_grad_norm_ scales it (the unscaled g), here as read
+        grad *= tl.minimum(max_norm / (tl.load(norm_ptr) + 1e-6), 1.0)
     exp_avg = tl.load(exp_avg_ptr + start + offsets, mask=mask)
     exp_avg_sq = tl.load(exp_avg_sq_ptr + start + offsets, mask=mask)
     param = param * (1.0 - lr * weight_decay)  # decoupled weight decay, first
@@ -67,6 +72,37 @@ def adamw_kernel(
     tl.store(param_ptr + offsets, param, mask=mask)
     tl.store(exp_avg_ptr + start + offsets, exp_avg, mask=mask)
     tl.store(exp_avg_sq_ptr + start + offsets, exp_avg_sq, mask=mask)
+
+
+@lean
+@triton.jit
+def grad_squares_kernel(
+    tensors_ptr, block_tensor_ptr, partial_ptr, BLOCK: tl.constexpr
+):
+    """Each program's sum of g² over its block, through adamw_kernel's tables."""
+    program_id = tl.program_id(axis=0)
+    row = tensors_ptr + tl.load(block_tensor_ptr + program_id).to(tl.int64) * 5
+    grad_address, numel, first_block = (
+        tl.load(row + 1),
+        tl.load(row + 3),
+        tl.load(row + 4),
+    )
+    offsets = (program_id - first_block) * BLOCK + tl.arange(0, BLOCK)
+    mask = offsets < tl.where(grad_address != 0, numel, 0)
+    grad_ptr = grad_address.to(tl.pointer_type(tl.float32))
+    grad = tl.load(grad_ptr + offsets, mask=mask, other=0.0)
+    tl.store(partial_ptr + program_id, tl.sum(grad * grad, axis=0))
+
+
+@lean
+@triton.jit
+def norm_kernel(partial_ptr, n_partials, norm_ptr, BLOCK: tl.constexpr):
+    """One program: the square root of the sum of ``n_partials`` partial sums."""
+    total = tl.zeros([BLOCK], tl.float32)
+    for first in tl.range(0, n_partials, BLOCK):
+        slots = first + tl.arange(0, BLOCK)
+        total += tl.load(partial_ptr + slots, mask=slots < n_partials, other=0.0)
+    tl.store(norm_ptr, tl.sqrt(tl.sum(total, axis=0)))
 
 
 ADAMW_BLOCK, ADAMW_WARPS = 1024, 4
@@ -83,11 +119,13 @@ def adamw_update(
     step,
     grad_scale=None,
     found_inf=None,
+    clip=None,
 ):
     """One AdamW step over a group: ``tables`` = (its tensors' rows, each program's row),
     ``moments`` = its flat (exp_avg, exp_avg_sq); ``step``: one fp32 value, this step's t.
     ``grad_scale``: one float, the scale the gradients carry (they are divided by it);
-    ``found_inf``: one float, the step changes nothing where it is not 0."""
+    ``found_inf``: one float, the step changes nothing where it is not 0; ``clip``: (the
+    gradients' total norm, a one-value tensor, and the largest allowed)."""
     tensors, block_tensor = tables
     if block_tensor.numel() == 0:
         return
@@ -110,6 +148,8 @@ def adamw_update(
             step if grad_scale is None else grad_scale,
             step if found_inf is None else found_inf,
             0.0 if in_tensor else float(lr),
+            step if clip is None else clip[0],  # not read without CLIP
+            1.0 if clip is None else clip[1],
             beta1,
             beta2,
             eps,
@@ -117,6 +157,7 @@ def adamw_update(
             LR_IN_TENSOR=in_tensor,
             UNSCALE=grad_scale is not None,
             SKIP_ON_INF=found_inf is not None,
+            CLIP=clip is not None,
             BLOCK=ADAMW_BLOCK,
             num_warps=ADAMW_WARPS,
         )
@@ -171,6 +212,8 @@ class FusedAdamW(torch.optim.Optimizer):
         self.spares = []  # per group: pinned host rows for the next CUDA-graph capture
         self.pinned = []  # host rows that recorded graphs read at each replay: kept
         self.steps = None  # one fp32 step count per group, on the parameters' device
+        self.written = set()  # groups whose table was written for the coming step
+        self.clip = None  # (total norm, max_norm) for the coming step: clip_grad_norm
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
         super().__init__(params, defaults)
 
@@ -280,14 +323,59 @@ class FusedAdamW(torch.optim.Optimizer):
             1 if found_inf is None else (found_inf.to(self.steps) == 0).float()
         )
         for index, group in enumerate(self.param_groups):
-            self.write_addresses(index)
+            self.write_table(index)
             beta1, beta2 = group["betas"]
             args = (group["lr"], beta1, beta2, group["eps"], group["weight_decay"])
             step = self.steps[index : index + 1]
             adamw_update(
-                self.tables[index], self.moments[index], *args, step, **scaling
+                self.tables[index],
+                self.moments[index],
+                *args,
+                step,
+                **scaling,
+                clip=self.clip,
             )
+        self.written, self.clip = set(), None
         return loss
+
+    def zero_grad(self, set_to_none=True):
+        self.written, self.clip = set(), None  # new gradients: new addresses
+        super().zero_grad(set_to_none)
+
+    def write_table(self, index):
+        """write_addresses once a step (a capture records one copy a group)."""
+        if index not in self.written:
+            self.write_addresses(index)
+            self.written.add(index)
+
+    @torch.no_grad()
+    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
+        """``torch.nn.utils.clip_grad_norm_`` over the optimizer's parameters, fused: the
+        gradients' total norm in one launch a group and one more, and its scale applied by
+        the next ``step`` as it reads each gradient; the gradients are left as they are.
+        Returns the total norm, a tensor on the parameters' device (no synchronization)."""
+        if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)):
+            raise TypeError(f"max_norm must be a number, got {max_norm!r}")
+        if not max_norm > 0:
+            raise ValueError(f"max_norm must be > 0, got {max_norm!r}")
+        if len({tensors.device for tensors, _ in self.tables}) > 1:
+            raise ValueError("clip_grad_norm: the groups are on several devices")
+        counts = [block_tensor.numel() for _, block_tensor in self.tables]
+        total = sum(counts)  # programs: one partial sum each
+        partials = self.steps.new_empty(total) if total else self.steps.new_zeros(1)
+        first = 0
+        for index, count in enumerate(counts):
+            self.write_table(index)
+            if count:
+                tensors, block_tensor = self.tables[index]
+                grad_squares_kernel[(count,)](
+                    tensors, block_tensor, partials[first:], BLOCK=ADAMW_BLOCK
+                )
+            first += count
+        norm = self.steps.new_empty(1)
+        norm_kernel[(1,)](partials, partials.numel(), norm, BLOCK=1024)
+        self.clip = (norm, float(max_norm))
+        return norm[0]
 
     def state_dict(self):
         """PyTorch's AdamW's layout: each parameter's own step tensor and moments."""

@@ -6,7 +6,10 @@
 import functools
 import math
 
-from stepkernels.ops.layer_norm import layer_norm  # rows too long for one program
+from stepkernels.ops.layer_norm import (
+    layer_norm,  # rows too long for one program
+    sum_partials_kernel,  # chapter 03's second stage of dW and dB
+)
 from stepkernels.runtime.arguments import layer_norm_arguments
 from stepkernels.runtime.core import (
     INTERPRET,
@@ -76,6 +79,7 @@ def add_layer_norm_backward_kernel(
     dy_ptr,  # gradient of y
     dh_ptr,  # gradient of h from its other uses (the stream goes on); HAS_DH
     dx_ptr,  # out: gradient of x and of residual, dh + layer_norm's backward of dy
+    dx_low_ptr,  # out: the same in the other input's dtype (bf16 update); HAS_DX_LOW
     weight_ptr,
     mean_ptr,
     rstd_ptr,
@@ -88,6 +92,7 @@ def add_layer_norm_backward_kernel(
     ROWS_PER_PROGRAM: tl.constexpr,
     HAS_WEIGHT: tl.constexpr,
     HAS_DH: tl.constexpr,
+    HAS_DX_LOW: tl.constexpr,
     REDUCTION: tl.constexpr,  # "two-stage": a partial row a program (chapter 03)
 ):
     program_id = tl.program_id(axis=0)
@@ -112,6 +117,9 @@ def add_layer_norm_backward_kernel(
             dh = tl.load(dh_ptr + row64 * dh_row_stride + cols, mask=mask, other=0.0)
             dx += dh.to(tl.float32)
         tl.store(dx_ptr + row64 * N + cols, dx.to(dx_ptr.dtype.element_ty), mask=mask)
+        if HAS_DX_LOW:  # rounded here, not by a cast kernel that reads dx again
+            low = dx.to(dx_low_ptr.dtype.element_ty)
+            tl.store(dx_low_ptr + row64 * N + cols, low, mask=mask)
         dw, db = dw + dy * h_hat, db + dy  # masked lanes: dy = 0
     slots = (program_id, program_id, 0)
     flush_partials(
@@ -173,19 +181,24 @@ def add_layer_norm_forward(x, residual, weight, bias, eps, out_dtype):
     return h, y, mean, rstd
 
 
-def add_layer_norm_backward(h, dy, dh, weight, mean, rstd):
-    """dx in h's dtype (the gradient of x and of the update), and the (2, N) fp32 sums
-    of dW and dB; dy and dh (None: h not used further) as rows."""
+def add_layer_norm_backward(h, dy, dh, weight, mean, rstd, low_dtype=None):
+    """dx in h's dtype (the gradient of x and of the update), the same in ``low_dtype``
+    (an empty tensor if None), and the (2, N) fp32 sums of dW and dB; dy and dh (None:
+    h not used further) as rows."""
     (n_rows, n_cols), device = h.shape, h.device
     backward = backward_config(n_cols, n_rows)
     programs = triton.cdiv(n_rows, backward["ROWS_PER_PROGRAM"])
     partials = torch.empty((programs, 2, n_cols), device=device)
     dx = torch.empty_like(h)
+    dx_low = (
+        h.new_empty(0) if low_dtype is None else torch.empty_like(h, dtype=low_dtype)
+    )
     add_layer_norm_backward_kernel[(programs,)](
         h,
         dy,
         dh if dh is not None else dy,
         dx,
+        dx if low_dtype is None else dx_low,
         weight if weight is not None else h,
         mean,
         rstd,
@@ -196,10 +209,50 @@ def add_layer_norm_backward(h, dy, dh, weight, mean, rstd):
         n_cols,
         HAS_WEIGHT=weight is not None,
         HAS_DH=dh is not None,
+        HAS_DX_LOW=low_dtype is not None,
         REDUCTION="two-stage",
         **backward,
     )
-    return dx, partials.sum(dim=0)  # (2, N): dW, dB in fp32, rounded once by callers
+    return dx, dx_low, sum_partials(partials)  # (2, N): fp32, rounded once by callers
+
+
+def sum_partials(partials):
+    """The (2, N) sums of (programs, 2, N) partial sums by chapter 03's second stage:
+    narrow column blocks, each program's share of the partials loaded in tiles."""
+    n_partials, _, n_cols = partials.shape
+    sums = partials.new_empty((2, n_cols))
+    block_n = min(
+        128, max(16, triton.next_power_of_2(triton.cdiv(n_cols, 2 * sm_count())))
+    )
+    block_p = min(triton.next_power_of_2(n_partials), max(32, 4096 // block_n))
+    sum_partials_kernel[(triton.cdiv(n_cols, block_n),)](
+        partials,
+        partials,  # no visit counts (HAS_COUNTS False): not read
+        sums[0],
+        sums[1],
+        n_partials,
+        n_cols,
+        HAS_COUNTS=False,
+        HAS_DW=True,
+        HAS_DB=True,
+        BLOCK_P=block_p,
+        BLOCK_N=block_n,
+        num_warps=4,
+    )
+    return sums
+
+
+def low_dtype_of(h, dtypes):
+    """The inputs' dtype other than h's (the update's, under autocast), else None."""
+    return next((dtype for dtype in dtypes if dtype != h.dtype), None)
+
+
+def input_grads(dx, dx_low, dtypes):
+    """dx as the gradient of each input, in that input's dtype."""
+    return tuple(
+        dx if d == dx.dtype else dx_low if d == dx_low.dtype else dx.to(d)
+        for d in dtypes
+    )
 
 
 def weight_grads(sums, h, weight, has_bias):
@@ -231,9 +284,10 @@ class AddLayerNormFunction(torch.autograd.Function):
         if dy is None:  # y unused: the sum's gradient passes through, none for w and b
             return dh.to(dx_dtype), dh.to(residual_dtype), None, None, None, None
         dy, dh = as_rows(dy), None if dh is None else as_rows(dh)
-        dx, sums = add_layer_norm_backward(h, dy, dh, weight, mean, rstd)
+        low = low_dtype_of(h, ctx.dtypes)
+        dx, dx_low, sums = add_layer_norm_backward(h, dy, dh, weight, mean, rstd, low)
         dw, db = weight_grads(sums, h, weight, ctx.has_bias)
-        return dx.to(dx_dtype), dx.to(residual_dtype), dw, db, None, None
+        return *input_grads(dx, dx_low, ctx.dtypes), dw, db, None, None
 
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -313,9 +367,11 @@ def add_layer_norm_backward_op(
     weight: Tensor | None,
     mean: Tensor,
     rstd: Tensor,
-) -> tuple[Tensor, Tensor]:
+    low_dtype: torch.dtype | None = None,
+) -> tuple[Tensor, Tensor, Tensor]:
     rows = (concrete(h), concrete(dy), None if dh is None else concrete(dh))
-    return add_layer_norm_backward(*rows, weight, mean, rstd)  # dx, the sums of dW, dB
+    # dx, dx in low_dtype (or empty), the sums of dW and dB
+    return add_layer_norm_backward(*rows, weight, mean, rstd, low_dtype)
 
 
 def add_layer_norm_setup(ctx, inputs, output):
@@ -333,9 +389,10 @@ def add_layer_norm_op_backward(ctx, dh, dy, _mean_grad, _rstd_grad):
     if dy is None:  # y unused: the sum's gradient passes through, none for w and b
         return dh.to(dx_dtype), dh.to(residual_dtype), None, None, None, None
     dy, dh = as_rows(dy), None if dh is None else as_rows(dh)
-    dx, sums = add_layer_norm_backward_op(h, dy, dh, weight, mean, rstd)
+    low = low_dtype_of(h, ctx.dtypes)
+    dx, dx_low, sums = add_layer_norm_backward_op(h, dy, dh, weight, mean, rstd, low)
     dw, db = weight_grads(sums, h, weight, ctx.has_bias)
-    return dx.to(dx_dtype), dx.to(residual_dtype), dw, db, None, None
+    return *input_grads(dx, dx_low, ctx.dtypes), dw, db, None, None
 
 
 add_layer_norm_forward_op.register_autograd(

@@ -589,14 +589,27 @@ def attention_forward(
 
 
 def attention_backward(
-    q, k, v, o, lse, do, causal, sm_scale, window=None, packing=None, launches=None
+    q,
+    k,
+    v,
+    o,
+    lse,
+    do,
+    causal,
+    sm_scale,
+    window=None,
+    packing=None,
+    launches=None,
+    grads=None,
 ):
-    """dQ, dK, dV for descriptor-ready tensors; ``launches``: (key, query) gradients."""
+    """dQ, dK, dV for descriptor-ready tensors; ``launches``: (key, query) gradients;
+    ``grads``: descriptor-ready dQ, dK, dV to write into (a caller's layout), else new."""
     batch, n_heads, n_q, head_dim = q.shape
     padded = padded_head_dim(head_dim)
     _, key_launch, query_launch = default_launches(padded, q.element_size(), causal)
     key_launch, query_launch = launches or (key_launch, query_launch)
-    dq, dk, dv = (empty_outputs(t, packing) for t in (q, k, v))
+    new = (empty_outputs(t, packing) for t in (q, k, v))
+    dq, dk, dv = new if grads is None else grads
     written = (lambda t, block: t) if packing else heads  # packed: pointers
     delta = torch.empty_like(lse)
     sequences, longest_q, longest_k, starts = launch_extent(q, k, packing)
