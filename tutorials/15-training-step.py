@@ -88,14 +88,12 @@ else:
     print(f"No {PROFILE} recorded yet: run lab/step_profile.py on a GPU.")
 
 # %%
-# Before any profile, the arithmetic says what two of these parts can win. The optimizer
-# reads a parameter, its gradient and two moments and writes three of them back: 28
-# bytes a parameter in fp32. The residual stream, M = B × T rows of C values in fp32, is
-# added to twice a block, and each sum is normalized next. Apart, the forward reads x
-# and the update and writes the sum, then the norm reads the sum again and writes y: 5
-# passes over M × C. Backward, the norm reads the sum and dy and writes its gradient,
-# and autograd adds that to the gradient from the rest of the stream in a kernel of its
-# own: 6 passes. Fused, it is 4 and 4.
+# The arithmetic says what two of these parts can win. AdamW reads a parameter, its
+# gradient and two moments and writes three back: 28 bytes a parameter in fp32. The
+# residual stream (M = B × T rows of C fp32 values) is added to twice a block and each
+# sum normalized: apart, 5 passes over M × C forward (the add reads two and writes one,
+# the norm reads and writes) and 6 backward (autograd adds the norm's gradient to the
+# stream's in a kernel of its own); fused, 4 and 4.
 
 
 def bytes_outside(cfg: Config, vocab_size: int) -> dict:
@@ -129,11 +127,8 @@ if race is not None:
         print(f"{name}: {count / 1e6:,.0f} MB, {at * 1e6:,.0f} µs ({at / step_s:.1%})")
 
 # %%
-# Each part is a few per cent of a step at most: fusing them cannot by itself close the
-# gap to the products, and the profile shows where the rest goes. What fusion also saves
-# is launches: PyTorch's fused AdamW counts the steps in a kernel of its own and
-# launches its update per group of tensors, and every addition is a kernel, forward and
-# backward.
+# Each part is a few per cent of a step at most; what fusion also saves is launches (every
+# addition is a kernel, forward and backward). The profile shows where the rest goes.
 #
 # AdamW, one kernel a group
 # -------------------------
@@ -149,9 +144,8 @@ if race is not None:
 # The moments are ours: we keep each group's in two flat fp32 buffers, and each
 # parameter's moments are views of them. The parameters and their gradients are not:
 # making them views of flat buffers too (``p.data = view``) would need gradients that
-# stay allocated, and autograd adds a new gradient into an existing one with a kernel
-# per parameter, where it otherwise hands over the tensor it computed. So the kernel
-# reads a table instead: one row per tensor with the addresses of the parameter and of
+# stay allocated (autograd would add each new gradient into them, a kernel a parameter).
+# So the kernel reads a table: a row per tensor with the addresses of the parameter and
 # its gradient, where its moments start, its length and its first block, and a second
 # table that maps each program to its tensor. A program loads its row, turns the two
 # addresses into pointers (``.to(tl.pointer_type(tl.float32))``, as Triton's
@@ -341,17 +335,13 @@ def adamw_update(
 # pinned memory the optimizer keeps, so that every replay writes the addresses of the
 # graph's own gradients.
 #
-# In fp16, the training command's dtype on a GPU without bf16 (a T4, a V100), gradients
-# below 6e-8 flush to zero in the products' backward, so ``torch.amp.GradScaler``
-# multiplies the loss by a scale s (65,536 to start) and checks the gradients for inf
-# and nan. An optimizer that
-# cannot take that check leaves the scaler to read its flag on the CPU and skip the call
-# to ``step``: a synchronization every step, which a CUDA graph cannot hold. Ours takes the
-# scale and the flag as tensors (``_step_supports_amp_scaling``), as PyTorch's fused AdamW
-# does: the kernel divides each gradient by s and, where the flag is set, stores nothing,
-# and the step count grows by ``found_inf == 0``. The scaler halves s on the GPU too, so
-# nothing is read back and the whole-step graph holds the scaler. Without a scaler both
-# branches are compiled out (``tl.constexpr``): the bf16 step runs the kernel as before.
+# In fp16 (the training command's dtype on a GPU without bf16: a T4, a V100), gradients
+# below 6e-8 flush to zero, so ``torch.amp.GradScaler`` scales the loss by s and checks
+# the gradients for inf and nan. With an optimizer that cannot take that check, the
+# scaler reads its flag on the CPU: a synchronization a CUDA graph cannot hold. Ours takes
+# the scale and the flag as tensors (``_step_supports_amp_scaling``), as PyTorch's fused
+# AdamW does: the kernel divides g by s, stores nothing where the flag is set, and the
+# step count grows by ``found_inf == 0``; without a scaler both branches compile out.
 
 
 # @save ops/adamw
@@ -616,23 +606,24 @@ def check_adamw(shapes, steps=5, seed=0):
     start = [torch.randn(s, generator=generator).to(DEVICE) for s in shapes]
     ours = [torch.nn.Parameter(t.clone()) for t in start]
     theirs = [torch.nn.Parameter(t.clone()) for t in start]
-    groups = lambda ps: [
-        {"params": ps[::2], "weight_decay": 0.1},
-        {"params": ps[1::2], "weight_decay": 0.0},
-    ]
+    groups = lambda ps: [{"params": ps[::2]}, {"params": ps[1::2], "weight_decay": 0}]
     lr = torch.tensor(3e-3, device=DEVICE)
     optimizers = (
-        FusedAdamW(groups(ours), lr=lr.clone(), betas=(0.9, 0.99)),
+        FusedAdamW(groups(ours), lr=lr.clone(), betas=(0.9, 0.99), weight_decay=0.1),
         torch.optim.AdamW(
-            groups(theirs), lr=lr, betas=(0.9, 0.99), fused=True, capturable=True
+            groups(theirs),
+            lr=lr,
+            betas=(0.9, 0.99),
+            weight_decay=0.1,
+            fused=True,
+            capturable=True,
         ),
     )
     gap = 0.0
     for _ in range(steps):
         for a, b in zip(ours, theirs, strict=True):
             g = torch.randn(a.shape, generator=generator).to(DEVICE)
-            a.grad = g.clone()
-            b.grad = g.clone()
+            a.grad, b.grad = g.clone(), g.clone()
         for optimizer in optimizers:
             optimizer.step()
         for a, b in zip(ours, theirs, strict=True):
