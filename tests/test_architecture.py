@@ -11,6 +11,7 @@ import sys
 import pytest
 import stepkernels  # noqa: F401  (chooses the interpreter before triton is imported)
 import triton
+from triton.runtime.interpreter import InterpretedFunction
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tools"))
@@ -53,8 +54,10 @@ def test_the_rules_catch_what_they_are_for(tmp_path):
 
 def is_device_code(value) -> bool:
     """A Triton kernel or device function, possibly under autotune, heuristics or lean."""
+    # Under the interpreter, @triton.jit makes an InterpretedFunction (which also has .fn)
+    device_code = (triton.runtime.JITFunction, InterpretedFunction)
     for _ in range(4):
-        if isinstance(value, triton.runtime.JITFunction):
+        if isinstance(value, device_code):
             return True
         value = getattr(value, "kernel", None) or getattr(value, "fn", None)
         if value is None:

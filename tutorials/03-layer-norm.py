@@ -80,7 +80,7 @@ from stepkernels.runtime.launch import (  # cheap repeated launches: chapter 08
     plan_cache,
     recorded_launches,
 )
-from stepkernels.runtime.partials import flush_partials
+from stepkernels.runtime.partials import flush_partials, sum_partials_kernel
 import torch
 import triton
 import triton.language as tl
@@ -330,6 +330,14 @@ def layer_norm_backward_kernel(
         flush_partials(buffers, (dw, db), (cols, col_mask), N, slots, REDUCTION)
 
 
+# %%
+# The second stage adds the partial rows, in a fixed order, into dW and dB. It lives with
+# ``flush_partials`` in ``runtime/partials``: chapter 15's fused norm reduces with it too.
+
+# @save runtime/partials
+from stepkernels.runtime.launch import lean  # noqa: E402
+
+
 @lean
 @triton.jit
 def sum_partials_kernel(
@@ -368,6 +376,8 @@ def sum_partials_kernel(
         tl.store(db_ptr + cols, db_sum, mask=col_mask)
 
 
+# %%
+# @save ops/layer_norm
 REDUCTIONS = ("two-stage", "lock")
 BACKWARD_MAX_BLOCK = 8192  # longer rows are split over programs
 BACKWARD_STAGES, BACKWARD_STAGE_BYTES = 4, 96 * 1024  # pipelined loads of x and dy

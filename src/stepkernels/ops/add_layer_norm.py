@@ -6,10 +6,7 @@
 import functools
 import math
 
-from stepkernels.ops.layer_norm import (
-    layer_norm,  # rows too long for one program
-    sum_partials_kernel,  # chapter 03's second stage of dW and dB
-)
+from stepkernels.ops.layer_norm import layer_norm  # rows too long for one program
 from stepkernels.runtime.arguments import layer_norm_arguments
 from stepkernels.runtime.core import (
     INTERPRET,
@@ -18,7 +15,10 @@ from stepkernels.runtime.core import (
     sm_count,
 )
 from stepkernels.runtime.launch import lean
-from stepkernels.runtime.partials import flush_partials
+from stepkernels.runtime.partials import (  # chapter 03: dW and dB in two stages
+    flush_partials,
+    sum_partials_kernel,
+)
 from stepkernels.runtime.rows import as_rows
 import torch
 import triton

@@ -38,3 +38,44 @@ def flush_partials(buffers, sums, columns, N, slots, REDUCTION: tl.constexpr):
         tl.store(row_ptr + N + cols, db, mask=col_mask)
         tl.debug_barrier()  # every thread's stores issued before the release
         tl.atomic_xchg(lock, 0, sem="release")
+
+
+from stepkernels.runtime.launch import lean  # noqa: E402
+
+
+@lean
+@triton.jit
+def sum_partials_kernel(
+    partial_ptr,
+    visits_ptr,
+    dw_ptr,
+    db_ptr,
+    num_partials,
+    N,
+    HAS_COUNTS: tl.constexpr,
+    HAS_DW: tl.constexpr,
+    HAS_DB: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    cols = tl.program_id(axis=0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_mask = cols < N
+    dw = tl.zeros([BLOCK_P, BLOCK_N], dtype=tl.float32)
+    db = tl.zeros([BLOCK_P, BLOCK_N], dtype=tl.float32)
+    for first in tl.range(0, num_partials, BLOCK_P, num_stages=2):
+        slots = first + tl.arange(0, BLOCK_P)
+        keep = slots < num_partials
+        if HAS_COUNTS:  # lock buffers no program visited hold garbage
+            keep = keep & (tl.load(visits_ptr + slots, mask=keep, other=0) > 0)
+        mask = keep[:, None] & col_mask[None, :]
+        ptrs = partial_ptr + slots.to(tl.int64)[:, None] * 2 * N + cols[None, :]
+        if HAS_DW:
+            dw += tl.load(ptrs, mask=mask, other=0.0)
+        if HAS_DB:
+            db += tl.load(ptrs + N, mask=mask, other=0.0)
+    if HAS_DW:  # one rounding, into the weight's dtype
+        dw_sum = tl.sum(dw, axis=0).to(dw_ptr.dtype.element_ty)
+        tl.store(dw_ptr + cols, dw_sum, mask=col_mask)
+    if HAS_DB:
+        db_sum = tl.sum(db, axis=0).to(db_ptr.dtype.element_ty)
+        tl.store(db_ptr + cols, db_sum, mask=col_mask)
