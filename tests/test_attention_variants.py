@@ -7,6 +7,7 @@ at and over a block."""
 import pytest
 from stepkernels import attention, varlen_attention
 from stepkernels.lessons import check_attention
+from stepkernels.ops.attention import default_launches, padded_head_dim
 from stepkernels.runtime.core import DEVICE, ON_GPU
 import torch
 
@@ -78,22 +79,27 @@ def test_window_equals_causal_attention_when_it_covers_the_sequence():
 
 def test_blocks_outside_the_window_are_not_read():
     """NaN in the blocks no query of a block sees: visited and masked, 0 x NaN would spread
-    it (p = 0 meets V = NaN; dS = 0 meets Q = NaN); skipped, it stays out. The interpreter's
-    16 x 16 blocks: the queries of [32, 64) with a window of 4 start at key block [16, 32),
-    and the keys of [0, 16) end at query block [16, 32)."""
-    q, k, v = (t.requires_grad_() for t in grouped(1, 2, 1, 64, 64, 16))
+    it (p = 0 meets V = NaN; dS = 0 meets Q = NaN); skipped, it stays out. With B the
+    largest block of the launches (16 under the interpreter, 64 on a GPU) and 4 B rows, a
+    window of 4: the queries of [2B, 4B) start past key block [0, B), and the keys of
+    [0, B) end before query block [2B, 4B) (before 2B in any block size up to B)."""
+    launches = default_launches(padded_head_dim(16), 4, True)  # fp32
+    B = max(max(launch.block_m, launch.block_n) for launch in launches)
+    q, k, v = (t.requires_grad_() for t in grouped(1, 2, 1, 4 * B, 4 * B, 16))
     poisoned_v = v.detach().clone()
-    poisoned_v[:, :, :16] = float("nan")
+    poisoned_v[:, :, :B] = float("nan")
     out = attention(q, k, poisoned_v, causal=True, window=4)
     want = check_attention.reference(q, k, v, causal=True, window=4).detach()
-    torch.testing.assert_close(out[:, :, 32:], want[:, :, 32:], rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(out[:, :, 2 * B :], want[:, :, 2 * B :], rtol=1e-4, atol=1e-5)
     poisoned_q = q.detach().clone()
-    poisoned_q[:, :, 48:] = float("nan")
+    poisoned_q[:, :, 3 * B :] = float("nan")
     poisoned_q.requires_grad_()
-    dk, dv = torch.autograd.grad(attention(poisoned_q, k, v, causal=True, window=4)[:, :, :32].sum(), (k, v))
-    want = torch.autograd.grad(check_attention.reference(q, k, v, causal=True, window=4)[:, :, :32].sum(), (k, v))
-    torch.testing.assert_close(dk[:, :, :16], want[0][:, :, :16], rtol=1e-4, atol=1e-5)
-    torch.testing.assert_close(dv[:, :, :16], want[1][:, :, :16], rtol=1e-4, atol=1e-5)
+    seen = slice(0, 2 * B)
+    dk, dv = torch.autograd.grad(attention(poisoned_q, k, v, causal=True, window=4)[:, :, seen].sum(), (k, v))
+    reference = check_attention.reference(q, k, v, causal=True, window=4)
+    want = torch.autograd.grad(reference[:, :, seen].sum(), (k, v))
+    torch.testing.assert_close(dk[:, :, :B], want[0][:, :, :B], rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(dv[:, :, :B], want[1][:, :, :B], rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.parametrize(
