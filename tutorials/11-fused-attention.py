@@ -728,7 +728,7 @@ tutorial.show_refusals(
 # other cases as recorded: each would compile kernels of its own (``STEPKERNELS_FULL=1``
 # measures them all).
 
-TOKENS = tutorial.choose(gpu=16384, cpu=64)
+TOKENS = tutorial.choose(gpu=16384, cpu=32)
 SEQUENCES = [512, 1024, 2048, 4096, 8192, 16384]
 BACKENDS = {
     "torch (flash)": SDPBackend.FLASH_ATTENTION,
