@@ -799,7 +799,7 @@ QUICK_CASES = [CASES[1], CASES[3], CASES[5]]
 check_layer_norm.check(
     layer_norm, tutorial.choose(gpu=QUICK_CASES, cpu=CASES, full=CASES)
 )
-n_rows, n_cols = bench.choose(gpu=4096, cpu=64), bench.choose(gpu=4096, cpu=256)
+n_rows, n_cols = bench.choose(gpu=4096, cpu=16), bench.choose(gpu=4096, cpu=256)
 compare = check_layer_norm.compare_reductions
 compare(layer_norm_forward, layer_norm_backward, n_rows, n_cols)
 

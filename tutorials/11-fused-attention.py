@@ -1123,7 +1123,8 @@ tutorial.show_refusals(
 # other cases as recorded: each would compile kernels of its own (``STEPKERNELS_FULL=1``
 # measures them all).
 
-TOKENS = tutorial.choose(gpu=16384, cpu=64)
+TOKENS = tutorial.choose(gpu=16384, cpu=32)
+CHANNELS = tutorial.choose(gpu=2048, cpu=256)  # the interpreter: 2 or 4 heads
 SEQUENCES = [512, 1024, 2048, 4096, 8192, 16384]
 BACKENDS = {
     "torch (flash)": SDPBackend.FLASH_ATTENTION,
@@ -1143,7 +1144,7 @@ def attention_call(provider):
 
 
 def make_attention_call(provider, n, dtype, head_dim, causal, backward):
-    shape = (TOKENS // n, 2048 // head_dim, n, head_dim)
+    shape = (TOKENS // n, CHANNELS // head_dim, n, head_dim)
     q, k, v, grad_out = (torch.randn(shape, device=DEVICE, dtype=dtype) for _ in "qkvg")
     function = attention_call(provider)
     if not backward:
@@ -1156,7 +1157,7 @@ def make_attention_call(provider, n, dtype, head_dim, causal, backward):
 def attention_benchmark(head_dim, causal, backward):  # one of the 8 cases below
     direction = "backward" if backward else "forward"
     name = f"attention-{direction}-d{head_dim}" + ("-causal" if causal else "")
-    per_token = 4 * 2048 / (2 if causal else 1) * (2.5 if backward else 1)  # x N
+    per_token = 4 * CHANNELS / (2 if causal else 1) * (2.5 if backward else 1)  # x N
     return bench.Benchmark(
         name=name,
         x_name="N (sequence), 16,384 tokens",
