@@ -353,6 +353,8 @@ class FusedAdamW(torch.optim.Optimizer):
         """``torch.nn.utils.clip_grad_norm_`` over the optimizer's parameters, fused: the
         gradients' total norm in one launch a group and one more, and its scale applied by
         the next ``step`` as it reads each gradient; the gradients are left as they are.
+        With a GradScaler, call ``scaler.unscale_(optimizer)`` first, as for
+        ``clip_grad_norm_``: the norm is of the gradients as they are now.
         Returns the total norm, a tensor on the parameters' device (no synchronization)."""
         if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)):
             raise TypeError(f"max_norm must be a number, got {max_norm!r}")
