@@ -21,9 +21,15 @@ def check(q, k, v, causal=False, sm_scale=None):
     return check_attention.check(attention, q, k, v, causal=causal, sm_scale=sm_scale)
 
 
+# Many blocks with a ragged end: 130 rows are 2 of the GPU's 64-row blocks and 2 rows;
+# under the interpreter's 16-row blocks, 50 rows are 3 and 2 rows (130 took most of this
+# file's CPU time there).
+MANY = 130 if ON_GPU else 50
+
+
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("head_dim", [16, 64, 80, 128])
-@pytest.mark.parametrize("n", [1, 17, 130])
+@pytest.mark.parametrize("n", [1, 17, MANY])
 def test_matches_sdpa(n, head_dim, causal):
     check(*inputs(2, 3, n, n, head_dim), causal=causal)
 
