@@ -45,3 +45,21 @@ def pytest_xdist_make_scheduler(config, log):
             return path if whole else nodeid
 
     return NotebooksWhole(config, log)
+
+
+@pytest.fixture
+def as_on_one_gpu(monkeypatch):
+    """The training command's make_optimizer as on one GPU (on the CPU's tensors):
+    FusedAdamW for our layers (test_train_cli, test_fp16_training)."""
+    from stepkernels.models import train
+
+    original = train.make_optimizer
+
+    def make(model, cfg, parallel=None):
+        monkeypatch.setattr(train.core, "ON_GPU", True)
+        try:
+            return original(model, cfg, parallel)
+        finally:
+            monkeypatch.setattr(train.core, "ON_GPU", False)
+
+    monkeypatch.setattr(train, "make_optimizer", make)

@@ -231,21 +231,6 @@ def data_dir(tmp_path_factory):
     return small_text.prepare(tmp_path_factory.mktemp("data"))
 
 
-@pytest.fixture
-def as_on_one_gpu(monkeypatch):
-    """make_optimizer as on one GPU (on the CPU's tensors): FusedAdamW for our layers."""
-    original = train.make_optimizer
-
-    def make(model, cfg, parallel=None):
-        monkeypatch.setattr(train.core, "ON_GPU", True)
-        try:
-            return original(model, cfg, parallel)
-        finally:
-            monkeypatch.setattr(train.core, "ON_GPU", False)
-
-    monkeypatch.setattr(train, "make_optimizer", make)
-
-
 def run_command(args, capsys):
     train.main([*TINY, *args])
     out, err = capsys.readouterr()

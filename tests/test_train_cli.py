@@ -415,21 +415,6 @@ def test_grad_accum_gradients_are_the_whole_batchs(data_dir):
         torch.testing.assert_close(grads[2][name], grad, rtol=1e-4, atol=1e-7, msg=name)
 
 
-@pytest.fixture
-def as_on_one_gpu(monkeypatch):
-    """make_optimizer as on one GPU (on the CPU's tensors): FusedAdamW for our layers."""
-    original = train.make_optimizer
-
-    def make(model, cfg, parallel=None):
-        monkeypatch.setattr(train.core, "ON_GPU", True)
-        try:
-            return original(model, cfg, parallel)
-        finally:
-            monkeypatch.setattr(train.core, "ON_GPU", False)
-
-    monkeypatch.setattr(train, "make_optimizer", make)
-
-
 @pytest.mark.skipif(ON_GPU, reason="the CPU run of what a GPU runs; on a GPU, tests/test_gpt.py")
 def test_fused_adamw_checkpoint_resumes_as_an_unbroken_run(run, tmp_path, as_on_one_gpu):
     """Our layers on one GPU train with FusedAdamW (chapter 15): 2 steps, a checkpoint, 2 more
