@@ -1082,8 +1082,9 @@ else:
 #    pass over 16,384 x 384 values, twice a block. Let chapter 03's kernel write the output in
 #    the product's dtype and measure the step's time and memory.
 # 2. The weight gradients dW = dZᵀ X reduce 16,384 tokens into outputs of 384 x 384 to
-#    1,536 x 384: a few dozen tiles for 132 SMs. Add split-K to chapter 04's matmul for such
-#    shapes and compare with cuBLAS (``TORCH_LOGS`` or the profiler names its split-K kernels).
+#    1,536 x 384: a few dozen tiles for 132 SMs. On Hopper chapter 07's kernel splits them
+#    along K; off Hopper they run on chapter 04's kernel, unsplit. Add split-K there and
+#    compare with cuBLAS (``STEPKERNELS_DEVICE_PROFILE=sm80`` takes that path on an H100).
 # 3. Drop attention probabilities as nanoGPT does, inside chapter 11's forward, with chapter
 #    06's ``keep_mask`` keyed by (seed, head, query, key); the backward regenerates the mask.
 # 4. Evaluation runs eagerly beside the graph, in the allocator's other pool. Record it as a
