@@ -1049,16 +1049,22 @@ class AddLayerNormFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dh, dy):
-        refuse_double_backward("add_layer_norm", "torch.nn.functional.layer_norm")
-        h, weight, mean, rstd = ctx.saved_tensors
-        dx_dtype, residual_dtype = ctx.dtypes
-        if dy is None:  # y unused: the sum's gradient passes through, none for w and b
-            return dh.to(dx_dtype), dh.to(residual_dtype), None, None, None, None
-        dy, dh = as_rows(dy), None if dh is None else as_rows(dh)
-        low = low_dtype_of(h, ctx.dtypes)
-        dx, dx_low, sums = add_layer_norm_backward(h, dy, dh, weight, mean, rstd, low)
-        dw, db = weight_grads(sums, h, weight, ctx.has_bias)
-        return *input_grads(dx, dx_low, ctx.dtypes), dw, db, None, None
+        return add_layer_norm_grads(ctx, dh, dy, add_layer_norm_backward)
+
+
+def add_layer_norm_grads(ctx, dh, dy, backward):
+    """The gradients of (x, residual, weight, bias, eps, out_dtype) from those of (h, y),
+    with ``backward`` the kernels' launch (eager, or the operator the compiler sees)."""
+    refuse_double_backward("add_layer_norm", "torch.nn.functional.layer_norm")
+    h, weight, mean, rstd = ctx.saved_tensors
+    dx_dtype, residual_dtype = ctx.dtypes
+    if dy is None:  # y unused: the sum's gradient passes through, none for w and b
+        return dh.to(dx_dtype), dh.to(residual_dtype), None, None, None, None
+    dy, dh = as_rows(dy), None if dh is None else as_rows(dh)
+    low = low_dtype_of(h, ctx.dtypes)
+    dx, dx_low, sums = backward(h, dy, dh, weight, mean, rstd, low)
+    dw, db = weight_grads(sums, h, weight, ctx.has_bias)
+    return *input_grads(dx, dx_low, ctx.dtypes), dw, db, None, None
 
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -1162,16 +1168,7 @@ def add_layer_norm_setup(ctx, inputs, output):
 
 
 def add_layer_norm_op_backward(ctx, dh, dy, _mean_grad, _rstd_grad):
-    refuse_double_backward("add_layer_norm", "torch.nn.functional.layer_norm")
-    h, weight, mean, rstd = ctx.saved_tensors
-    dx_dtype, residual_dtype = ctx.dtypes
-    if dy is None:  # y unused: the sum's gradient passes through, none for w and b
-        return dh.to(dx_dtype), dh.to(residual_dtype), None, None, None, None
-    dy, dh = as_rows(dy), None if dh is None else as_rows(dh)
-    low = low_dtype_of(h, ctx.dtypes)
-    dx, dx_low, sums = add_layer_norm_backward_op(h, dy, dh, weight, mean, rstd, low)
-    dw, db = weight_grads(sums, h, weight, ctx.has_bias)
-    return *input_grads(dx, dx_low, ctx.dtypes), dw, db, None, None
+    return add_layer_norm_grads(ctx, dh, dy, add_layer_norm_backward_op)
 
 
 add_layer_norm_forward_op.register_autograd(
