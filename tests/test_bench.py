@@ -431,12 +431,7 @@ def test_a_call_that_cannot_be_captured_is_skipped_and_the_others_measured(monke
 
 
 # ------------------------------------------------------------------ what a reader sees
-def is_benchmark(path):
-    """make bench's recordings (provider, dtype, x ...), not a lab script's table beside them."""
-    return {"provider", "dtype", "x"} <= set(path.open().readline().strip().split(","))
-
-
-RECORDINGS = sorted(p for p in bench.PACKAGE_RESULTS.glob("*/*.csv") if is_benchmark(p))
+RECORDINGS = sorted(p for p in bench.PACKAGE_RESULTS.glob("*/*.csv") if bench.is_recording(p))
 
 
 @pytest.mark.parametrize("path", RECORDINGS, ids=lambda path: f"{path.parent.name}/{path.stem}")

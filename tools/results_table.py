@@ -190,14 +190,6 @@ Logs of the experiments behind the chapters' launch choices are in the repositor
 """
 
 
-def is_benchmark(csv_path: Path) -> bool:
-    """Whether a CSV of the results folder is a benchmark that make bench recorded (its
-    columns provider, dtype, x, value ...), not another table kept beside them."""
-    with csv_path.open() as f:
-        header = f.readline().strip().split(",")
-    return {"provider", "dtype", "x"} <= set(header)
-
-
 def results_rst(results_dir: Path | None = None) -> str:
     """The page docs/results.rst: every recorded benchmark, per GPU."""
     results_dir = results_dir or bench.default_results_dir()
@@ -206,7 +198,7 @@ def results_rst(results_dir: Path | None = None) -> str:
     for env, folder in found:
         lines += [rst_text(env["gpu"]), "-" * len(rst_text(env["gpu"])), ""]
         for csv_path in sorted(folder.glob("*.csv")):
-            if not is_benchmark(csv_path):  # a lab script's table (a step's profile)
+            if not bench.is_recording(csv_path):  # a lab script's table (a step's profile)
                 continue
             lines += benchmark_section(csv_path, env["benchmarks"].get(csv_path.stem, env))
     if not found:

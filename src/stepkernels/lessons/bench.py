@@ -661,6 +661,14 @@ def load_recorded(
     return points, {**env["benchmarks"].get(name, env), **axis}
 
 
+def is_recording(path: Path) -> bool:
+    """Whether a CSV of a results folder is a benchmark that ``make bench`` recorded (its
+    columns provider, dtype, x ...), not another table kept beside them (a step's profile)."""
+    with path.open() as f:
+        header = f.readline().strip().split(",")
+    return {"provider", "dtype", "x"} <= set(header)
+
+
 def read_recording(path: Path) -> tuple[list[Point], dict]:
     """The points of a recording, and its axis: ``x_name`` and ``unit`` as recorded. Call
     and CPU time only where it has them (recordings before 2026-11-23's second run timed the
