@@ -12,7 +12,9 @@ Every run has the same global batch (32 sequences of 1,024 tokens a step), seed 
 * ``1 GPU, grad-accum 2, CUDA graph``: the same, the whole step replayed from a CUDA graph;
 * ``2 GPUs, DDP`` and ``2 GPUs, FSDP2``: ``torchrun --nproc-per-node 2``, 16 sequences a GPU,
   the step eager (the command does not record a graph across processes);
-* ``2 GPUs, DDP, resumed on 1 GPU``: DDP's checkpoint continued for 50 steps on one GPU.
+* ``2 GPUs, DDP, resumed on 1 GPU``: DDP's checkpoint continued for 50 steps on one GPU;
+* ``2 GPUs, DDP, torch.compile`` (``--compiled``, run after the others, into the same
+  ``--out``): DDP with the step compiled in each process; a failure leaves it out.
 
 Each run writes its ``log.jsonl`` (and a checkpoint) into ``--out/<run>/``; the script prints
 each command, then a table: tokens/s once warm, MFU, peak memory of rank 0, and the
@@ -40,6 +42,9 @@ RUNS = {  # name: (processes, options beside the common ones)
     "2 GPUs, DDP": (2, ["--parallel", "ddp"]),
     "2 GPUs, FSDP2": (2, ["--parallel", "fsdp"]),
 }
+# Run last, and a failure does not stop the script: the step compiled in each process, the
+# faster path across processes where the whole-step graph is not recorded.
+COMPILED = {"2 GPUs, DDP, torch.compile": (2, ["--parallel", "ddp", "--step", "compile"])}
 
 
 def folder_name(run: str) -> str:
@@ -67,6 +72,12 @@ def common(args, steps: int | None = None) -> list[str]:
 
 
 def run_all(args) -> None:
+    if args.compiled:  # the compiled run alone, beside the others already in --out
+        for run, (processes, options) in COMPILED.items():
+            out = args.out / folder_name(run)
+            full = command(processes, [*common(args), *options, "--overwrite"])
+            execute(run, [*full, "--out-dir", str(out)], args, required=False)
+        return
     for run, (processes, options) in RUNS.items():
         if args.smoke and "CUDA graph" in run:
             continue  # no graphs on a CPU
@@ -82,17 +93,25 @@ def run_all(args) -> None:
     execute(RESUMED, [*command(1, options), "--out-dir", str(resumed)], args)
 
 
-def execute(run: str, argv: list[str], args) -> None:
+def execute(run: str, argv: list[str], args, required: bool = True) -> None:
     print(f"\n=== {run}\n$ {' '.join(argv)}", flush=True)
-    done = subprocess.run(argv, timeout=args.time_limit_s + 600)
-    if done.returncode:
+    try:
+        done = subprocess.run(argv, timeout=args.time_limit_s + 600)
+    except subprocess.TimeoutExpired:
+        done = subprocess.CompletedProcess(argv, "timed out")
+    if done.returncode and required:
         sys.exit(f"{run}: exit status {done.returncode}")
+    if done.returncode:
+        print(f"{run}: exit status {done.returncode}; left out", flush=True)
 
 
 def summary(out: Path) -> dict:
     """A run's log: its evaluations, and its last start's and end's figures."""
     events = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
-    end = [e for e in events if e["event"] == "end"][-1]
+    ends = [e for e in events if e["event"] == "end"]
+    if not ends:
+        return None  # stopped before its end: left out
+    end = ends[-1]
     logs = [e for e in events if e["event"] == "log"]
     evals = [e for e in events if e["event"] == "eval"]
     return {
@@ -106,9 +125,11 @@ def summary(out: Path) -> dict:
 
 def table(args) -> dict:
     runs = {}
-    for run in [*RUNS, RESUMED]:
+    for run in [*RUNS, RESUMED, *COMPILED]:
         if (args.out / folder_name(run) / "log.jsonl").is_file():
-            runs[run] = summary(args.out / folder_name(run))
+            found = summary(args.out / folder_name(run))
+            if found is not None:
+                runs[run] = found
     print(f"\n{'run':>32} | steps | tokens/s | MFU   | peak GiB | val loss")
     for run, s in runs.items():
         rate = f"{s['tokens_per_s']:>8,.0f}" if s["tokens_per_s"] else f"{'-':>8}"
@@ -129,7 +150,7 @@ def record(runs: dict) -> None:
         name="gpt-data-parallel",
         x_name="tokens per step (32 sequences of 1,024, GPT-2 small's shape)",
         x_values=[TOKENS],
-        providers=list(RUNS),
+        providers=[*RUNS, *COMPILED],
         make=None,
         work=None,
         unit="tokens/s",
@@ -138,7 +159,7 @@ def record(runs: dict) -> None:
     points = [
         bench.Point(run, "bfloat16", TOKENS, s["tokens_per_s"])
         for run, s in runs.items()
-        if run in RUNS and s["tokens_per_s"]
+        if run != RESUMED and s["tokens_per_s"]
     ]
     print(bench.record(speed, points, env))
     loss = bench.Benchmark(
@@ -163,6 +184,7 @@ def main() -> None:
     parser.add_argument("--record", action="store_true", help="write the recordings")
     parser.add_argument("--smoke", action="store_true", help="the tiny preset on a CPU")
     parser.add_argument("--table", action="store_true", help="only the table of --out")
+    parser.add_argument("--compiled", action="store_true", help="only the compiled run, beside the others")
     args = parser.parse_args()
     if args.smoke and args.record:
         parser.error("--smoke records nothing: the CPU's numbers are no results")

@@ -111,8 +111,9 @@ class Glue(TorchDispatchMode):
         if node is not None:  # the backward: the node, and the forward line that made it
             forward = innermost_of_ours(node.metadata.get("traceback_", []))
             # a line of ours below the engine's frames: inside a backward of ours
-            engine = max(i for i, f in enumerate(frames) if "torch/autograd/" in f)
-            inside = innermost_of_ours(frames[engine + 1 :])
+            # (on a GPU the engine runs the backward on its device thread: no such frames)
+            engine = [i for i, f in enumerate(frames) if "torch/autograd/" in f]
+            inside = innermost_of_ours(frames[engine[-1] + 1 :] if engine else frames)
             inside = "" if inside == NONE else f", in {inside}"
             where = f"{forward} [backward: {node.name()}{inside}]"
         else:

@@ -136,9 +136,9 @@ LARGE_FROM = 2**26  # elements from which a call takes the "large" launch
 # Launches by (bytes an element, "small" or "large"), from lab/modern_sweep.py on an H200.
 # Forward: values a program normalizes at least (short rows packed) and a thread holds.
 FORWARD_LAUNCH = {
-    (2, "small"): dict(tile=4096, per_thread=32),
+    (2, "small"): dict(tile=4096, per_thread=16),
     (2, "large"): dict(tile=4096, per_thread=32),
-    (4, "small"): dict(tile=4096, per_thread=32),
+    (4, "small"): dict(tile=4096, per_thread=8),
     (4, "large"): dict(tile=4096, per_thread=32),
 }
 
@@ -263,9 +263,9 @@ def sum_weight_partials_kernel(
 # Backward: programs an SM (fewer: fewer partial rows; more: more rows in flight), loads of
 # rows in flight (NUM_STAGES, within the shared memory) and values a thread holds of a row.
 BACKWARD_LAUNCH = {
-    (2, "small"): dict(programs_per_sm=2, stages=2, per_thread=16),
-    (2, "large"): dict(programs_per_sm=2, stages=2, per_thread=16),
-    (4, "small"): dict(programs_per_sm=2, stages=2, per_thread=16),
+    (2, "small"): dict(programs_per_sm=2, stages=3, per_thread=32),
+    (2, "large"): dict(programs_per_sm=1, stages=4, per_thread=16),
+    (4, "small"): dict(programs_per_sm=1, stages=3, per_thread=32),
     (4, "large"): dict(programs_per_sm=2, stages=2, per_thread=16),
 }
 
@@ -577,10 +577,10 @@ def rotary_kernel(
 # programs an SM (heads are split over programs where positions are too few), warps, and
 # loads of heads in flight (NUM_STAGES, 1: none ahead).
 ROTARY_LAUNCH = {
-    (2, "small"): dict(tile=4096, programs_per_sm=4, warps=4, stages=1),
-    (2, "large"): dict(tile=4096, programs_per_sm=4, warps=4, stages=1),
-    (4, "small"): dict(tile=4096, programs_per_sm=4, warps=4, stages=1),
-    (4, "large"): dict(tile=4096, programs_per_sm=4, warps=4, stages=1),
+    (2, "small"): dict(tile=2048, programs_per_sm=16, warps=4, stages=1),
+    (2, "large"): dict(tile=2048, programs_per_sm=8, warps=4, stages=1),
+    (4, "small"): dict(tile=4096, programs_per_sm=16, warps=8, stages=1),
+    (4, "large"): dict(tile=4096, programs_per_sm=4, warps=8, stages=1),
 }
 LARGE_FROM = 2**26
 
@@ -890,10 +890,14 @@ def silu_mul_backward_kernel(
 # Launches by (kernel, bytes an element, "small" or "large": from 2^26 elements), from
 # lab/modern_sweep.py on an H200: values a program takes, and warps.
 SWIGLU_LAUNCH = {
-    (kernel, itemsize, size): dict(tile=4096, warps=4)
-    for kernel in ("forward", "backward")
-    for itemsize in (2, 4)
-    for size in ("small", "large")
+    ("forward", 2, "small"): dict(tile=8192, warps=16),
+    ("forward", 2, "large"): dict(tile=8192, warps=16),
+    ("forward", 4, "small"): dict(tile=8192, warps=16),
+    ("forward", 4, "large"): dict(tile=8192, warps=16),
+    ("backward", 2, "small"): dict(tile=4096, warps=4),
+    ("backward", 2, "large"): dict(tile=4096, warps=4),
+    ("backward", 4, "small"): dict(tile=4096, warps=4),
+    ("backward", 4, "large"): dict(tile=8192, warps=16),
 }
 LARGE_FROM = 2**26
 

@@ -65,9 +65,9 @@ LARGE_FROM = 2**26  # elements from which a call takes the "large" launch
 # Launches by (bytes an element, "small" or "large"), from lab/modern_sweep.py on an H200.
 # Forward: values a program normalizes at least (short rows packed) and a thread holds.
 FORWARD_LAUNCH = {
-    (2, "small"): dict(tile=4096, per_thread=32),
+    (2, "small"): dict(tile=4096, per_thread=16),
     (2, "large"): dict(tile=4096, per_thread=32),
-    (4, "small"): dict(tile=4096, per_thread=32),
+    (4, "small"): dict(tile=4096, per_thread=8),
     (4, "large"): dict(tile=4096, per_thread=32),
 }
 
@@ -175,9 +175,9 @@ def sum_weight_partials_kernel(
 # Backward: programs an SM (fewer: fewer partial rows; more: more rows in flight), loads of
 # rows in flight (NUM_STAGES, within the shared memory) and values a thread holds of a row.
 BACKWARD_LAUNCH = {
-    (2, "small"): dict(programs_per_sm=2, stages=2, per_thread=16),
-    (2, "large"): dict(programs_per_sm=2, stages=2, per_thread=16),
-    (4, "small"): dict(programs_per_sm=2, stages=2, per_thread=16),
+    (2, "small"): dict(programs_per_sm=2, stages=3, per_thread=32),
+    (2, "large"): dict(programs_per_sm=1, stages=4, per_thread=16),
+    (4, "small"): dict(programs_per_sm=1, stages=3, per_thread=32),
     (4, "large"): dict(programs_per_sm=2, stages=2, per_thread=16),
 }
 

@@ -95,10 +95,10 @@ def rotary_kernel(
 # programs an SM (heads are split over programs where positions are too few), warps, and
 # loads of heads in flight (NUM_STAGES, 1: none ahead).
 ROTARY_LAUNCH = {
-    (2, "small"): dict(tile=4096, programs_per_sm=4, warps=4, stages=1),
-    (2, "large"): dict(tile=4096, programs_per_sm=4, warps=4, stages=1),
-    (4, "small"): dict(tile=4096, programs_per_sm=4, warps=4, stages=1),
-    (4, "large"): dict(tile=4096, programs_per_sm=4, warps=4, stages=1),
+    (2, "small"): dict(tile=2048, programs_per_sm=16, warps=4, stages=1),
+    (2, "large"): dict(tile=2048, programs_per_sm=8, warps=4, stages=1),
+    (4, "small"): dict(tile=4096, programs_per_sm=16, warps=8, stages=1),
+    (4, "large"): dict(tile=4096, programs_per_sm=4, warps=8, stages=1),
 }
 LARGE_FROM = 2**26
 

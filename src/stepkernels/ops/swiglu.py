@@ -76,10 +76,14 @@ def silu_mul_backward_kernel(
 # Launches by (kernel, bytes an element, "small" or "large": from 2^26 elements), from
 # lab/modern_sweep.py on an H200: values a program takes, and warps.
 SWIGLU_LAUNCH = {
-    (kernel, itemsize, size): dict(tile=4096, warps=4)
-    for kernel in ("forward", "backward")
-    for itemsize in (2, 4)
-    for size in ("small", "large")
+    ("forward", 2, "small"): dict(tile=8192, warps=16),
+    ("forward", 2, "large"): dict(tile=8192, warps=16),
+    ("forward", 4, "small"): dict(tile=8192, warps=16),
+    ("forward", 4, "large"): dict(tile=8192, warps=16),
+    ("backward", 2, "small"): dict(tile=4096, warps=4),
+    ("backward", 2, "large"): dict(tile=4096, warps=4),
+    ("backward", 4, "small"): dict(tile=4096, warps=4),
+    ("backward", 4, "large"): dict(tile=8192, warps=16),
 }
 LARGE_FROM = 2**26
 
