@@ -35,6 +35,11 @@ import subprocess
 import sys
 
 TOKENS = 32 * 1024  # a step's tokens: 32 sequences of 1,024
+TIMING = (
+    "the training command's log.jsonl: tokens/s once warm (the steps after the first log "
+    "interval over their wall time, evaluations excluded), rank 0's; validation loss at each "
+    "evaluation (10 batches)"
+)
 RESUMED = "2 GPUs, DDP, resumed on 1 GPU"
 RUNS = {  # name: (processes, options beside the common ones)
     "1 GPU, grad-accum 2": (1, ["--grad-accum", "2", "--step", "eager"]),
@@ -146,6 +151,7 @@ def record(runs: dict) -> None:
 
     env = bench.environment()
     env["gpus"] = torch.cuda.device_count()
+    env["timing"] = TIMING
     speed = bench.Benchmark(
         name="gpt-data-parallel",
         x_name="tokens per step (32 sequences of 1,024, GPT-2 small's shape)",
