@@ -86,6 +86,11 @@ def calls():
         return torch.autograd.grad(out, leaves, torch.ones_like(out))
 
     layer_norm = stepkernels.layer_norm
+    target = torch.randint(64, (16,), generator=g)
+    odd = make(7, 64)[:, 3:53]  # rows of 50 with gaps, off the 16-byte grid
+    odd_target = torch.randint(50, (7,), generator=g).int()
+    odd_leaf = leaf(odd)
+    ce = stepkernels.cross_entropy
     return {
         "softmax": (lambda: stepkernels.softmax(x), [x]),
         "log_softmax 3-D": (lambda: stepkernels.log_softmax(x3), [x3]),
@@ -103,6 +108,19 @@ def calls():
             lambda: fwd_bwd(lambda: layer_norm(xl, (64,), w, b), [xl]),
             [xl, w, b],
         ),
+        "cross_entropy": (lambda: ce(x, target), [x, target]),
+        "cross_entropy sum, odd rows": (
+            lambda: ce(odd, odd_target, ignore_index=3, reduction="sum"),
+            [odd, odd_target],
+        ),
+        "cross_entropy fwd+bwd": (
+            lambda: fwd_bwd(lambda: ce(xl, target, label_smoothing=0.1), [xl]),
+            [xl, target],
+        ),
+        "cross_entropy fwd+bwd odd rows": (
+            lambda: fwd_bwd(lambda: ce(odd_leaf, odd_target, ignore_index=2), [odd_leaf]),
+            [odd_leaf, odd_target],
+        ),
     }
 
 
@@ -119,4 +137,62 @@ for name, (call, inputs) in calls().items():
     results[name] = dict(bound=not KEYED, same=roles(PASSED, inputs) == first, launches=len(first))
     with launch.triton_launches():  # lean launches off: no bound ones either
         results[name]["off"] = not launch.lean_now()
+
+
+def switches():
+    """Pairs of calls whose keys differ in one thing (shape, dtype, strides, options): the
+    second, after the first was bound."""
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(16, 64, generator=g).half()
+    target = torch.randint(64, (16,), generator=g)
+    ce = stepkernels.cross_entropy
+    wide = torch.randn(16, 96, generator=g).half()
+    return {
+        "cross_entropy, then more rows": (
+            lambda: ce(x, target),
+            lambda: ce(x[:12], target[:12]),
+            [x, target],
+        ),
+        "cross_entropy, then fp32": (
+            lambda: ce(x, target),
+            lambda: ce(x.float(), target),
+            [x, target],
+        ),
+        "cross_entropy, then rows with gaps": (
+            lambda: ce(x, target),
+            lambda: ce(wide[:, :64], target),
+            [wide, target],
+        ),
+        "cross_entropy, then int32 target": (
+            lambda: ce(x, target),
+            lambda: ce(x, target.int()),
+            [x, target],
+        ),
+        "cross_entropy, then sum": (
+            lambda: ce(x, target),
+            lambda: ce(x, target, reduction="sum"),
+            [x, target],
+        ),
+        "softmax, then other rows": (
+            lambda: stepkernels.softmax(x),
+            lambda: stepkernels.softmax(x[:5]),
+            [x],
+        ),
+    }
+
+
+for name, (first_call, second_call, inputs) in switches().items():
+    first_call(), second_call()  # Triton's path, for both keys
+    for plans in PLAN_CACHES:
+        plans.clear()
+    PASSED.clear()
+    second_call()  # launched by key, as a first call
+    fresh = roles(PASSED, inputs)
+    for plans in PLAN_CACHES:
+        plans.clear()
+    first_call(), first_call()  # bound
+    PASSED.clear(), KEYED.clear()
+    second_call()  # a key not seen: by key again, as if fresh
+    results[name] = dict(bound=not KEYED, same=roles(PASSED, inputs) == fresh)
+    results[name].update(launches=len(fresh), off=True)
 json.dump(results, sys.stdout)

@@ -48,9 +48,9 @@ DEVICE = tutorial.DEVICE
 # @save ops/linear_cross_entropy
 from stepkernels.ops.cross_entropy import (
     check_target,
-    kept_rows,
     loss_rows,
-    reduce_losses,
+    mean_scale,
+    reduced_loss,
     scale_unless_one,
 )
 from stepkernels.ops.matmul import product
@@ -123,9 +123,8 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, target, options, chunk_tokens):
         needs = ctx.needs_input_grad[:3]
-        count = kept_rows(target, options)
         early = options.reduction != "none"  # the gradients now, as for cross_entropy
-        scale = None if count is None else count.reciprocal()
+        scale = mean_scale(target, options)  # 1 / the rows kept, for "mean"
         losses, grads = linear_loss_pass(
             x,
             weight,
@@ -136,10 +135,10 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
             chunk_tokens,
             grad_scale=scale,
         )
-        ctx.save_for_backward(x, weight, bias, target, count)
+        ctx.save_for_backward(x, weight, bias, target, scale)
         ctx.options, ctx.chunk_tokens, ctx.grads = options, chunk_tokens, grads
         ctx.early = early
-        return reduce_losses(losses, count, options.reduction).to(loss_dtype(x))
+        return reduced_loss(losses, target, options, loss_dtype(x))
 
     @staticmethod
     def backward(ctx, grad_loss):
@@ -150,8 +149,8 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
             return *(
                 g if g is None else scale_unless_one(g, grad_loss) for g in grads
             ), *none
-        x, weight, bias, target, count = ctx.saved_tensors
-        row_scale = (grad_loss if count is None else grad_loss / count).float()
+        x, weight, bias, target, scale = ctx.saved_tensors
+        row_scale = (grad_loss if scale is None else grad_loss * scale).float()
         _, grads = linear_loss_pass(
             x,
             weight,
@@ -217,11 +216,10 @@ def linear_cross_entropy(
     if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
         args = (x, weight, bias, target, options, chunk_tokens)
         return LinearCrossEntropyFunction.apply(*args)
-    count = kept_rows(target, options)  # no autograd: the loss alone
     losses, _ = linear_loss_pass(
         x, weight, bias, target, options, (False,) * 3, chunk_tokens
     )
-    return reduce_losses(losses, count, reduction).to(loss_dtype(x))
+    return reduced_loss(losses, target, options, loss_dtype(x))
 
 
 # %%
@@ -251,13 +249,12 @@ def linear_cross_entropy_op(
     """The loss, then (reduced) the gradients of x, weight and bias that ``needs`` asks
     for, each else empty."""
     options = Options(ignore_index, smoothing, reduction)
-    count = kept_rows(target, options)
     early = needs if reduction != "none" else (False, False, False)
-    scale = None if count is None else count.reciprocal()
+    scale = mean_scale(target, options)
     losses, grads = linear_loss_pass(
         x, weight, bias, target, options, early, chunk_tokens, grad_scale=scale
     )
-    loss = reduce_losses(losses, count, reduction).to(loss_dtype(x))
+    loss = reduced_loss(losses, target, options, loss_dtype(x))
     return loss, *(x.new_empty(0) if g is None else g for g in grads)
 
 
