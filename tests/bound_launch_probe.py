@@ -91,6 +91,8 @@ def calls():
     odd_target = torch.randint(50, (7,), generator=g).int()
     odd_leaf = leaf(odd)
     ce = stepkernels.cross_entropy
+    w64, w50, b64, b128 = make(64, 64), make(64, 50), make(64), make(128)
+    wl64, bl64 = leaf(w64), leaf(b64)
     return {
         "softmax": (lambda: stepkernels.softmax(x), [x]),
         "log_softmax 3-D": (lambda: stepkernels.log_softmax(x3), [x3]),
@@ -109,6 +111,24 @@ def calls():
             [xl, w, b],
         ),
         "cross_entropy": (lambda: ce(x, target), [x, target]),
+        "matmul": (lambda: stepkernels.matmul(x, w64.mT), [x, w64]),
+        "matmul bias gelu pre-activation, odd": (
+            lambda: stepkernels.matmul(odd, w50.mT, "gelu", bias=b128[1::2], return_preactivation=True),
+            [odd, w50, b128],
+        ),
+        "linear 3-D": (lambda: stepkernels.linear(x3, w64, b64), [x3, w64, b64]),
+        "linear fwd+bwd": (
+            lambda: fwd_bwd(lambda: stepkernels.linear(xl, wl64, bl64), [xl, wl64, bl64]),
+            [xl, wl64, bl64],
+        ),
+        "linear+gelu fwd+bwd": (
+            lambda: fwd_bwd(lambda: stepkernels.linear(xl, wl64, bl64, "gelu"), [xl, wl64, bl64]),
+            [xl, wl64, bl64],
+        ),
+        "linear+gelu recompute, x only": (
+            lambda: fwd_bwd(lambda: stepkernels.linear(xl, w64, b64, "gelu", recompute=True), [xl]),
+            [xl, w64, b64],
+        ),
         "cross_entropy sum, odd rows": (
             lambda: ce(odd, odd_target, ignore_index=3, reduction="sum"),
             [odd, odd_target],
@@ -147,6 +167,7 @@ def switches():
     target = torch.randint(64, (16,), generator=g)
     ce = stepkernels.cross_entropy
     wide = torch.randn(16, 96, generator=g).half()
+    w64, b64 = torch.randn(64, 64, generator=g).half(), torch.randn(64, generator=g).half()
     return {
         "cross_entropy, then more rows": (
             lambda: ce(x, target),
@@ -172,6 +193,26 @@ def switches():
             lambda: ce(x, target),
             lambda: ce(x, target, reduction="sum"),
             [x, target],
+        ),
+        "matmul, then a transposed operand": (
+            lambda: stepkernels.matmul(x, w64),
+            lambda: stepkernels.matmul(x, w64.mT),
+            [x, w64],
+        ),
+        "matmul, then bf16": (
+            lambda: stepkernels.matmul(x, w64),
+            lambda: stepkernels.matmul(x.bfloat16(), w64.bfloat16()),
+            [x, w64],
+        ),
+        "linear, then rows with gaps": (
+            lambda: stepkernels.linear(x, w64, b64),
+            lambda: stepkernels.linear(wide[:, :64], w64, b64),
+            [wide, w64, b64],
+        ),
+        "linear, then gelu": (
+            lambda: stepkernels.linear(x, w64, b64),
+            lambda: stepkernels.linear(x, w64, b64, "gelu"),
+            [x, w64, b64],
         ),
         "softmax, then other rows": (
             lambda: stepkernels.softmax(x),

@@ -160,7 +160,7 @@ def test_bound_launches_pass_the_launcher_what_keyed_launches_pass():
     results = json.loads(ran.stdout)
     switched = {n: r for n, r in results.items() if ", then " in n}
     results = {n: r for n, r in results.items() if n not in switched}
-    assert len(results) == 11 and len(switched) == 6
+    assert len(results) == 17 and len(switched) == 10
     for name, result in switched.items():  # another key: not the binding of the first
         assert not result["bound"] and result["same"], name
     for name, result in results.items():
@@ -229,6 +229,41 @@ def test_bound_cross_entropy_matches_tritons_path(dtype):
             for _ in range(3):
                 for got, want in zip(step(), expected, strict=True):
                     torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
+
+
+@pytest.mark.skipif(not ON_GPU, reason="bound launches are taken on a GPU only")
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_bound_products_match_tritons_path(dtype):
+    """matmul and linear (with gelu, recomputed or kept), forward and backward, called
+    again and again (bound launches): the same bits as through Triton's launch, for odd
+    shapes, a strided operand and bias, and 3-D x."""
+    x_wide = random_tensor((77, 3, 72), dtype, 0)[:, 1, 5:70]  # rows with gaps
+    w, b = random_tensor((33, 65), dtype, 1), random_tensor((66,), dtype, 2)[::2]
+    x3 = random_tensor((2, 9, 65), dtype, 3)
+    calls = {
+        "matmul": (lambda x, w, b: stepkernels.matmul(x, w.mT, bias=b), (x_wide,)),
+        "linear": (lambda x, w, b: stepkernels.linear(x, w, b), (x3,)),
+        "linear+gelu": (lambda x, w, b: stepkernels.linear(x, w, b, "gelu"), (x_wide,)),
+        "recompute": (
+            lambda x, w, b: stepkernels.linear(x, w, b, "gelu", recompute=True),
+            (x3,),
+        ),
+    }
+    for name, (call, (x,)) in calls.items():
+        leaves = [t.detach().requires_grad_() for t in (x, w, b)]
+
+        def step(call=call, x=x, leaves=leaves, name=name):
+            if name == "matmul":
+                return (call(x, w, b),)
+            out = call(*leaves)
+            grads = torch.autograd.grad(out, leaves, torch.ones_like(out))
+            return out.detach(), *grads, call(x, w, b)
+
+        with triton_launches():
+            expected = step()
+        for _ in range(3):
+            for got, want in zip(step(), expected, strict=True):
+                torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
 def test_floor_allocates_and_launches_what_ours_does():
