@@ -65,10 +65,14 @@ def roles(passed, inputs):
     for args in passed:
         row = []
         for a in args[9:]:  # after grid, stream, function, metadata and hooks
-            if isinstance(a, torch.Tensor):
-                ptr = a.data_ptr()
-                a = known.get(ptr) or new.setdefault(ptr, f"new {len(new)}")
-            row.append(repr(a))
+            described = getattr(a, "base", None)  # a host tensor descriptor
+            t = a if described is None else described
+            if isinstance(t, torch.Tensor):
+                ptr = t.data_ptr()
+                t = known.get(ptr) or new.setdefault(ptr, f"new {len(new)}")
+            if described is not None:  # its tensor's role, shape, strides and block
+                t = (t, a.shape, a.strides, a.block_shape)
+            row.append(repr(t))
         out.append([*map(repr, args[:3]), *row])
     return out
 
@@ -93,6 +97,9 @@ def calls():
     ce = stepkernels.cross_entropy
     w64, w50, b64, b128 = make(64, 64), make(64, 50), make(64), make(128)
     wl64, bl64 = leaf(w64), leaf(b64)
+    q, kv = make(2, 4, 40, 32), make(2, 2, 40, 32)  # grouped heads, odd sequences
+    ql, kl, vl = leaf(q), leaf(kv), leaf(kv)
+    attention = stepkernels.attention
     return {
         "softmax": (lambda: stepkernels.softmax(x), [x]),
         "log_softmax 3-D": (lambda: stepkernels.log_softmax(x3), [x3]),
@@ -128,6 +135,19 @@ def calls():
         "linear+gelu recompute, x only": (
             lambda: fwd_bwd(lambda: stepkernels.linear(xl, w64, b64, "gelu", recompute=True), [xl]),
             [xl, w64, b64],
+        ),
+        "attention": (lambda: attention(q, kv, kv, causal=True), [q, kv]),
+        "attention fwd+bwd, window": (
+            lambda: fwd_bwd(lambda: attention(ql, kl, vl, causal=True, window=7), [ql, kl, vl]),
+            [ql, kl, vl],
+        ),
+        "linear_cross_entropy": (
+            lambda: stepkernels.linear_cross_entropy(x, w64, target, b64),
+            [x, w64, target, b64],
+        ),
+        "linear_cross_entropy fwd+bwd": (
+            lambda: fwd_bwd(lambda: stepkernels.linear_cross_entropy(xl, wl64, target), [xl, wl64]),
+            [xl, wl64, target],
         ),
         "cross_entropy sum, odd rows": (
             lambda: ce(odd, odd_target, ignore_index=3, reduction="sum"),
@@ -168,6 +188,7 @@ def switches():
     ce = stepkernels.cross_entropy
     wide = torch.randn(16, 96, generator=g).half()
     w64, b64 = torch.randn(64, 64, generator=g).half(), torch.randn(64, generator=g).half()
+    x4, x5 = torch.randn(1, 2, 24, 16, generator=g).half(), torch.randn(1, 2, 40, 16, generator=g).half()
     return {
         "cross_entropy, then more rows": (
             lambda: ce(x, target),
@@ -213,6 +234,21 @@ def switches():
             lambda: stepkernels.linear(x, w64, b64),
             lambda: stepkernels.linear(x, w64, b64, "gelu"),
             [x, w64, b64],
+        ),
+        "linear_cross_entropy, then chunks": (
+            lambda: stepkernels.linear_cross_entropy(x, w64, target),
+            lambda: stepkernels.linear_cross_entropy(x, w64, target, chunk_tokens=5),
+            [x, w64, target],
+        ),
+        "attention, then a longer sequence": (
+            lambda: stepkernels.attention(x4, x4, x4),
+            lambda: stepkernels.attention(x5, x5, x5),
+            [x4, x5],
+        ),
+        "attention, then causal": (
+            lambda: stepkernels.attention(x4, x4, x4),
+            lambda: stepkernels.attention(x4, x4, x4, causal=True),
+            [x4],
         ),
         "softmax, then other rows": (
             lambda: stepkernels.softmax(x),

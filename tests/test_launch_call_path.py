@@ -160,7 +160,7 @@ def test_bound_launches_pass_the_launcher_what_keyed_launches_pass():
     results = json.loads(ran.stdout)
     switched = {n: r for n, r in results.items() if ", then " in n}
     results = {n: r for n, r in results.items() if n not in switched}
-    assert len(results) == 17 and len(switched) == 10
+    assert len(results) == 21 and len(switched) == 13
     for name, result in switched.items():  # another key: not the binding of the first
         assert not result["bound"] and result["same"], name
     for name, result in results.items():

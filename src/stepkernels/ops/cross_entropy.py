@@ -305,10 +305,55 @@ def empty_rows_like(t: torch.Tensor) -> torch.Tensor:
     return storage.as_strided(t.shape, t.stride(), lead)
 
 
+# A repeated call of the functions below launches its kernel bound (chapter 08), under a
+# key of the tensors' layouts and the options: for the loss kernel, where a row fits one
+# program (no partial sums to allocate).
+ROWS_PLANS, MEAN_PLANS, REDUCE_PLANS = plan_cache(), plan_cache(), plan_cache()
+TENSOR_OR_NONE = (torch.Tensor, type(None))
+
+
+def layout(t):
+    return None if t is None else (t.shape, t.stride(), t.dtype, t.data_ptr() % 16)
+
+
 def loss_rows(logits, target, options, grad=None, scale=None, launch=None):
     """The loss of each row, fp32. Writes the gradient into ``grad`` if given (laid out
     as ``logits``, or ``logits`` itself: in place), times ``scale``: one value or one
     per row."""
+    fast = launch is None and type(logits) is torch.Tensor
+    fast = fast and type(target) is torch.Tensor and type(grad) in TENSOR_OR_NONE
+    fast = fast and type(scale) in TENSOR_OR_NONE and lean_now()
+    if fast:
+        in_place = grad is logits
+        key = (layout(logits), logits.device, layout(target), options, in_place)
+        key = (*key, None if in_place else layout(grad), layout(scale))
+        planned = ROWS_PLANS.get(key)
+        if planned is not None:
+            return planned(logits, target, grad, scale)
+    with recorded_launches(fast) as launches:
+        losses = launch_loss_rows(logits, target, options, grad, scale, launch)
+    if fast:
+        written, per_row = logits if grad is None else grad, scale
+        rows = (logits, target, written, losses, losses if per_row is None else per_row)
+        if bound := bound_launches(launches, (*rows, losses, losses)):
+            ROWS_PLANS[key] = planned_rows(bound[0])
+    return losses
+
+
+def planned_rows(launch):
+    """``loss_rows`` for one key, its launch bound."""
+
+    def loss_rows_bound(logits, target, grad, scale):
+        losses = torch.empty(logits.shape[0], device=logits.device, dtype=torch.float32)
+        written = logits if grad is None else grad
+        per_row = losses if scale is None else scale
+        launch(logits, target, written, losses, per_row, losses, losses)
+        return losses
+
+    return loss_rows_bound
+
+
+def launch_loss_rows(logits, target, options, grad, scale, launch):
     n_rows, n_cols = logits.shape
     losses = torch.empty(n_rows, device=logits.device, dtype=torch.float32)
     if n_rows == 0:
@@ -409,10 +454,20 @@ def mean_scale(target, options):
     beside the loss kernel); None for the other reductions."""
     if options.reduction != "mean":
         return None
-    scale = torch.empty((), device=target.device, dtype=torch.float32)
     n_rows, ignore = target.shape[0], options.ignore_index
-    with quiet():  # no rows kept: 1 / 0, as torch's
+    fast = type(target) is torch.Tensor and lean_now()
+    if fast:
+        key = (layout(target), target.device, ignore)
+        planned = MEAN_PLANS.get(key)
+        if planned is not None:
+            scale = torch.empty((), device=target.device, dtype=torch.float32)
+            planned(target, scale)
+            return scale
+    scale = torch.empty((), device=target.device, dtype=torch.float32)
+    with quiet(), recorded_launches(fast) as launches:  # none kept: 1 / 0, as torch's
         mean_scale_kernel[(1,)](target, scale, n_rows, ignore, BLOCK=REDUCE_BLOCK)
+    if fast and (bound := bound_launches(launches, (target, scale))):
+        MEAN_PLANS[key] = bound[0]
     return scale
 
 
@@ -421,9 +476,17 @@ def reduced_loss(losses, target, options, dtype):
     by one program that adds the rows in a fixed order (and counts those kept)."""
     if options.reduction == "none":
         return losses.to(dtype)
+    fast = type(losses) is torch.Tensor and type(target) is torch.Tensor and lean_now()
+    if fast:
+        key = (layout(losses), losses.device, layout(target), options, dtype)
+        planned = REDUCE_PLANS.get(key)
+        if planned is not None:
+            loss = torch.empty((), device=losses.device, dtype=dtype)
+            planned(losses, target, loss)
+            return loss
     loss = torch.empty((), device=losses.device, dtype=dtype)
     mean = options.reduction == "mean"
-    with quiet():  # no rows kept: 0 / 0, as torch's
+    with quiet(), recorded_launches(fast) as launches:  # none kept: 0 / 0, as torch's
         reduce_losses_kernel[(1,)](
             losses,
             target,
@@ -433,6 +496,8 @@ def reduced_loss(losses, target, options, dtype):
             MEAN=mean,
             BLOCK=REDUCE_BLOCK,
         )
+    if fast and (bound := bound_launches(launches, (losses, target, loss))):
+        REDUCE_PLANS[key] = bound[0]
     return loss
 
 
