@@ -6,7 +6,11 @@ Two counts per call, both the same from run to run (a time on this shared CPU ma
   cProfile counts them (its ``total_calls``);
 * ``torch ops``: the ATen operators one call dispatches, as a ``TorchDispatchMode`` sees
   them (allocations, views, arithmetic, copies: each a trip through torch's dispatcher that
-  costs a GPU call's host some µs), with the most frequent named.
+  costs a GPU call's host some µs), each named with its count; ``torch``: those of torch's
+  own call (on 2 x 8 fp32 tensors: its dispatch, next to no computation);
+* ``floor``: the Python calls of chapter 08's floor of the call (``lessons/calls.py``'s
+  ``make_floor``: our allocations and as many launches, bound, inside one
+  ``autograd.Function`` with a backward), what no wrapper launching through Triton avoids.
 
 The package runs as ``lab/call_cost.py`` runs it: without Triton's interpreter, with
 launchers that do nothing (see that script's docstring for where this path differs from a
@@ -30,8 +34,7 @@ if __name__ == "__main__":
         sys.exit("lab/call_ops_count.py counts the Python path without a GPU")
     os.environ["TRITON_INTERPRET"] = "0"  # LeanKernel's GPU path, not the interpreter's
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import call_cost  # noqa: E402
+import call_cost  # noqa: E402  (beside this script, as lab/README.md says)
 from stepkernels.lessons import calls  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
@@ -58,7 +61,7 @@ def main():
     options = parser.parse_args()
     call_cost.launches_as_no_ops()
     names = [n for n in options.only.split(",") if n] or list(calls.OPERATIONS)
-    print(f"{'call':<30} {'calls':>6} {'torch ops':>9} {'torch':>6}  ours' torch ops")
+    print(f"{'call':<30} {'calls':>6} {'floor':>6} {'torch ops':>9} {'torch':>6}  ours' torch ops")
     for name in names:
         for label in calls.labels([name]).values():
             ours = call_cost.call(label)
@@ -70,8 +73,10 @@ def main():
             counted = torch_ops(ours)
             listed = ", ".join(f"{op} {n}" for op, n in sorted(counted.items()))
             python = pstats.Stats(call_cost.profiled(ours, 50)).total_calls / 50
+            least = call_cost.floor(label)
+            floor = pstats.Stats(call_cost.profiled(least, 50)).total_calls / 50
             print(
-                f"{label:<30} {python:6.0f} {counted.total():9d} "
+                f"{label:<30} {python:6.0f} {floor:6.0f} {counted.total():9d} "
                 f"{torch_ops(theirs).total():6d}  {listed}{'' if lean else ' (not lean)'}",
                 flush=True,
             )

@@ -178,13 +178,10 @@ print(
 #
 # The last step skips even the key. What a call's launches read from it is its tensors'
 # shapes, strides, dtypes, devices and alignments, and its other arguments: keyed by those, a
-# repeated call of softmax, layer norm, matmul, the linear layer (its products and its
-# activation's backward), the losses or attention (chapters 02 to 05, 09 to 11) skips its
-# checks, which passed for that key, its launch rules and ``LeanKernel.key``. The first
+# repeated call of softmax, layer norm, matmul, linear, the losses or attention skips its
+# checks, which passed for that key, its launch rules and ``LeanKernel.key``. Its first
 # call's launches are recorded (``recorded_launches``) and bound (``LeanKernel.bound``: grid,
-# integers, constexprs and compiled kernel fixed), so that a repeat hands the launcher its
-# tensors; attention's, its tensor descriptors, made again for the new tensors with the
-# block shapes bound.
+# integers, constexprs, compiled kernel fixed): a repeat passes its tensors (or descriptors).
 #
 # Benchmark: CPU per call, before and after
 # -----------------------------------------

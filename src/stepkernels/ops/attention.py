@@ -468,7 +468,8 @@ def empty_heads(shape, dtype, device, like=None) -> torch.Tensor:
             shape[0], shape[2], shape[1], padded, dtype=dtype, device=device
         )
         return rows.transpose(1, 2)[..., : shape[3]]
-    return torch.empty(*shape[:3], padded, dtype=dtype, device=device)[..., : shape[3]]
+    rows = torch.empty(*shape[:3], padded, dtype=dtype, device=device)
+    return rows if padded == shape[3] else rows[..., : shape[3]]  # no view to make
 
 
 def ready(t: torch.Tensor) -> torch.Tensor:
@@ -714,16 +715,12 @@ class AttentionFunction(torch.autograd.Function):
 # A repeated call launches its kernels bound (chapter 08), under a key of all that the
 # first call checked and its launches read: q's, k's and v's layouts and device, the
 # options, whether a gradient is wanted and fp32's precision (and, backward, dO's layout).
-# Each bound call builds its descriptors again (``heads``): their tensors are new.
+# A bound launch describes its new tensors as the first call's descriptors did.
 FORWARD_PLANS, BACKWARD_PLANS = plan_cache(), plan_cache()
 
 
 def layout(t) -> tuple:
     return t.shape, t.stride(), t.dtype, t.data_ptr() % 16
-
-
-def block_rows(descriptor) -> int:
-    return descriptor.block_shape[2]
 
 
 def planned_forward(launches, q, k, v, o, lse, options):
@@ -732,14 +729,12 @@ def planned_forward(launches, q, k, v, o, lse, options):
     bound = bound_launches(launches, (q, k, v, o, lse))
     if bound is None:
         return None
-    launch, args = bound[0], launches[0][2]
-    m, n = block_rows(args[0]), block_rows(args[1])
-    lse_shape = lse.shape
+    launch, lse_shape = bound[0], lse.shape
 
     def forward_bound(q, k, v, *_):
         o = empty_heads(q.shape, q.dtype, q.device, like=q)
         lse = torch.empty(lse_shape, device=q.device, dtype=torch.float32)
-        launch(heads(q, m), heads(k, n), heads(v, n), heads(o, m), lse)
+        launch(q, k, v, o, lse)
         return q, k, v, o, lse
 
     forward_bound.options = options
@@ -755,18 +750,13 @@ def planned_backward(launches, saved, dq, dk, dv):
     bound = None if delta is None else bound_launches(launches, *expected)
     if bound is None:
         return None
-    query_args, key_args = launches[0][2], launches[1][2]
-    qm, qn = block_rows(query_args[0]), block_rows(query_args[1])
-    km, kn = block_rows(key_args[0]), block_rows(key_args[1])
     query_launch, key_launch = bound
 
     def backward_bound(q, k, v, o, lse, do):
         dq, dk, dv = (empty_heads(t.shape, t.dtype, t.device) for t in (q, k, v))
         delta = torch.empty_like(lse)
-        tiles = heads(q, qm), heads(k, qn), heads(v, qn), heads(o, qm), heads(do, qm)
-        query_launch(*tiles, heads(dq, qm), lse, delta)
-        tiles = heads(q, km), heads(k, kn), heads(v, kn), heads(do, km)
-        key_launch(*tiles, heads(dk, kn), heads(dv, kn), lse, delta)
+        query_launch(q, k, v, o, do, dq, lse, delta)
+        key_launch(q, k, v, do, dk, dv, lse, delta)
         return dq, dk, dv
 
     return backward_bound
@@ -852,8 +842,8 @@ def attention(q, k, v, causal=False, sm_scale=None, window=None):
         grad = grad and torch.is_grad_enabled()
         fp32 = q.dtype == torch.float32
         precision = torch.get_float32_matmul_precision() if fp32 else None
-        key = (layout(q), q.device, layout(k), layout(v), causal, sm_scale, window)
-        key = (*key, grad, precision)
+        key = (layout(q), q.device, layout(k), k.device, layout(v), v.device, causal)
+        key = (*key, sm_scale, window, grad, precision)
         planned = FORWARD_PLANS.get(key)
         if planned is not None:
             if not grad:

@@ -146,10 +146,11 @@ class LeanKernel:
         return compiled
 
     def bound(self, grid, args: tuple, meta: dict):
-        """This launch again as a function of its leading tensors (or host tensor
-        descriptors, whose block shapes the caller keeps), everything else bound as it was:
-        grid, integers, constexprs, compiled kernel. None where the launch has no lean entry
-        or takes a tensor after another argument."""
+        """This launch again as a function of its leading tensors, everything else bound as
+        it was: grid, integers, constexprs, compiled kernel; where the launch took a host
+        tensor descriptor, the function takes its tensor and describes it as it was (shape,
+        strides, block shape: the same for every call of the operation's key). None where
+        the launch has no lean entry or takes a tensor after another argument."""
         current_device, current_stream, _ = self.runtime or self.bind_runtime()
         device = current_device()
         try:
@@ -167,6 +168,13 @@ class LeanKernel:
         grid_x, grid_y, grid_z = (*(cached_grid or grid), 1, 1)[:3]
         run, head = compiled.run, (compiled.function, compiled.packed_metadata)
         rest = (*rest, *tail)
+        kind = self.descriptor
+        templates = [  # a descriptor's fields but its tensor
+            {k: v for k, v in vars(a).items() if k != "base"}
+            if isinstance(a, kind)
+            else None
+            for a in args[:leading]
+        ]
 
         def launch(*tensors):
             stream = current_stream(device)
@@ -174,7 +182,21 @@ class LeanKernel:
                 grid_x, grid_y, grid_z, stream, *head, None, None, None, *tensors, *rest
             )
 
-        return launch
+        if not any(templates):
+            return launch
+        new = object.__new__
+
+        def launch_described(*tensors):
+            described = []
+            for tensor, template in zip(tensors, templates, strict=True):
+                if template is not None:  # a new descriptor, unchecked: as it was
+                    descriptor = new(kind)
+                    descriptor.__dict__ = {**template, "base": tensor}
+                    tensor = descriptor
+                described.append(tensor)
+            launch(*described)
+
+        return launch_described
 
     def slow_launch(self, grid, args: tuple, meta: dict):
         """Triton's own launch; for the tensors without data that a ``triton_op`` is traced
