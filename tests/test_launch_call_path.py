@@ -57,7 +57,15 @@ def test_launch_key_of_tensor_descriptors():
         ("matmul_hopper", ["matmul_tma_tuned"]),
         ("linear", ["activation_backward_kernel"]),
         ("dropout", ["dropout_kernel", "bias_act_dropout_kernel"]),
-        ("cross_entropy", ["cross_entropy_kernel", "scale_unless_one_kernel"]),
+        (
+            "cross_entropy",
+            [
+                "cross_entropy_kernel",
+                "scale_unless_one_kernel",
+                "mean_scale_kernel",
+                "reduce_losses_kernel",
+            ],
+        ),
         (
             "attention",
             [
