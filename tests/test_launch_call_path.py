@@ -57,7 +57,15 @@ def test_launch_key_of_tensor_descriptors():
         ("matmul_hopper", ["matmul_tma_tuned"]),
         ("linear", ["activation_backward_kernel"]),
         ("dropout", ["dropout_kernel", "bias_act_dropout_kernel"]),
-        ("cross_entropy", ["cross_entropy_kernel", "scale_unless_one_kernel"]),
+        (
+            "cross_entropy",
+            [
+                "cross_entropy_kernel",
+                "scale_unless_one_kernel",
+                "mean_scale_kernel",
+                "reduce_losses_kernel",
+            ],
+        ),
         (
             "attention",
             [
@@ -158,7 +166,11 @@ def test_bound_launches_pass_the_launcher_what_keyed_launches_pass():
     ran = subprocess.run([sys.executable, str(probe)], env=env, capture_output=True, text=True, timeout=600)
     assert ran.returncode == 0, ran.stderr[-3000:]
     results = json.loads(ran.stdout)
-    assert len(results) == 7
+    switched = {n: r for n, r in results.items() if ", then " in n}
+    results = {n: r for n, r in results.items() if n not in switched}
+    assert len(results) == 21 and len(switched) == 13
+    for name, result in switched.items():  # another key: not the binding of the first
+        assert not result["bound"] and result["same"], name
     for name, result in results.items():
         assert result == {
             "bound": True,
@@ -196,6 +208,70 @@ def test_bound_launches_match_tritons_path(dtype):
                 torch.testing.assert_close(got, want, rtol=0, atol=0)
         with torch.no_grad():
             torch.testing.assert_close(call(), expected[0], rtol=0, atol=0)
+
+
+@pytest.mark.skipif(not ON_GPU, reason="bound launches are taken on a GPU only")
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_bound_cross_entropy_matches_tritons_path(dtype):
+    """cross_entropy, forward and backward, called again and again (bound launches): the
+    same bits as through Triton's launch, for rows on and off the 16-byte grid, an int32
+    target with ignored rows, each reduction; then other shapes, which bind anew."""
+    wide = random_tensor((77, 1031), dtype, 0)
+    cases = [
+        (random_tensor((64, 256), dtype, 1), torch.randint(256, (64,), device=DEVICE)),
+        (wide[:, 3:1003], torch.randint(-1, 1000, (77,), device=DEVICE).int()),
+        (random_tensor((5, 50257), dtype, 2), torch.randint(50257, (5,), device=DEVICE)),
+    ]
+    for logits, target in [*cases, cases[0]]:  # the first again: bound before
+        for reduction in ("mean", "sum", "none"):
+            options = dict(ignore_index=-1, reduction=reduction, label_smoothing=0.1)
+            leaf = logits.detach().requires_grad_()
+
+            def step(logits=logits, leaf=leaf, target=target, options=options):
+                loss = stepkernels.cross_entropy(leaf, target, **options)
+                grad = torch.autograd.grad(loss, leaf, torch.ones_like(loss))
+                return loss.detach(), *grad, stepkernels.cross_entropy(logits, target, **options)
+
+            with triton_launches():
+                expected = step()
+            for _ in range(3):
+                for got, want in zip(step(), expected, strict=True):
+                    torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
+
+
+@pytest.mark.skipif(not ON_GPU, reason="bound launches are taken on a GPU only")
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_bound_products_match_tritons_path(dtype):
+    """matmul and linear (with gelu, recomputed or kept), forward and backward, called
+    again and again (bound launches): the same bits as through Triton's launch, for odd
+    shapes, a strided operand and bias, and 3-D x."""
+    x_wide = random_tensor((77, 3, 72), dtype, 0)[:, 1, 5:70]  # rows with gaps
+    w, b = random_tensor((33, 65), dtype, 1), random_tensor((66,), dtype, 2)[::2]
+    x3 = random_tensor((2, 9, 65), dtype, 3)
+    calls = {
+        "matmul": (lambda x, w, b: stepkernels.matmul(x, w.mT, bias=b), (x_wide,)),
+        "linear": (lambda x, w, b: stepkernels.linear(x, w, b), (x3,)),
+        "linear+gelu": (lambda x, w, b: stepkernels.linear(x, w, b, "gelu"), (x_wide,)),
+        "recompute": (
+            lambda x, w, b: stepkernels.linear(x, w, b, "gelu", recompute=True),
+            (x3,),
+        ),
+    }
+    for name, (call, (x,)) in calls.items():
+        leaves = [t.detach().requires_grad_() for t in (x, w, b)]
+
+        def step(call=call, x=x, leaves=leaves, name=name):
+            if name == "matmul":
+                return (call(x, w, b),)
+            out = call(*leaves)
+            grads = torch.autograd.grad(out, leaves, torch.ones_like(out))
+            return out.detach(), *grads, call(x, w, b)
+
+        with triton_launches():
+            expected = step()
+        for _ in range(3):
+            for got, want in zip(step(), expected, strict=True):
+                torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
 def test_floor_allocates_and_launches_what_ours_does():

@@ -230,7 +230,14 @@ from stepkernels.runtime.core import (
     sm_count,
 )
 from stepkernels.runtime.device import profile
-from stepkernels.runtime.launch import cdiv, lean
+from stepkernels.runtime.launch import (  # cheap repeated launches: chapter 08
+    bound_launches,
+    cdiv,
+    lean,
+    lean_now,
+    plan_cache,
+    recorded_launches,
+)
 from stepkernels.runtime.tiles import (
     add_bias,
     allocate_outputs,
@@ -501,12 +508,24 @@ def matmul(
     fp32 before one rounding. ``return_preactivation``: ``(out, a @ b + bias)``, one
     kernel. ``accumulate``: a contiguous (M, N) tensor, in the output's dtype or fp32
     (a parameter's fp32 gradient), that gets ``a @ b (+ bias)`` added in place."""
+    fast = accumulate is None and type(a) is torch.Tensor and type(b) is torch.Tensor
+    fast = fast and type(bias) in OPERAND_TYPES and type(activation) in (str, NONE)
+    fast = fast and type(return_preactivation) is bool
+    fast = fast and not torch.compiler.is_compiling() and lean_now()
+    if fast:  # a call seen before: checked then, its launch bound
+        key = product_key(a, b, activation, bias, return_preactivation, None)
+        planned = CHECKED_PRODUCTS.get(key)
+        if planned is not None:
+            return planned(a, b, bias, None)
     check_inputs(a, b, activation, bias, return_preactivation)
     if torch.compiler.is_compiling():  # an operator the compiler calls (below)
         out, pre = matmul_op(a, b, activation, bias, return_preactivation, accumulate)
         out = out if accumulate is None else accumulate
         return (out, pre) if return_preactivation else out
-    return launch_matmul(a, b, activation, bias, return_preactivation, accumulate)
+    result = launch_matmul(a, b, activation, bias, return_preactivation, accumulate)
+    if fast and (planned := PRODUCT_PLANS.get(key)) is not None:
+        CHECKED_PRODUCTS[key] = planned  # matmul's checks passed for this key
+    return result
 
 
 def launch_matmul(a, b, activation, bias, return_preactivation, accumulate):
@@ -516,11 +535,78 @@ def launch_matmul(a, b, activation, bias, return_preactivation, accumulate):
     return product(a, b, activation, bias, return_preactivation, accumulate)
 
 
+# A repeated product launches its kernel bound (chapter 08), under a key of all that its
+# launch read: the operands', the bias' and the accumulator's layouts, the activation,
+# whether the pre-activation is kept, and fp32's precision. Chapter 07's descriptor kernel
+# is launched by key as before.
+NONE = type(None)
+OPERAND_TYPES = (NONE, torch.Tensor, torch.nn.Parameter)
+PRODUCT_PLANS, CHECKED_PRODUCTS = plan_cache(), plan_cache()
+
+
+def layout(t):
+    return None if t is None else (t.shape, t.stride(), t.dtype, t.data_ptr() % 16)
+
+
+def product_key(a, b, activation, bias, return_preactivation, accumulate) -> tuple:
+    fp32 = a.dtype == torch.float32
+    precision = torch.get_float32_matmul_precision() if fp32 else None
+    key = (a.shape, a.stride(), a.dtype, a.device, a.data_ptr() % 16, b.shape)
+    key = (*key, b.stride(), b.dtype, b.data_ptr() % 16, activation, layout(bias))
+    return (*key, return_preactivation, layout(accumulate), precision)
+
+
+def planned_product(launch, return_preactivation, out_dtype):
+    """``product`` for one key, its launch bound: the outputs allocated, then it."""
+
+    def product_bound(a, b, bias, accumulate):
+        if accumulate is not None:
+            out, pre = accumulate, None
+        else:
+            out = a.new_empty((a.shape[0], b.shape[1]), dtype=out_dtype)
+            pre = torch.empty_like(out) if return_preactivation else None
+        if bias is None:
+            launch(a, b, out)
+        elif pre is None:
+            launch(a, b, out, bias)
+        else:
+            launch(a, b, out, bias, pre)
+        return (out, pre) if return_preactivation else out
+
+    return product_bound
+
+
 def product(
     a, b, activation=None, bias=None, return_preactivation=False, accumulate=None
 ):
     """``matmul`` for arguments already checked (chapter 05's layer calls it three
     times a step: the checks once, in ``linear``)."""
+    fast = type(a) is torch.Tensor and type(b) is torch.Tensor
+    fast = fast and type(bias) in OPERAND_TYPES and type(accumulate) in OPERAND_TYPES
+    fast = fast and lean_now()
+    if fast:
+        key = product_key(a, b, activation, bias, return_preactivation, accumulate)
+        planned = PRODUCT_PLANS.get(key)
+        if planned is not None:
+            return planned(a, b, bias, accumulate)
+    with recorded_launches(fast) as launches:
+        result = chosen_product(
+            a, b, activation, bias, return_preactivation, accumulate
+        )
+    portable = [k for k, *_ in launches] == [matmul_portable_tuned]
+    if fast and portable and (bias is not None or not return_preactivation):
+        out, pre = result if return_preactivation else (result, None)
+        leading = [t for t in (a, b, out, bias, pre) if t is not None]
+        if bound := bound_launches(launches, tuple(leading)):
+            out_dtype = output_dtype(a.dtype)
+            PRODUCT_PLANS[key] = planned_product(
+                bound[0], return_preactivation, out_dtype
+            )
+    return result
+
+
+def chosen_product(a, b, activation, bias, return_preactivation, accumulate):
+    """The launch ``product`` chooses: chapter 07's kernel or the portable one."""
     M, N, K = a.shape[0], b.shape[1], a.shape[1]
     if on_descriptors(a.dtype, M, N, K):
         # A long reduction pays for copying an operand whose rows a descriptor cannot

@@ -178,10 +178,10 @@ print(
 #
 # The last step skips even the key. What a call's launches read from it is its tensors'
 # shapes, strides, dtypes, devices and alignments, and its other arguments: keyed by those, a
-# repeated call of softmax or layer norm (chapters 02 and 03) skips its checks, which passed
-# for that key, its launch rules and ``LeanKernel.key``. The first call's launches are
-# recorded (``recorded_launches``) and bound (``LeanKernel.bound``: grid, integers,
-# constexprs and compiled kernel fixed), so that a repeat hands the launcher its tensors.
+# repeated call of softmax, layer norm, matmul, linear, the losses or attention skips its
+# checks, which passed for that key, its launch rules and ``LeanKernel.key``. Its first
+# call's launches are recorded (``recorded_launches``) and bound (``LeanKernel.bound``: grid,
+# integers, constexprs, compiled kernel fixed): a repeat passes its tensors (or descriptors).
 #
 # Benchmark: CPU per call, before and after
 # -----------------------------------------

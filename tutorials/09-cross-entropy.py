@@ -107,7 +107,7 @@ for vocabulary in (32_768, 50_257, 128_256):
 from dataclasses import dataclass
 import functools
 
-from stepkernels.runtime.arguments import cross_entropy_arguments
+from stepkernels.runtime.arguments import classes_in_range, cross_entropy_arguments
 from stepkernels.runtime.core import (
     FLOAT_DTYPES,
     ON_GPU,
@@ -117,9 +117,13 @@ from stepkernels.runtime.core import (
     sm_count,
 )
 from stepkernels.runtime.launch import (  # cheap repeated launches: chapter 08
+    bound_launches,
     cdiv,
     lean,
+    lean_now,
     next_power_of_2,
+    plan_cache,
+    recorded_launches,
 )
 from stepkernels.runtime.rows import as_rows, quiet
 import torch
@@ -304,7 +308,13 @@ def cross_entropy_kernel(
 # --------------------------------------------------
 # When ``grad_loss`` is 1, the gradient the forward wrote is the answer. Checking that on the
 # CPU would cost a synchronization and break a CUDA graph (chapter 08), so a tiny kernel checks
-# it on the GPU, returning at once when it is 1, else scaling the gradient in place.
+# it on the GPU, returning at once when it is 1, else scaling the gradient in place. The
+# count of rows kept, which "mean" divides by, and the reduction are tiny kernels too: one
+# program counts the rows and writes 1 / count before the loss kernel scales each row's
+# gradient by it, and one adds the rows' losses in a fixed order after it and writes the
+# mean in the loss's dtype. Two launches in place of five small torch operations, each a trip
+# through torch's dispatcher on the CPU; a repeated call replays all its launches bound
+# (chapter 08).
 # ``reduction="none"`` (a ``grad_loss`` per row) and a second backward (``retain_graph=True``)
 # run the loss kernel again with a scale per row: one read and one write, as before.
 #
@@ -314,6 +324,7 @@ def cross_entropy_kernel(
 
 # @save ops/cross_entropy
 SCALE_BLOCK, SCALE_PROGRAMS_PER_SM = 4096, 4
+REDUCE_BLOCK = 1024  # targets or losses a step of the one program that reduces them
 REDUCTIONS = ("mean", "sum", "none")
 MAX_POLLS = 100_000 if ON_GPU else 2  # tries before a program reads the row itself
 WAIT = 2**31 - 1 if ON_GPU else 2  # in place: wait as long as it takes
@@ -331,6 +342,44 @@ def scale_unless_one_kernel(grad_ptr, factor_ptr, n_elements, BLOCK: tl.constexp
             in_range = offsets < n_elements
             grad = tl.load(grad_ptr + offsets, mask=in_range).to(tl.float32) * factor
             tl.store(grad_ptr + offsets, grad.to(grad_ptr.dtype.element_ty), in_range)
+
+
+@triton.jit
+def kept_count(target_ptr, n_rows, ignore_index, BLOCK: tl.constexpr):
+    """The rows whose target is not ``ignore_index``, as fp32."""
+    kept = tl.zeros([BLOCK], tl.int32)
+    for start in range(0, n_rows, BLOCK):
+        rows = start + tl.arange(0, BLOCK)
+        target = tl.load(target_ptr + rows, rows < n_rows, 0).to(tl.int64)
+        kept += ((target != ignore_index) & (rows < n_rows)).to(tl.int32)
+    return tl.sum(kept, axis=0).to(tl.float32)
+
+
+@lean
+@triton.jit
+def mean_scale_kernel(target_ptr, scale_ptr, n_rows, ignore_index, BLOCK: tl.constexpr):
+    tl.store(scale_ptr, 1.0 / kept_count(target_ptr, n_rows, ignore_index, BLOCK))
+
+
+@lean
+@triton.jit
+def reduce_losses_kernel(
+    losses_ptr,
+    target_ptr,
+    loss_ptr,
+    n_rows,
+    ignore_index,
+    MEAN: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    total = tl.zeros([BLOCK], tl.float32)
+    for start in range(0, n_rows, BLOCK):
+        rows = start + tl.arange(0, BLOCK)
+        total += tl.load(losses_ptr + rows, rows < n_rows, 0.0)
+    loss = tl.sum(total, axis=0)
+    if MEAN:
+        loss = loss / kept_count(target_ptr, n_rows, ignore_index, BLOCK)
+    tl.store(loss_ptr, loss.to(loss_ptr.dtype.element_ty))
 
 
 @dataclass(frozen=True)
@@ -377,10 +426,55 @@ def empty_rows_like(t: torch.Tensor) -> torch.Tensor:
     return storage.as_strided(t.shape, t.stride(), lead)
 
 
+# A repeated call of the functions below launches its kernel bound (chapter 08), under a
+# key of the tensors' layouts and the options: for the loss kernel, where a row fits one
+# program (no partial sums to allocate).
+ROWS_PLANS, MEAN_PLANS, REDUCE_PLANS = plan_cache(), plan_cache(), plan_cache()
+TENSOR_OR_NONE = (torch.Tensor, type(None))
+
+
+def layout(t):
+    return None if t is None else (t.shape, t.stride(), t.dtype, t.data_ptr() % 16)
+
+
 def loss_rows(logits, target, options, grad=None, scale=None, launch=None):
     """The loss of each row, fp32. Writes the gradient into ``grad`` if given (laid out
     as ``logits``, or ``logits`` itself: in place), times ``scale``: one value or one
     per row."""
+    fast = launch is None and type(logits) is torch.Tensor
+    fast = fast and type(target) is torch.Tensor and type(grad) in TENSOR_OR_NONE
+    fast = fast and type(scale) in TENSOR_OR_NONE and lean_now()
+    if fast:
+        in_place = grad is logits
+        key = (layout(logits), logits.device, layout(target), options, in_place)
+        key = (*key, None if in_place else layout(grad), layout(scale))
+        planned = ROWS_PLANS.get(key)
+        if planned is not None:
+            return planned(logits, target, grad, scale)
+    with recorded_launches(fast) as launches:
+        losses = launch_loss_rows(logits, target, options, grad, scale, launch)
+    if fast:
+        written, per_row = logits if grad is None else grad, scale
+        rows = (logits, target, written, losses, losses if per_row is None else per_row)
+        if bound := bound_launches(launches, (*rows, losses, losses)):
+            ROWS_PLANS[key] = planned_rows(bound[0])
+    return losses
+
+
+def planned_rows(launch):
+    """``loss_rows`` for one key, its launch bound."""
+
+    def loss_rows_bound(logits, target, grad, scale):
+        losses = torch.empty(logits.shape[0], device=logits.device, dtype=torch.float32)
+        written = logits if grad is None else grad
+        per_row = losses if scale is None else scale
+        launch(logits, target, written, losses, per_row, losses, losses)
+        return losses
+
+    return loss_rows_bound
+
+
+def launch_loss_rows(logits, target, options, grad, scale, launch):
     n_rows, n_cols = logits.shape
     losses = torch.empty(n_rows, device=logits.device, dtype=torch.float32)
     if n_rows == 0:
@@ -437,8 +531,28 @@ def loss_rows(logits, target, options, grad=None, scale=None, launch=None):
     return losses
 
 
+SCALE_PLANS = plan_cache()  # scale_unless_one's launches bound, as the loss's (below)
+
+
 def scale_unless_one(tensor, factor):
-    """``tensor *= factor`` in place; skipped on the GPU (no synchronization) if 1."""
+    """``tensor *= factor`` in place; skipped on the GPU (no synchronization) if 1. A
+    repeated call launches its kernel bound, under a key of the tensors' layouts."""
+    fast = type(tensor) is torch.Tensor and type(factor) is torch.Tensor and lean_now()
+    if fast:
+        key = (tensor.shape, tensor.stride(), tensor.dtype, tensor.device)
+        key = (*key, tensor.data_ptr() % 16, factor.dtype, factor.data_ptr() % 16)
+        launch = SCALE_PLANS.get(key)
+        if launch is not None:  # the kernel reads the address alone: flat or not
+            launch(tensor, factor)
+            return tensor
+    with recorded_launches(fast) as launches:
+        scale_in_place(tensor, factor)
+    if fast and (bound := bound_launches(launches, (tensor, factor))):
+        SCALE_PLANS[key] = bound[0]
+    return tensor
+
+
+def scale_in_place(tensor, factor):
     flat = tensor  # a gradient laid out as strided logits: with the gaps nobody reads
     if not tensor.is_contiguous():
         if tensor.stride(-1) != 1:  # not rows with gaps between them: torch's multiply
@@ -456,41 +570,90 @@ def scale_unless_one(tensor, factor):
     return tensor
 
 
-def kept_rows(target, options):
-    """The rows not ignored, which "mean" divides by; None for the other reductions."""
-    if options.reduction == "mean":
-        # in int64: an int32 target against an ignore_index past int32 would wrap it
-        values = target if target.dtype == torch.int64 else target.long()
-        return values.ne(options.ignore_index).sum(dtype=torch.float32)
+def mean_scale(target, options):
+    """For "mean", 1 / the rows not ignored, fp32, from one program (no torch operations
+    beside the loss kernel); None for the other reductions."""
+    if options.reduction != "mean":
+        return None
+    n_rows, ignore = target.shape[0], options.ignore_index
+    fast = type(target) is torch.Tensor and lean_now()
+    if fast:
+        key = (layout(target), target.device, ignore)
+        planned = MEAN_PLANS.get(key)
+        if planned is not None:
+            scale = torch.empty((), device=target.device, dtype=torch.float32)
+            planned(target, scale)
+            return scale
+    scale = torch.empty((), device=target.device, dtype=torch.float32)
+    with quiet(), recorded_launches(fast) as launches:  # none kept: 1 / 0, as torch's
+        mean_scale_kernel[(1,)](target, scale, n_rows, ignore, BLOCK=REDUCE_BLOCK)
+    if fast and (bound := bound_launches(launches, (target, scale))):
+        MEAN_PLANS[key] = bound[0]
+    return scale
 
 
-def reduce_losses(losses, count, reduction):
-    total = losses if reduction == "none" else losses.sum()
-    return total / count if reduction == "mean" else total
+def reduced_loss(losses, target, options, dtype):
+    """The losses of the rows reduced as ``options`` say, in ``dtype``: "mean" and "sum"
+    by one program that adds the rows in a fixed order (and counts those kept)."""
+    if options.reduction == "none":
+        return losses.to(dtype)
+    fast = type(losses) is torch.Tensor and type(target) is torch.Tensor and lean_now()
+    if fast:
+        key = (layout(losses), losses.device, layout(target), options, dtype)
+        planned = REDUCE_PLANS.get(key)
+        if planned is not None:
+            loss = torch.empty((), device=losses.device, dtype=dtype)
+            planned(losses, target, loss)
+            return loss
+    loss = torch.empty((), device=losses.device, dtype=dtype)
+    mean = options.reduction == "mean"
+    with quiet(), recorded_launches(fast) as launches:  # none kept: 0 / 0, as torch's
+        reduce_losses_kernel[(1,)](
+            losses,
+            target,
+            loss,
+            losses.shape[0],
+            options.ignore_index,
+            MEAN=mean,
+            BLOCK=REDUCE_BLOCK,
+        )
+    if fast and (bound := bound_launches(launches, (losses, target, loss))):
+        REDUCE_PLANS[key] = bound[0]
+    return loss
+
+
+def loss_and_grad(logits, target, options, with_grad):
+    """The loss, and with ``with_grad`` (reduced only) its gradient, written by the loss
+    kernel times "mean"'s scale; then that scale and the rows' losses."""
+    scale = mean_scale(target, options) if with_grad else None
+    grad = empty_rows_like(logits) if with_grad else None
+    losses = loss_rows(logits, target, options, grad, scale)
+    loss = reduced_loss(losses, target, options, loss_dtype(logits))
+    return loss, grad, scale, losses
 
 
 class CrossEntropyFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits, target, options):
-        count = kept_rows(target, options)
-        grad = None if options.reduction == "none" else empty_rows_like(logits)
-        scale = None if count is None else count.reciprocal()
-        losses = loss_rows(logits, target, options, grad, scale)
-        ctx.save_for_backward(logits, target, count)
+    def forward(ctx, logits, target, options, planned=None):
+        with_grad = options.reduction != "none"
+        loss, grad, scale, _ = (planned or loss_and_grad)(
+            logits, target, options, with_grad
+        )
+        ctx.save_for_backward(logits, target, scale)
         ctx.options, ctx.grad = options, grad
-        return reduce_losses(losses, count, options.reduction).to(loss_dtype(logits))
+        return loss
 
     @staticmethod
     def backward(ctx, grad_loss):
         refuse_double_backward("cross_entropy", "torch.nn.functional.cross_entropy")
         if ctx.grad is not None:  # computed in the forward: hand it over, once
             grad, ctx.grad = ctx.grad, None
-            return scale_unless_one(grad, grad_loss), None, None
-        logits, target, count = ctx.saved_tensors
-        scale = grad_loss if count is None else grad_loss / count
+            return scale_unless_one(grad, grad_loss), None, None, None
+        logits, target, scale = ctx.saved_tensors
+        scale = grad_loss if scale is None else grad_loss * scale
         grad = empty_rows_like(logits)
         loss_rows(logits, target, ctx.options, grad, scale.float())
-        return grad, None, None
+        return grad, None, None, None
 
 
 def check_target(target, shape, ignore_index, label_smoothing, reduction) -> Options:
@@ -500,6 +663,54 @@ def check_target(target, shape, ignore_index, label_smoothing, reduction) -> Opt
     return Options(*checked, reduction)
 
 
+# A repeated call launches its kernels bound (chapter 08), under a key of all that the first
+# call checked and its launches read: the logits' and the target's shapes, strides, dtypes,
+# device and alignment, the options, whether a gradient is wanted, and the loss's dtype.
+LOSS_PLANS = plan_cache()
+
+
+def planned_loss(bound, options, with_grad, dtype):
+    """``loss_and_grad`` for one key, its launches bound: what it allocates, then them."""
+    scaled = with_grad and options.reduction == "mean"
+    launch_scale = bound[0] if scaled else None
+    launch_rows, *launch_reduce = bound[1:] if scaled else bound
+
+    def loss_and_grad_bound(logits, target, *_):
+        device, scale = logits.device, None
+        if scaled:
+            scale = torch.empty((), device=device, dtype=torch.float32)
+            launch_scale(target, scale)
+        grad = empty_rows_like(logits) if with_grad else None
+        losses = torch.empty(logits.shape[0], device=device, dtype=torch.float32)
+        written = logits if grad is None else grad
+        per_row = losses if scale is None else scale
+        launch_rows(logits, target, written, losses, per_row, losses, losses)
+        if not launch_reduce:  # reduction "none"
+            return losses.to(dtype), grad, scale, losses
+        loss = torch.empty((), device=device, dtype=dtype)
+        launch_reduce[0](losses, target, loss)
+        return loss, grad, scale, losses
+
+    loss_and_grad_bound.options = options
+    return loss_and_grad_bound
+
+
+def plan_loss(key, launches, logits, target, options, results, with_grad, dtype):
+    """Keep the call's launches bound under ``key`` if they took ``logits`` and ``target``
+    as they came (no copy) and a row in one program (no partial sums to allocate)."""
+    loss, grad, scale, losses = results
+    rows = (logits, target, logits if grad is None else grad, losses)
+    rows = (*rows, losses if scale is None else scale, losses, losses)
+    expected = [rows]
+    if scale is not None:
+        expected.insert(0, (target, scale))
+    if options.reduction != "none":
+        expected.append((losses, target, loss))
+    bound = bound_launches(launches, *expected)
+    if bound is not None:
+        LOSS_PLANS[key] = planned_loss(bound, options, with_grad, dtype)
+
+
 def cross_entropy(
     logits, target, *, ignore_index=-100, label_smoothing=0.0, reduction="mean"
 ):
@@ -507,6 +718,25 @@ def cross_entropy(
     bf16 and integer targets, computed in fp32, with autograd; no class weights (options by
     keyword). A target outside [0, V), not ``ignore_index``: a ValueError for CPU tensors; on
     a GPU a device-side assert, as PyTorch's, after which CUDA fails in this process."""
+    fast = type(logits) is torch.Tensor and type(target) is torch.Tensor
+    fast = fast and type(ignore_index) is int and type(reduction) is str
+    fast = fast and type(label_smoothing) in (int, float)
+    fast = fast and not torch.compiler.is_compiling() and lean_now()
+    if fast:  # a call seen before: checked then, its launches bound
+        want_grad = logits.requires_grad and torch.is_grad_enabled()
+        dtype = loss_dtype(logits)
+        key = (logits.shape, logits.stride(), logits.dtype, logits.device)
+        key = (*key, logits.data_ptr() % 16, target.shape, target.stride())
+        key = (*key, target.dtype, target.device, target.data_ptr() % 16)
+        key = (*key, ignore_index, label_smoothing, reduction, want_grad, dtype)
+        planned = LOSS_PLANS.get(key)
+        if planned is not None:
+            classes_in_range(target, logits.shape[1], "target", ignore_index)  # CPU's
+            if want_grad:
+                return CrossEntropyFunction.apply(
+                    logits, target, planned.options, planned
+                )
+            return planned(logits, target)[0]
     check_tensor(logits, "logits", FLOAT_DTYPES)
     if logits.dim() != 2 or logits.shape[1] == 0:
         raise ValueError(
@@ -517,6 +747,7 @@ def cross_entropy(
     options = check_target(
         target, logits.shape, ignore_index, label_smoothing, reduction
     )
+    given = logits, target
     logits, target = as_rows(logits), target.contiguous()
     if logits.stride(0) < logits.shape[1]:  # rows share memory: so would the gradient's
         logits = logits.contiguous()
@@ -524,10 +755,23 @@ def cross_entropy(
         want_grad = logits.requires_grad and torch.is_grad_enabled()
         chosen = (options.ignore_index, options.smoothing, reduction, want_grad)
         return cross_entropy_op(logits, target, *chosen)[0]
-    if logits.requires_grad and torch.is_grad_enabled():
-        return CrossEntropyFunction.apply(logits, target, options)
-    losses, count = loss_rows(logits, target, options), kept_rows(target, options)
-    return reduce_losses(losses, count, reduction).to(loss_dtype(logits))
+    want_grad = logits.requires_grad and torch.is_grad_enabled()
+    results = []  # what loss_and_grad made, to bind the launches to
+
+    def recorded(*args):
+        results.append(loss_and_grad(*args))
+        return results[-1]
+
+    with recorded_launches(fast) as launches:
+        if want_grad:
+            loss = CrossEntropyFunction.apply(logits, target, options, recorded)
+        else:
+            loss = recorded(logits, target, options, False)[0]
+    if fast:
+        with_grad = want_grad and reduction != "none"
+        args = (launches, *given, options, results[0], with_grad, loss_dtype(logits))
+        plan_loss(key, *args)
+    return loss
 
 
 # %%
@@ -553,12 +797,9 @@ def cross_entropy_op(
 ) -> tuple[Tensor, Tensor]:
     """The loss, and d loss / d logits if ``want_grad`` and reduced, else empty."""
     options = Options(ignore_index, smoothing, reduction)
-    count = kept_rows(target, options)
     with_grad = want_grad and reduction != "none"
-    grad = empty_rows_like(logits) if with_grad else logits.new_empty(0)
-    scale = None if count is None else count.reciprocal()
-    losses = loss_rows(logits, target, options, grad if with_grad else None, scale)
-    return reduce_losses(losses, count, reduction).to(loss_dtype(logits)), grad
+    loss, grad, _, _ = loss_and_grad(logits, target, options, with_grad)
+    return loss, logits.new_empty(0) if grad is None else grad
 
 
 @cross_entropy_op.register_fake
@@ -738,9 +979,9 @@ if memory := loss_results["cross-entropy-memory"]:
 # (the "two passes" lines). The loss alone reads the logits once and waits for nobody. With
 # the gradient, rows that fit one program come closest to the copy; rows of several parts lose
 # to waiting, bf16 most (its parts hold half the bytes for the same wait). GPU time counts the
-# whole call, the small operations around our kernel too. Called from Python, our call costs
-# about twice torch's CPU time (five small torch operations, autograd), more than its GPU time
-# at V <= 32,768. Memory: one logits-sized buffer, as ``torch.compile``; Liger-Kernel
+# whole call, the small launches around our kernel too. Called from Python, a repeated call
+# costs the CPU its bound launches and allocations (chapter 08 compares it with torch's).
+# Memory: one logits-sized buffer, as ``torch.compile``; Liger-Kernel
 # overwrites the caller's logits.
 #
 # What we learned

@@ -118,7 +118,15 @@ from stepkernels.runtime.core import (
     check_tensor,
     refuse_double_backward,
 )
-from stepkernels.runtime.launch import cdiv, lean, next_power_of_2
+from stepkernels.runtime.launch import (  # cheap repeated launches: chapter 08
+    bound_launches,
+    cdiv,
+    lean,
+    lean_now,
+    next_power_of_2,
+    plan_cache,
+    recorded_launches,
+)
 from stepkernels.runtime.tiles import dot_precision
 import torch
 import triton
@@ -556,7 +564,8 @@ def attention_query_grad_kernel(
 # once, contiguous with rows padded to 16 bytes; a (B, N, H, D) tensor viewed as (B, H, N, D)
 # is read in place, and O is then written in q's layout, as SDPA does: ``o.transpose(1, 2)``
 # is the (B, N, H·D) input of the next projection without a copy. Under the interpreter the
-# blocks are 16 x 16.
+# blocks are 16 x 16. A repeated call with the same layouts and options skips its checks and
+# launch rules and replays its launches bound (chapter 08), making only its descriptors again.
 
 # @save ops/attention
 MAX_HEAD_DIM = 128
@@ -602,7 +611,8 @@ def empty_heads(shape, dtype, device, like=None) -> torch.Tensor:
             shape[0], shape[2], shape[1], padded, dtype=dtype, device=device
         )
         return rows.transpose(1, 2)[..., : shape[3]]
-    return torch.empty(*shape[:3], padded, dtype=dtype, device=device)[..., : shape[3]]
+    rows = torch.empty(*shape[:3], padded, dtype=dtype, device=device)
+    return rows if padded == shape[3] else rows[..., : shape[3]]  # no view to make
 
 
 def ready(t: torch.Tensor) -> torch.Tensor:
@@ -807,21 +817,92 @@ def attention_backward(
     return dq, dk, dv
 
 
+def forward_ready(q, k, v, causal, sm_scale, window, packing=None):
+    """(q, k, v as the kernels read them, O, lse): copies of q, k, v where a descriptor
+    cannot describe them."""
+    q, k, v = ready(q), ready(k), ready(v)
+    return q, k, v, *attention_forward(q, k, v, causal, sm_scale, window, packing)
+
+
 class AttentionFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, causal, sm_scale, window, packing):
-        q, k, v = ready(q), ready(k), ready(v)
-        o, lse = attention_forward(q, k, v, causal, sm_scale, window, packing)
+    def forward(
+        ctx, q, k, v, causal, sm_scale, window, packing, key=None, planned=None
+    ):
+        q, k, v, o, lse = (planned or forward_ready)(
+            q, k, v, causal, sm_scale, window, packing
+        )
         ctx.save_for_backward(q, k, v, o, lse)
-        ctx.options = causal, sm_scale, window, packing
+        ctx.options, ctx.key = (causal, sm_scale, window, packing), key
         return o
 
     @staticmethod
     def backward(ctx, do):
         refuse_double_backward("attention", "F.scaled_dot_product_attention")
         q, k, v, o, lse = ctx.saved_tensors
-        grads = attention_backward(q, k, v, o, lse, ready(do), *ctx.options)
-        return *grads, None, None, None, None
+        key = ctx.key if type(do) is torch.Tensor and lean_now() else None
+        if key is not None:  # a repeated call: dO's layout too
+            key = (key, layout(do))
+            planned = BACKWARD_PLANS.get(key)
+            if planned is not None:
+                return *planned(q, k, v, o, lse, do), None, None, None, None, None, None
+        with recorded_launches(key is not None) as launches:
+            ready_do = ready(do)
+            grads = attention_backward(q, k, v, o, lse, ready_do, *ctx.options)
+        if key is not None and ready_do is do:
+            saved = (q, k, v, o, lse, do)
+            BACKWARD_PLANS[key] = planned_backward(launches, saved, *grads)
+        return *grads, None, None, None, None, None, None
+
+
+# A repeated call launches its kernels bound (chapter 08), under a key of all that the
+# first call checked and its launches read: q's, k's and v's layouts and device, the
+# options, whether a gradient is wanted and fp32's precision (and, backward, dO's layout).
+# A bound launch describes its new tensors as the first call's descriptors did.
+FORWARD_PLANS, BACKWARD_PLANS = plan_cache(), plan_cache()
+
+
+def layout(t) -> tuple:
+    return t.shape, t.stride(), t.dtype, t.data_ptr() % 16
+
+
+def planned_forward(launches, q, k, v, o, lse, options):
+    """``forward_ready`` for one key, its launch bound; None where it cannot be (a copy
+    of q, k or v, or a kernel not launched lean)."""
+    bound = bound_launches(launches, (q, k, v, o, lse))
+    if bound is None:
+        return None
+    launch, lse_shape = bound[0], lse.shape
+
+    def forward_bound(q, k, v, *_):
+        o = empty_heads(q.shape, q.dtype, q.device, like=q)
+        lse = torch.empty(lse_shape, device=q.device, dtype=torch.float32)
+        launch(q, k, v, o, lse)
+        return q, k, v, o, lse
+
+    forward_bound.options = options
+    return forward_bound
+
+
+def planned_backward(launches, saved, dq, dk, dv):
+    """``attention_backward`` for one key, its two launches bound; None where they
+    cannot be."""
+    q, k, v, o, lse, do = saved
+    delta = launches[0][2][7] if len(launches) == 2 else None
+    expected = ((q, k, v, o, do, dq, lse, delta), (q, k, v, do, dk, dv, lse, delta))
+    bound = None if delta is None else bound_launches(launches, *expected)
+    if bound is None:
+        return None
+    query_launch, key_launch = bound
+
+    def backward_bound(q, k, v, o, lse, do):
+        dq, dk, dv = (empty_heads(t.shape, t.dtype, t.device) for t in (q, k, v))
+        delta = torch.empty_like(lse)
+        query_launch(q, k, v, o, do, dq, lse, delta)
+        key_launch(q, k, v, do, dk, dv, lse, delta)
+        return dq, dk, dv
+
+    return backward_bound
 
 
 def check_attention_inputs(q, k, v, causal, sm_scale, window=None):
@@ -893,11 +974,47 @@ def attention(q, k, v, causal=False, sm_scale=None, window=None):
     sees keys j <= i, as SDPA's ``is_causal``; ``window``: and only keys j > i - window.
     k and v may have fewer heads than q: query head h reads kv head h // (q heads / kv
     heads). Head dims up to 128."""
+    fast = (
+        type(q) is torch.Tensor and type(k) is torch.Tensor and type(v) is torch.Tensor
+    )
+    fast = fast and type(causal) is bool and type(sm_scale) in (float, int, type(None))
+    fast = fast and type(window) in (int, type(None))
+    fast = fast and not torch.compiler.is_compiling() and lean_now()
+    if fast:  # a call seen before: checked then, its launches bound
+        grad = q.requires_grad or k.requires_grad or v.requires_grad
+        grad = grad and torch.is_grad_enabled()
+        fp32 = q.dtype == torch.float32
+        precision = torch.get_float32_matmul_precision() if fp32 else None
+        key = (layout(q), q.device, layout(k), k.device, layout(v), v.device, causal)
+        key = (*key, sm_scale, window, grad, precision)
+        planned = FORWARD_PLANS.get(key)
+        if planned is not None:
+            if not grad:
+                return planned(q, k, v)[3]
+            return AttentionFunction.apply(
+                q, k, v, *planned.options, None, key, planned
+            )
     check_attention_inputs(q, k, v, causal, sm_scale, window)
     scale = q.shape[3] ** -0.5 if sm_scale is None else float(sm_scale)
     if q.numel() == 0:
         return nothing_to_attend(q, k, v)
-    return attend_heads(q, k, v, causal, scale, window)
+    if not fast:
+        return attend_heads(q, k, v, causal, scale, window)
+    results = []  # what forward_ready made, to bind the launch to
+
+    def recorded(*args):
+        results.append(forward_ready(*args))
+        return results[-1]
+
+    options = (causal, scale, window)
+    with recorded_launches() as launches:
+        if grad:
+            out = AttentionFunction.apply(q, k, v, *options, None, key, recorded)
+        else:
+            out = recorded(q, k, v, *options)[3]
+    if results and (planned := planned_forward(launches, *results[0], options)):
+        FORWARD_PLANS[key] = planned
+    return out
 
 
 def varlen_attention(

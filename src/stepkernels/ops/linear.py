@@ -3,11 +3,25 @@
 # Generated from tutorials/05-autograd-fused-linear.py by tools/export.py: edit the chapter, then
 # `make export`.
 
-from stepkernels.ops.matmul import copies_for_tf32, product
+from stepkernels.ops.matmul import (
+    OPERAND_TYPES,
+    PRODUCT_PLANS,
+    copies_for_tf32,
+    layout,
+    product,
+    product_key,
+)
 from stepkernels.runtime.activations import activation_derivative
 from stepkernels.runtime.arguments import linear_arguments, linear_options
 from stepkernels.runtime.core import refuse_double_backward
-from stepkernels.runtime.launch import cdiv, lean
+from stepkernels.runtime.launch import (
+    bound_launches,
+    cdiv,
+    lean,
+    lean_now,
+    plan_cache,
+    recorded_launches,
+)
 import torch
 from torch import Tensor, nn
 import triton
@@ -64,7 +78,46 @@ def activation_backward(
     grad_y, z, activation, bias_grad: bool, over_z=False, transposed=False
 ):
     """dZ = dY * act'(Z) in Z's dtype (over Z if ``over_z``); db (fp32) from block sums;
-    dZ^T, contiguous, if ``transposed`` (else None)."""
+    dZ^T, contiguous, if ``transposed`` (else None). A repeated call launches its kernel
+    bound (chapter 08), under a key of dY's and Z's layouts and the options."""
+    options = (activation, bias_grad, over_z, transposed)
+    fast = type(grad_y) is torch.Tensor and type(z) is torch.Tensor and lean_now()
+    if fast:
+        key = (layout(grad_y), layout(z), z.device, *options)
+        planned = ACTIVATION_PLANS.get(key)
+        if planned is not None:
+            grad_z, partial, grad_z_t = planned(grad_y, z)
+            return grad_z, (partial.sum(dim=0) if bias_grad else None), grad_z_t
+    with recorded_launches(fast) as launches:
+        grad_z, partial, grad_z_t = activation_backward_launch(grad_y, z, *options)
+    outputs = (grad_z, grad_z if grad_z_t is None else grad_z_t, partial)
+    if fast and (bound := bound_launches(launches, (grad_y, z, *outputs))):
+        ACTIVATION_PLANS[key] = planned_activation_backward(bound[0], partial, *options)
+    return grad_z, (partial.sum(dim=0) if bias_grad else None), grad_z_t
+
+
+ACTIVATION_PLANS = plan_cache()
+
+
+def planned_activation_backward(
+    launch, partial, activation, bias_grad, over_z, transposed
+):
+    """``activation_backward_launch`` for one key, its launch bound."""
+    partial_shape = partial.shape
+
+    def activation_backward_bound(grad_y, z):
+        M, N = z.shape
+        grad_z = z if over_z else torch.empty((M, N), device=z.device, dtype=z.dtype)
+        grad_z_t = z.new_empty((N, M)) if transposed else None
+        partial = torch.empty(partial_shape, device=z.device, dtype=torch.float32)
+        launch(grad_y, z, grad_z, grad_z if grad_z_t is None else grad_z_t, partial)
+        return grad_z, partial, grad_z_t
+
+    return activation_backward_bound
+
+
+def activation_backward_launch(grad_y, z, activation, bias_grad, over_z, transposed):
+    """dZ, the block sums of dZ (fp32) and dZ^T (or None), from one launch."""
     M, N = z.shape
     grad_z = z if over_z else torch.empty((M, N), device=z.device, dtype=z.dtype)
     grad_z_t = z.new_empty((N, M)) if transposed else None
@@ -78,7 +131,7 @@ def activation_backward(
         activation_backward_kernel[grid](
             grad_y, z, *outputs, M, N, *strides, **flags, **ACTIVATION_BACKWARD_BLOCK
         )
-    return grad_z, (partial.sum(dim=0) if bias_grad else None), grad_z_t
+    return grad_z, partial, grad_z_t
 
 
 def fused_linear_forward(x, weight, bias, activation, keep_z):
@@ -165,20 +218,69 @@ class FusedLinearFunction(torch.autograd.Function):
     """The same forward and backward without the operator, for eager calls."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, activation, keep_z):
-        output = fused_linear_forward(x, weight, bias, activation, keep_z)
+    def forward(ctx, x, weight, bias, activation, keep_z, planned=None):
+        if planned is None:
+            output = fused_linear_forward(x, weight, bias, activation, keep_z)
+        else:
+            output = planned(x, weight, bias)
         autograd_setup(ctx, (x, weight, bias, activation, keep_z), output)
         return output
 
     @staticmethod
     def backward(ctx, grad_y, grad_z):
-        return autograd_backward(ctx, grad_y, grad_z, backward=fused_linear_backward)
+        grads = autograd_backward(ctx, grad_y, grad_z, backward=fused_linear_backward)
+        return *grads, None  # none for planned
+
+
+# A repeated call, checked before, replays its forward's product bound (chapters 04 and 08),
+# under a key of the tensors' layouts and devices, the options, whether a gradient is wanted
+# and fp32's precision.
+FORWARD_PLANS = plan_cache()
+
+
+def planned_forward(rows, weight, bias, activation, needs_grad, keep_z):
+    """The forward for one key, its product bound; None where the product is not."""
+    with_z = activation is not None and keep_z
+    key = product_key(rows, weight.mT, activation, bias, with_z, None)
+    planned = PRODUCT_PLANS.get(key)
+    if planned is None:
+        return None
+    if not needs_grad:  # y alone
+        return lambda x, weight, bias: planned(x, weight.mT, bias, None)
+    if with_z:  # (y, z)
+        return lambda x, weight, bias: planned(x, weight.mT, bias, None)
+    return lambda x, weight, bias: (planned(x, weight.mT, bias, None), x.new_empty(0))
 
 
 def linear(x, weight, bias=None, activation=None, *, recompute=False):
     """``activation(x @ weight.T + bias)`` in one kernel, differentiable, for weight and
     bias as ``nn.Linear`` holds them; ``recompute``: recompute x @ weight.T + bias in
     the backward instead of keeping it from the forward."""
+    fast = type(x) is torch.Tensor and type(weight) in OPERAND_TYPES
+    fast = fast and type(bias) in OPERAND_TYPES and type(recompute) is bool
+    fast = fast and type(activation) in (str, type(None))
+    fast = fast and not torch.compiler.is_compiling() and lean_now()
+    if fast:  # a call seen before: checked then, its product bound
+        needs_grad = torch.is_grad_enabled() and (
+            x.requires_grad
+            or weight.requires_grad
+            or (bias is not None and bias.requires_grad)
+        )
+        fp32 = x.dtype == torch.float32
+        precision = torch.get_float32_matmul_precision() if fp32 else None
+        key = (x.shape, x.stride(), x.dtype, x.device, x.data_ptr() % 16)
+        key = (*key, layout(weight), weight.device, layout(bias), activation)
+        key = (*key, recompute, needs_grad, precision)
+        planned = FORWARD_PLANS.get(key)
+        if planned is not None:
+            rows = x if x.dim() == 2 else x.reshape(x.shape[:-1].numel(), x.shape[-1])
+            if needs_grad:
+                keep_z = not recompute
+                args = (rows, weight, bias, activation, keep_z, planned)
+                y, _ = FusedLinearFunction.apply(*args)
+            else:
+                y = planned(rows, weight, bias)
+            return y if x.dim() == 2 else y.view(*x.shape[:-1], weight.shape[0])
     linear_arguments(
         x, weight, bias, activation, recompute
     )  # raises, saying what to do
@@ -191,8 +293,12 @@ def linear(x, weight, bias=None, activation=None, *, recompute=False):
         y, _ = fused_linear_op(rows, weight, bias, activation, keep_z)
     elif needs_grad:
         y, _ = FusedLinearFunction.apply(rows, weight, bias, activation, keep_z)
-    else:
-        y = fused_linear_forward(rows, weight, bias, activation, False)[0]
+    else:  # the forward's product alone
+        y = product(rows, weight.mT, activation, bias)
+    if fast:
+        args = (rows, weight, bias, activation, needs_grad, keep_z)
+        if (forward := planned_forward(*args)) is not None:
+            FORWARD_PLANS[key] = forward
     return y if x.dim() == 2 else y.view(*x.shape[:-1], weight.shape[0])
 
 

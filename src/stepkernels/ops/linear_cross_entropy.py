@@ -5,18 +5,20 @@
 
 from stepkernels.ops.cross_entropy import (
     check_target,
-    kept_rows,
     loss_rows,
-    reduce_losses,
+    mean_scale,
+    reduced_loss,
     scale_unless_one,
 )
-from stepkernels.ops.matmul import product
+from stepkernels.ops.matmul import OPERAND_TYPES, product
+from stepkernels.runtime.arguments import classes_in_range
 from stepkernels.runtime.core import (
     FLOAT_DTYPES,
     check_tensor,
     loss_dtype,
     refuse_double_backward,
 )
+from stepkernels.runtime.launch import lean_now, plan_cache
 import torch
 
 LOGITS_CHUNK_BYTES = 2**28  # logits held at once by linear_cross_entropy: 256 MiB
@@ -80,9 +82,8 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, target, options, chunk_tokens):
         needs = ctx.needs_input_grad[:3]
-        count = kept_rows(target, options)
         early = options.reduction != "none"  # the gradients now, as for cross_entropy
-        scale = None if count is None else count.reciprocal()
+        scale = mean_scale(target, options)  # 1 / the rows kept, for "mean"
         losses, grads = linear_loss_pass(
             x,
             weight,
@@ -93,10 +94,10 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
             chunk_tokens,
             grad_scale=scale,
         )
-        ctx.save_for_backward(x, weight, bias, target, count)
+        ctx.save_for_backward(x, weight, bias, target, scale)
         ctx.options, ctx.chunk_tokens, ctx.grads = options, chunk_tokens, grads
         ctx.early = early
-        return reduce_losses(losses, count, options.reduction).to(loss_dtype(x))
+        return reduced_loss(losses, target, options, loss_dtype(x))
 
     @staticmethod
     def backward(ctx, grad_loss):
@@ -107,8 +108,8 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
             return *(
                 g if g is None else scale_unless_one(g, grad_loss) for g in grads
             ), *none
-        x, weight, bias, target, count = ctx.saved_tensors
-        row_scale = (grad_loss if count is None else grad_loss / count).float()
+        x, weight, bias, target, scale = ctx.saved_tensors
+        row_scale = (grad_loss if scale is None else grad_loss * scale).float()
         _, grads = linear_loss_pass(
             x,
             weight,
@@ -138,6 +139,46 @@ def linear_cross_entropy(
     ``chunk_tokens`` rows of logits (default: 256 MiB of them). A target outside [0, V)
     that is not ``ignore_index`` is an error, as for ``cross_entropy``: a ValueError for CPU
     tensors, a device-side assert on a GPU."""
+    given = (ignore_index, label_smoothing, reduction, chunk_tokens)
+    fast = type(x) is torch.Tensor and type(target) is torch.Tensor
+    fast = fast and type(weight) in OPERAND_TYPES and type(bias) in OPERAND_TYPES
+    fast = fast and type(ignore_index) is int and type(label_smoothing) in (int, float)
+    fast = fast and type(reduction) is str and type(chunk_tokens) in (int, type(None))
+    fast = fast and not torch.compiler.is_compiling() and lean_now()
+    options = None
+    if fast:  # a call seen before: checked then (the target's values: CPU's, each call)
+        key = (x.shape, x.dtype, x.device, weight.shape, weight.dtype, weight.device)
+        key += (None,) if bias is None else (bias.shape, bias.dtype, bias.device)
+        key = (*key, target.shape, target.dtype, target.device, *given)
+        options = CHECKED_CALLS.get(key)
+        if options is not None:
+            classes_in_range(target, weight.shape[0], "target", ignore_index)
+    if options is None:
+        options = checked_options(x, weight, target, bias, *given)
+        if fast:
+            CHECKED_CALLS[key] = options
+    if torch.compiler.is_compiling():  # an operator the compiler calls (below)
+        return compiled_linear_cross_entropy(
+            x, weight, bias, target, options, chunk_tokens
+        )
+    target = target.contiguous()
+    tensors = (x, weight) if bias is None else (x, weight, bias)
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        args = (x, weight, bias, target, options, chunk_tokens)
+        return LinearCrossEntropyFunction.apply(*args)
+    losses, _ = linear_loss_pass(
+        x, weight, bias, target, options, (False,) * 3, chunk_tokens
+    )
+    return reduced_loss(losses, target, options, loss_dtype(x))
+
+
+CHECKED_CALLS = plan_cache()  # calls' checked options, by what the checks read
+
+
+def checked_options(
+    x, weight, target, bias, ignore_index, label_smoothing, reduction, chunk_tokens
+):
+    """The loss's options, once every argument is checked (raises, saying what to do)."""
     check_tensor(x, "x", FLOAT_DTYPES)
     check_tensor(weight, "weight", FLOAT_DTYPES)
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
@@ -164,21 +205,7 @@ def linear_cross_entropy(
     if chunk_tokens is not None and chunk_tokens < 1:
         raise ValueError(f"chunk_tokens must be at least 1, got {chunk_tokens}")
     shape = (x.shape[0], weight.shape[0])  # the logits'
-    options = check_target(target, shape, ignore_index, label_smoothing, reduction)
-    if torch.compiler.is_compiling():  # an operator the compiler calls (below)
-        return compiled_linear_cross_entropy(
-            x, weight, bias, target, options, chunk_tokens
-        )
-    target = target.contiguous()
-    tensors = (x, weight) if bias is None else (x, weight, bias)
-    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
-        args = (x, weight, bias, target, options, chunk_tokens)
-        return LinearCrossEntropyFunction.apply(*args)
-    count = kept_rows(target, options)  # no autograd: the loss alone
-    losses, _ = linear_loss_pass(
-        x, weight, bias, target, options, (False,) * 3, chunk_tokens
-    )
-    return reduce_losses(losses, count, reduction).to(loss_dtype(x))
+    return check_target(target, shape, ignore_index, label_smoothing, reduction)
 
 
 from stepkernels.ops.cross_entropy import Options
@@ -201,13 +228,12 @@ def linear_cross_entropy_op(
     """The loss, then (reduced) the gradients of x, weight and bias that ``needs`` asks
     for, each else empty."""
     options = Options(ignore_index, smoothing, reduction)
-    count = kept_rows(target, options)
     early = needs if reduction != "none" else (False, False, False)
-    scale = None if count is None else count.reciprocal()
+    scale = mean_scale(target, options)
     losses, grads = linear_loss_pass(
         x, weight, bias, target, options, early, chunk_tokens, grad_scale=scale
     )
-    loss = reduce_losses(losses, count, reduction).to(loss_dtype(x))
+    loss = reduced_loss(losses, target, options, loss_dtype(x))
     return loss, *(x.new_empty(0) if g is None else g for g in grads)
 
 

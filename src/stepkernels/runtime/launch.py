@@ -141,22 +141,25 @@ class LeanKernel:
 
     def recorded_launch(self, grid, args, meta):
         compiled = self.launch(grid, args, meta)
-        RECORDING[-1].append((self, grid, args, meta))
+        for launches in RECORDING:  # nested blocks: the outer ones record it too
+            launches.append((self, grid, args, meta))
         return compiled
 
     def bound(self, grid, args: tuple, meta: dict):
         """This launch again as a function of its leading tensors, everything else bound as
-        it was: grid, integers, constexprs, compiled kernel. None where the launch has no
-        lean entry or takes a tensor after another argument."""
+        it was: grid, integers, constexprs, compiled kernel; where the launch took a host
+        tensor descriptor, the function takes its tensor and describes it as it was (shape,
+        strides, block shape: the same for every call of the operation's key). None where
+        the launch has no lean entry or takes a tensor after another argument."""
         current_device, current_stream, _ = self.runtime or self.bind_runtime()
         device = current_device()
         try:
             entry = self.entries.get(self.key(args, meta, device))
         except RuntimeError:  # a traced tensor
             return None
+        tensors = (torch.Tensor, self.descriptor)
         leading = next(
-            (i for i, a in enumerate(args) if not isinstance(a, torch.Tensor)),
-            len(args),
+            (i for i, a in enumerate(args) if not isinstance(a, tensors)), len(args)
         )
         rest = args[leading:]
         if entry is None or any(type(a) not in PLAIN for a in rest):
@@ -165,6 +168,13 @@ class LeanKernel:
         grid_x, grid_y, grid_z = (*(cached_grid or grid), 1, 1)[:3]
         run, head = compiled.run, (compiled.function, compiled.packed_metadata)
         rest = (*rest, *tail)
+        kind = self.descriptor
+        templates = [  # a descriptor's fields but its tensor
+            {k: v for k, v in vars(a).items() if k != "base"}
+            if isinstance(a, kind)
+            else None
+            for a in args[:leading]
+        ]
 
         def launch(*tensors):
             stream = current_stream(device)
@@ -172,7 +182,21 @@ class LeanKernel:
                 grid_x, grid_y, grid_z, stream, *head, None, None, None, *tensors, *rest
             )
 
-        return launch
+        if not any(templates):
+            return launch
+        new = object.__new__
+
+        def launch_described(*tensors):
+            described = []
+            for tensor, template in zip(tensors, templates, strict=True):
+                if template is not None:  # a new descriptor, unchecked: as it was
+                    descriptor = new(kind)
+                    descriptor.__dict__ = {**template, "base": tensor}
+                    tensor = descriptor
+                described.append(tensor)
+            launch(*described)
+
+        return launch_described
 
     def slow_launch(self, grid, args: tuple, meta: dict):
         """Triton's own launch; for the tensors without data that a ``triton_op`` is traced
@@ -359,8 +383,9 @@ def _knobs():
 @contextlib.contextmanager
 def recorded_launches(record: bool = True):
     """Within this block every lean launch is recorded in the list yielded, as (kernel,
-    grid, args, meta); those that Triton's own path takes (the interpreter's, inside
-    ``triton_launches()``) are not. ``record`` False: nothing is."""
+    grid, args, meta), also where a block within it records it; those that Triton's own
+    path takes (the interpreter's, inside ``triton_launches()``) are not. ``record``
+    False: nothing is."""
     launches: list = []
     if not record:
         yield launches
@@ -372,18 +397,24 @@ def recorded_launches(record: bool = True):
         del RECORDING[next(i for i, r in enumerate(RECORDING) if r is launches)]
 
 
+def address(t) -> int | None:
+    """Where a tensor's data starts, or a host tensor descriptor's tensor's; else None."""
+    t = getattr(t, "base", t)  # a descriptor's tensor
+    return t.data_ptr() if isinstance(t, torch.Tensor) else None
+
+
 def bound_launches(launches: list, *tensors: tuple) -> list | None:
     """The launches recorded (``recorded_launches``) as bound functions
     (``LeanKernel.bound``), if they were one a tuple of ``tensors`` and each led with exactly
-    those tensors (no copy made between); else None."""
+    those tensors, or descriptors of them (no copy made between); else None."""
     if len(launches) != len(tensors):
         return None
     bound = []
     for (kernel, grid, args, meta), expected in zip(launches, tensors, strict=True):
         leading = args[: len(expected)]
-        if len(args) > len(expected) and isinstance(args[len(expected)], torch.Tensor):
+        if len(args) > len(expected) and address(args[len(expected)]) is not None:
             return None
-        if [t.data_ptr() for t in leading] != [t.data_ptr() for t in expected]:
+        if [address(t) for t in leading] != [t.data_ptr() for t in expected]:
             return None
         bound.append(kernel.bound(grid, args, meta))
     return None if None in bound else bound
@@ -407,8 +438,10 @@ def plan_cache() -> Plans:
 
 
 def lean_now() -> bool:
-    """May an operation call a bound launch now: lean launches on, no launch hook set?"""
-    if not ENABLED[0] or INTERPRET:
+    """May an operation call a bound launch now: lean launches on, no launch hook set, and
+    no launches being recorded (a bound launch is not: an operation recording its own
+    launches, to bind them, calls the ones within it by key)?"""
+    if not ENABLED[0] or INTERPRET or RECORDING:
         return False
     knobs = KNOBS[0] or _knobs()
     enter, leave = knobs.launch_enter_hook, knobs.launch_exit_hook  # hooked(), inlined
