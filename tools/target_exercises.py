@@ -137,6 +137,9 @@ def linear():  # chapter 05: a fused epilogue and the backward
         b = tensor(48, dtype=dtype)
         backward(sk.linear(x, w, b, "gelu"))
         backward(sk.linear(x, w, b, "relu", recompute=True))
+    for dtype in EVERY:  # db of dY itself (column_sums), a few programs a column block
+        x, w, b = tensor(3000, 72, dtype=dtype), tensor(300, 72, dtype=dtype), tensor(300, dtype=dtype)
+        backward(sk.linear(x, w, b))
 
 
 @exercise
