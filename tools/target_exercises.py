@@ -265,6 +265,15 @@ def fused_adamw():  # chapter 15: one launch a group
     optimizer.step()
 
 
+@exercise
+def cast_all():  # chapters 12 and 15: the weights cast in one launch, aligned or not
+    from stepkernels.models.gpt import cast_all
+
+    for dtype in (HALF, BF16):
+        backward(torch.cat([c.reshape(-1) for c in cast_all(dtype, tensor(384, 384), tensor(384))]))
+        backward(torch.cat([c.reshape(-1) for c in cast_all(dtype, tensor(65, 7), tensor(3))]))
+
+
 class tf32:
     """fp32 products as tf32 inside the block (torch's "high" precision)."""
 
