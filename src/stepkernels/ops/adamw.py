@@ -450,6 +450,7 @@ def cast_joined_kernel(
 CAST_BLOCK, CAST_WARPS, CAST_ALIGN = 4096, 4, 16
 CAST_TABLES = {}  # (device, dtypes from and to, (address, numel) of each) -> its table
 CAST_TABLES_KEPT = 8  # sets of tensors
+CAST_TABLES_RECORDED = {}  # tables a CUDA graph read: kept as long as the process
 
 
 def cast_table(tensors):
@@ -484,13 +485,16 @@ def cast_joined(dtype, tensors):
         dtype,
         tuple((t.data_ptr(), t.numel()) for t in tensors),
     )
-    tables = CAST_TABLES.get(key)
+    tables = CAST_TABLES.get(key) or CAST_TABLES_RECORDED.get(key)
+    capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
     if tables is None:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        if capturing:
             return None  # a copy to the GPU would be recorded: never in a graph
         while len(CAST_TABLES) >= CAST_TABLES_KEPT:
             CAST_TABLES.pop(next(iter(CAST_TABLES)))
         tables = CAST_TABLES[key] = cast_table(tensors)
+    if capturing:  # the graph may replay after the table's turn to go: never goes
+        CAST_TABLES_RECORDED[key] = tables
     table, block_rows, starts, total, aligned = tables
     out = torch.empty(total, device=device, dtype=dtype)
     if len(block_rows):
