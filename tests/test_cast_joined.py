@@ -1,7 +1,10 @@
 """ops.adamw.cast_joined (chapter 15) and chapter 12's cast_all: the weights cast into one buffer
 in one launch, each read once, against PyTorch's casts; its table kept for a CUDA graph."""
 
+import math
+
 import pytest
+from stepkernels.models import gpt
 from stepkernels.models.gpt import cast_all
 from stepkernels.ops import adamw
 from stepkernels.runtime.core import DEVICE, ON_GPU
@@ -72,6 +75,21 @@ def test_cast_all_forward_and_backward():
         assert weight.grad.dtype == torch.float32 and torch.equal(weight.grad, torch.full_like(weight, s))
 
 
+def test_cast_all_casts_each_way_in_one_launch(monkeypatch):
+    calls, cast_joined = [], adamw.cast_joined
+
+    def spy(dtype, tensors):
+        calls.append((dtype, len(tensors)))
+        return cast_joined(dtype, tensors)
+
+    monkeypatch.setattr(gpt, "cast_joined", spy)
+    weights = [t.requires_grad_() for t in tensors(seed=6)]
+    casts = cast_all(torch.bfloat16, *weights)
+    sum(c.float().sum() for c in casts[1:]).backward()  # the first unused: no gradient
+    assert calls == [(torch.bfloat16, len(weights)), (torch.float32, len(weights) - 1)]
+    assert weights[0].grad is None and all(torch.equal(w.grad, torch.ones_like(w)) for w in weights[1:])
+
+
 @pytest.mark.skipif(not ON_GPU, reason="CUDA graphs: on the GPU")
 def test_a_graph_replays_the_cast_of_the_weights_as_they_are():
     sources = tensors(seed=3)
@@ -91,3 +109,22 @@ def test_a_graph_replays_the_cast_of_the_weights_as_they_are():
     torch.cuda.synchronize()
     for got, source in zip(casts, sources, strict=True):
         same_cast(got, source, torch.bfloat16)
+
+
+@pytest.mark.skipif(not ON_GPU, reason="CUDA graphs: on the GPU")
+def test_a_graph_records_the_cast_of_tensors_made_while_recording():
+    """Gradients are made in the recording (the graph's memory): their table is copied
+    from rows pinned by an eager call of the same sizes, which the replays copy again."""
+    shapes = [(65, 16), (48,), (5000,)]
+    adamw.cast_joined(torch.float32, [torch.zeros(s, device=DEVICE, dtype=torch.bfloat16) for s in shapes])
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=side):
+        made = [torch.arange(math.prod(s), device=DEVICE).view(s).to(torch.bfloat16) for s in shapes]
+        casts = adamw.cast_joined(torch.float32, made)
+    assert casts is not None
+    graph.replay()
+    torch.cuda.synchronize()
+    for got, source in zip(casts, made, strict=True):
+        same_cast(got, source, torch.float32)

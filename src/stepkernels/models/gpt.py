@@ -347,16 +347,15 @@ def product_weights(model: nn.Module) -> list[torch.Tensor]:
 
 
 def cast_all(dtype: torch.dtype, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """``tensors``, each ``.to(dtype)``, differentiably, in one launch forward and three
-    backward for any number."""
+    """``tensors``, each ``.to(dtype)``, differentiably, in one launch each way for any
+    number."""
     return CastAll.apply(dtype, *tensors)
 
 
 class CastAll(torch.autograd.Function):
-    """Tensors cast into one buffer (``cast_joined``: one launch, each read once) and
-    viewed apart; the backward joins their gradients, casts them back and views them
-    apart: three launches, where one cast apiece is a launch apiece, forward and
-    backward (chapter 15)."""
+    """Tensors cast into one buffer and viewed apart, and so their gradients back: one
+    launch each way (``cast_joined``, chapter 15), where one cast apiece is a launch
+    apiece."""
 
     @staticmethod
     def forward(ctx, dtype, *tensors):
@@ -370,8 +369,11 @@ class CastAll(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads):
         used = [i for i, g in enumerate(grads) if g is not None]
-        flat = torch.cat([grads[i].reshape(-1) for i in used]).to(ctx.dtype)
-        back = dict(zip(used, apart(flat, [ctx.shapes[i] for i in used]), strict=True))
+        casts = cast_joined(ctx.dtype, [grads[i] for i in used])
+        if casts is None:
+            flat = torch.cat([grads[i].reshape(-1) for i in used]).to(ctx.dtype)
+            casts = apart(flat, [ctx.shapes[i] for i in used])
+        back = dict(zip(used, casts, strict=True))
         return None, *(back.get(i) for i in range(len(grads)))
 
 

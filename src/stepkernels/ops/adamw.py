@@ -414,9 +414,10 @@ class FusedAdamW(torch.optim.Optimizer):
 
 
 # A join, then a cast, read every weight twice: 0.7 GB a step more at GPT-2 small's shape
-# (85 million weights). Here each program casts a block of one weight into its place,
-# which starts on 16 elements, so that wide loads and stores apply. The table is written
-# outside any CUDA-graph recording, which finds it kept.
+# (85 million weights), 0.3 GB for the gradients. Here each program casts a block of one
+# tensor into its place, which starts on 16 elements, so that wide loads and stores apply.
+# Weights stay put: their table is kept. Gradients move between eager steps, and a CUDA
+# graph's recording, which may not pin memory, copies theirs from rows pinned before it.
 
 
 @lean
@@ -448,55 +449,79 @@ def cast_joined_kernel(
 
 
 CAST_BLOCK, CAST_WARPS, CAST_ALIGN = 4096, 4, 16
-CAST_TABLES = {}  # (device, dtypes from and to, (address, numel) of each) -> its table
+CAST_LAYOUTS = {}  # (device, sizes) -> program-to-row map, starts, total
+CAST_TABLES = {}  # (device, (address, numel) of each) -> its table on the device
 CAST_TABLES_KEPT = 8  # sets of tensors
-CAST_TABLES_RECORDED = {}  # tables a CUDA graph read: kept as long as the process
+CAST_RECORDED = []  # tables a CUDA graph reads (and the host rows it copies them from)
+CAST_SPARES = {}  # (device, tensors) -> pinned rows, for a recording to copy a table from
 
 
-def cast_table(tensors):
-    """The table of ``tensors``, the program-to-row map, and each one's start."""
-    starts, rows, block_rows, total, blocks = [], [], [], 0, 0
-    for i, t in enumerate(tensors):
-        n = t.numel()
+def cast_layout(device, sizes):
+    """Each tensor's start in the joined buffer, its size, and each program's row."""
+    starts, block_rows, total = [], [], 0
+    for i, n in enumerate(sizes):
         starts.append(total)
-        rows.append((t.data_ptr(), n, total, blocks))
-        count = -(-n // CAST_BLOCK)
-        block_rows += [i] * count
-        total, blocks = -(-(total + n) // CAST_ALIGN) * CAST_ALIGN, blocks + count
-    device = tensors[0].device
-    table = torch.tensor(rows, dtype=torch.int64).to(device)
-    aligned = all(t.data_ptr() % 16 == 0 and t.numel() % 8 == 0 for t in tensors)
+        block_rows += [i] * -(-n // CAST_BLOCK)
+        total = -(-(total + n) // CAST_ALIGN) * CAST_ALIGN
     block_rows = torch.tensor(block_rows, dtype=torch.int32).to(device)
-    return table, block_rows, starts, total, aligned
+    return block_rows, starts, total
+
+
+def cast_table(tensors, starts, capturing):
+    """The table of ``tensors`` on their device (None while recording without a spare).
+    Copied from pinned rows without waiting; a recording copies from rows kept for good,
+    which its replays read again."""
+    rows, blocks = [], 0
+    for t, start in zip(tensors, starts, strict=True):
+        rows.append((t.data_ptr(), t.numel(), start, blocks))
+        blocks += -(-t.numel() // CAST_BLOCK)
+    rows, device = torch.tensor(rows, dtype=torch.int64), tensors[0].device
+    if device.type != "cuda":
+        return rows.to(device)
+    spare_key = (device, len(tensors))
+    if not capturing:  # a spare for the next recording: pinning may not be recorded
+        CAST_SPARES.setdefault(spare_key, torch.empty_like(rows).pin_memory())
+        return rows.pin_memory().to(device, non_blocking=True)
+    spare = CAST_SPARES.pop(spare_key, None)
+    if spare is None:
+        return None
+    spare.copy_(rows)
+    table = torch.empty(rows.shape, dtype=torch.int64, device=device)
+    table.copy_(spare, non_blocking=True)
+    CAST_RECORDED.append((table, spare))
+    return table
 
 
 def cast_joined(dtype, tensors):
     """Contiguous ``tensors`` of one dtype cast to ``dtype`` into one buffer, each read
-    once, in one launch: views of it, of their shapes (None where that cannot be: a
-    CUDA graph recording tensors whose table was never written, mixed dtypes, strides)."""
+    once, in one launch: views of it, of their shapes (None where that cannot be: mixed
+    dtypes, strides, a CUDA-graph recording before any eager call of those sizes)."""
     if not tensors or any(
         not t.is_contiguous() or t.dtype != tensors[0].dtype for t in tensors
     ):
         return None
     device = tensors[0].device
-    key = (
-        device,
-        tensors[0].dtype,
-        dtype,
-        tuple((t.data_ptr(), t.numel()) for t in tensors),
-    )
-    tables = CAST_TABLES.get(key) or CAST_TABLES_RECORDED.get(key)
     capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-    if tables is None:
+    sizes = tuple(t.numel() for t in tensors)
+    layout = CAST_LAYOUTS.get((device, sizes))
+    if layout is None:
         if capturing:
-            return None  # a copy to the GPU would be recorded: never in a graph
+            return None
+        layout = CAST_LAYOUTS[device, sizes] = cast_layout(device, sizes)
+    block_rows, starts, total = layout
+    key = (device, tuple((t.data_ptr(), t.numel()) for t in tensors))
+    table = CAST_TABLES.get(key)
+    if table is None:
+        table = cast_table(tensors, starts, capturing)
+        if table is None:
+            return None
         while len(CAST_TABLES) >= CAST_TABLES_KEPT:
             CAST_TABLES.pop(next(iter(CAST_TABLES)))
-        tables = CAST_TABLES[key] = cast_table(tensors)
-    if capturing:  # the graph may replay after the table's turn to go: never goes
-        CAST_TABLES_RECORDED[key] = tables
-    table, block_rows, starts, total, aligned = tables
+        CAST_TABLES[key] = table
+    if capturing and not any(table is kept for kept, _ in CAST_RECORDED):
+        CAST_RECORDED.append((table, None))  # replayed later: never to be freed
     out = torch.empty(total, device=device, dtype=dtype)
+    aligned = all(t.data_ptr() % 16 == 0 and t.numel() % 8 == 0 for t in tensors)
     if len(block_rows):
         cast_joined_kernel[(len(block_rows),)](
             table,
