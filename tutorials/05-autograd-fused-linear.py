@@ -166,7 +166,9 @@ def column_sums_kernel(
     for start in tl.range(0, rows_per_program, BLOCK_M):
         rows = first + start + tl.arange(0, BLOCK_M)
         mask = (rows < M)[:, None] & column_mask[None, :]
-        ptrs = x_ptr + rows[:, None] * stride_m + columns[None, :] * stride_n
+        ptrs = (
+            x_ptr + rows[:, None] * stride_m + columns.to(tl.int64)[None, :] * stride_n
+        )
         acc += tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
     partial_row = partial_ptr + part.to(tl.int64) * N
     tl.store(partial_row + columns, tl.sum(acc, axis=0), mask=column_mask)
