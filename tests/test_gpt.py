@@ -266,6 +266,24 @@ def test_graph_replays_draw_new_dropout_masks():
     assert torch.equal(trainer.model.seeds, seeds + len(seeds))
 
 
+@pytest.mark.skipif(not ON_GPU, reason="CUDA graphs: on the GPU")
+def test_graph_replay_fills_no_counters():
+    """The split products' counters and the fused dropout's sums (core.zeroed) are made on
+    the warm-up steps' stream and left at zero; the graph, recorded on that stream, finds
+    them there. Recorded on a stream of its own, each launch recorded an int32 fill."""
+    cfg = tiny_config(step="graph", max_steps=5, dropout=0.5, dtype="bfloat16", n_embd=64)
+    trainer = Trainer(cfg, tiny_data())
+    trainer.train(log=lambda line: None)
+    assert trainer.graph is not None
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        trainer.run_step()
+        torch.cuda.synchronize()
+    names = [event.name for event in prof.events() if event.device_type == torch.autograd.DeviceType.CUDA]
+    assert any("dropout" in name for name in names), names  # the replay was seen
+    fills = [name for name in names if "FillFunctor<int>" in name]
+    assert fills == [], fills
+
+
 @pytest.mark.skipif(not ON_GPU, reason="fp32 without tf32: on the GPU")
 @pytest.mark.parametrize("size", ["small", "chapter 12's full model"])
 def test_layers_agree_in_fp32_on_the_gpu(size):

@@ -137,6 +137,9 @@ def linear():  # chapter 05: a fused epilogue and the backward
         b = tensor(48, dtype=dtype)
         backward(sk.linear(x, w, b, "gelu"))
         backward(sk.linear(x, w, b, "relu", recompute=True))
+    for dtype in EVERY:  # db of dY itself (column_sums), a few programs a column block
+        x, w, b = tensor(3000, 72, dtype=dtype), tensor(300, 72, dtype=dtype), tensor(300, dtype=dtype)
+        backward(sk.linear(x, w, b))
 
 
 @exercise
@@ -260,6 +263,15 @@ def fused_adamw():  # chapter 15: one launch a group
     optimizer.grad_scale = optimizer.found_inf = None
     optimizer.clip_grad_norm(1.0)
     optimizer.step()
+
+
+@exercise
+def cast_all():  # chapters 12 and 15: the weights cast in one launch, aligned or not
+    from stepkernels.models.gpt import cast_all
+
+    for dtype in (HALF, BF16):
+        backward(torch.cat([c.reshape(-1) for c in cast_all(dtype, tensor(384, 384), tensor(384))]))
+        backward(torch.cat([c.reshape(-1) for c in cast_all(dtype, tensor(65, 7), tensor(3))]))
 
 
 class tf32:

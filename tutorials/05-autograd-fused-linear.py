@@ -114,11 +114,20 @@ print("strides: B, B^T in dA, A^T in dB:", *strides)
 # -------------
 # dZ = dY * act'(Z) is element-wise and memory bound, with ``activation_derivative``, the
 # counterpart of the epilogue's ``apply_activation``. Each program also sums its tile's columns into
-# a row of partial sums, which a small ``sum`` turns into db: no atomics, the same db on every run.
+# a row of partial sums, which ``column_sums`` turns into db: the same db on every run.
 # dY may have any strides (``y.sum()``'s gradient has strides 0). The backward computes only the
 # gradients asked for, and a new empty tensor for the others: an operator's outputs may not alias.
 # In fp32 on Hopper, where dW's product runs as tf32 and wants dZ^T K-major (chapter 07), the
 # kernel also writes dZ^T, for half what a copy of dZ would cost in memory traffic.
+#
+# Without an activation dZ is dY, and db its column sums: a read of all of dY, for a vector. In a
+# training step that is the attention's QKV projection, whose dY is the widest of a block (3C
+# columns). ``column_sums`` reads it once, in one launch: each program sums a run of rows of
+# a block of columns into a row of fp32 partial sums, then counts itself in on that block's
+# counter; the last to arrive adds the rows in their order (the same bits whichever program
+# comes last), rounds once into the bias's dtype, and sets the counter back to zero for the
+# next launch, so no launch pays for zeroing it (``zeroed``: scratch kept per stream, as chapter
+# 07's split products keep theirs). The same kernel adds the dZ kernel's partial rows.
 
 # @save ops/linear
 from stepkernels.ops.matmul import (
@@ -131,7 +140,7 @@ from stepkernels.ops.matmul import (
 )
 from stepkernels.runtime.activations import activation_derivative
 from stepkernels.runtime.arguments import linear_arguments, linear_options
-from stepkernels.runtime.core import refuse_double_backward
+from stepkernels.runtime.core import refuse_double_backward, sm_count, zeroed
 from stepkernels.runtime.launch import (
     bound_launches,
     cdiv,
@@ -144,6 +153,84 @@ import torch
 from torch import Tensor, nn
 import triton
 import triton.language as tl
+
+
+@lean
+@triton.jit
+def column_sums_kernel(
+    x_ptr,
+    partial_ptr,
+    counter_ptr,
+    out_ptr,
+    M,
+    N,
+    stride_m,
+    stride_n,
+    rows_per_program,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+):
+    part, block_n = tl.program_id(axis=0), tl.program_id(axis=1)
+    parts = tl.num_programs(axis=0)
+    columns = block_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    column_mask = columns < N
+    first = part.to(tl.int64) * rows_per_program  # a whole number of BLOCK_M rows
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for start in tl.range(0, rows_per_program, BLOCK_M):
+        rows = first + start + tl.arange(0, BLOCK_M)
+        mask = (rows < M)[:, None] & column_mask[None, :]
+        ptrs = (
+            x_ptr + rows[:, None] * stride_m + columns.to(tl.int64)[None, :] * stride_n
+        )
+        acc += tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+    partial_row = partial_ptr + part.to(tl.int64) * N
+    tl.store(partial_row + columns, tl.sum(acc, axis=0), mask=column_mask)
+    tl.debug_barrier()  # every thread of this program has stored
+    arrived = tl.atomic_add(counter_ptr + block_n, 1, sem="acq_rel")
+    if arrived == parts - 1:  # the last of its column block: add every row, in order
+        total = tl.zeros((BLOCK_P, BLOCK_N), dtype=tl.float32)
+        for slot in tl.range(0, parts, BLOCK_P):
+            slots = slot + tl.arange(0, BLOCK_P)
+            mask = (slots < parts)[:, None] & column_mask[None, :]
+            ptrs = partial_ptr + slots.to(tl.int64)[:, None] * N + columns[None, :]
+            total += tl.load(ptrs, mask=mask, other=0.0, cache_modifier=".cg")  # L2
+        out = tl.sum(total, axis=0).to(out_ptr.dtype.element_ty)  # one rounding
+        tl.store(out_ptr + columns, out, mask=column_mask)
+        tl.store(counter_ptr + block_n, 0)  # ready for the next launch
+
+
+COLUMN_SUMS_BLOCK = {"BLOCK_M": 32, "BLOCK_N": 128, "BLOCK_P": 16, "num_warps": 4}
+COLUMN_SUMS_WAVES = 4  # programs for about this many per SM
+
+
+def column_sums(x, dtype=torch.float32):
+    """x (M, N), any strides, summed over its rows in fp32 and rounded once to ``dtype``:
+    a bias gradient, in one launch, the same bits every run on a GPU."""
+    M, N = x.shape
+    out = torch.empty(N, device=x.device, dtype=dtype)
+    if N == 0 or M == 0:
+        return out.zero_()
+    block_m, block_n = COLUMN_SUMS_BLOCK["BLOCK_M"], COLUMN_SUMS_BLOCK["BLOCK_N"]
+    blocks_n = cdiv(N, block_n)
+    # programs for a few waves, each a whole number of row blocks, none without rows
+    parts = min(cdiv(M, block_m), max(1, COLUMN_SUMS_WAVES * sm_count() // blocks_n))
+    rows_per_program = cdiv(cdiv(M, parts), block_m) * block_m
+    parts = cdiv(M, rows_per_program)
+    partial = torch.empty((parts, N), device=x.device, dtype=torch.float32)
+    counters = zeroed(x.device, blocks_n)
+    column_sums_kernel[(parts, blocks_n)](
+        x,
+        partial,
+        counters,
+        out,
+        M,
+        N,
+        *x.stride(),
+        rows_per_program,
+        **COLUMN_SUMS_BLOCK,
+    )
+    return out
 
 
 @lean  # cheap repeated launches: chapter 08
@@ -193,9 +280,16 @@ ACTIVATION_BACKWARD_BLOCK = {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4}
 
 
 def activation_backward(
-    grad_y, z, activation, bias_grad: bool, over_z=False, transposed=False
+    grad_y,
+    z,
+    activation,
+    bias_grad: bool,
+    over_z=False,
+    transposed=False,
+    bias_dtype=torch.float32,
 ):
-    """dZ = dY * act'(Z) in Z's dtype (over Z if ``over_z``); db (fp32) from block sums;
+    """dZ = dY * act'(Z) in Z's dtype (over Z if ``over_z``); db (``bias_dtype``) from
+    block sums (``column_sums``);
     dZ^T, contiguous, if ``transposed`` (else None). A repeated call launches its kernel
     bound (chapter 08), under a key of dY's and Z's layouts and the options."""
     options = (activation, bias_grad, over_z, transposed)
@@ -205,13 +299,17 @@ def activation_backward(
         planned = ACTIVATION_PLANS.get(key)
         if planned is not None:
             grad_z, partial, grad_z_t = planned(grad_y, z)
-            return grad_z, (partial.sum(dim=0) if bias_grad else None), grad_z_t
+            return (
+                grad_z,
+                (column_sums(partial, bias_dtype) if bias_grad else None),
+                grad_z_t,
+            )
     with recorded_launches(fast) as launches:
         grad_z, partial, grad_z_t = activation_backward_launch(grad_y, z, *options)
     outputs = (grad_z, grad_z if grad_z_t is None else grad_z_t, partial)
     if fast and (bound := bound_launches(launches, (grad_y, z, *outputs))):
         ACTIVATION_PLANS[key] = planned_activation_backward(bound[0], partial, *options)
-    return grad_z, (partial.sum(dim=0) if bias_grad else None), grad_z_t
+    return grad_z, (column_sums(partial, bias_dtype) if bias_grad else None), grad_z_t
 
 
 ACTIVATION_PLANS = plan_cache()
@@ -262,14 +360,14 @@ def fused_linear_backward(grad_y, x, weight, bias, z, activation, needs_grad):
     need_x, need_weight, need_bias = needs_grad
     if activation is None:  # act' = 1: dZ is dY itself
         grad_z, grad_z_t = grad_y, None
-        grad_bias = grad_y.sum(dim=0, dtype=torch.float32) if need_bias else None
+        grad_bias = column_sums(grad_y, x.dtype) if need_bias else None
     else:
         again = z is None  # recompute: the forward product, without the activation,
         z = product(x, weight.mT, None, bias) if again else z  # then dZ over it
         # dZ^T from the dZ kernel where dW's product would copy it (fp32 as tf32)
         transposed = need_weight and copies_for_tf32(x.dtype, *weight.shape, len(x))
         grad_z, grad_bias, grad_z_t = activation_backward(
-            grad_y, z, activation, need_bias, again, transposed
+            grad_y, z, activation, need_bias, again, transposed, x.dtype
         )
     grad_z_t = grad_z.mT if grad_z_t is None else grad_z_t  # a view, or the kernel's
     return (  # a new empty tensor for each gradient not asked for: none may alias

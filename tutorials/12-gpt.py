@@ -65,6 +65,7 @@ FULL_RUNS_LIVE = tutorial.ON_GPU and any(
 import dataclasses
 import math
 
+from stepkernels.ops.adamw import cast_joined
 from stepkernels.ops.add_layer_norm import add_layer_norm
 from stepkernels.ops.attention import (
     MAX_HEAD_DIM,
@@ -459,26 +460,33 @@ def product_weights(model: nn.Module) -> list[torch.Tensor]:
 
 
 def cast_all(dtype: torch.dtype, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """``tensors``, each ``.to(dtype)``, differentiably, in three launches for any number."""
+    """``tensors``, each ``.to(dtype)``, differentiably, in one launch each way for any
+    number."""
     return CastAll.apply(dtype, *tensors)
 
 
 class CastAll(torch.autograd.Function):
-    """Tensors joined into one, cast, and viewed apart; the backward joins their gradients,
-    casts them back and views them apart: two joins and two casts, where one cast apiece
-    is a launch apiece, forward and backward (chapter 15)."""
+    """Tensors cast into one buffer and viewed apart, and so their gradients back: one
+    launch each way (``cast_joined``, chapter 15), where one cast apiece is a launch
+    apiece."""
 
     @staticmethod
     def forward(ctx, dtype, *tensors):
         ctx.dtype, ctx.shapes = tensors[0].dtype, [t.shape for t in tensors]
         ctx.set_materialize_grads(False)  # a copy nobody used: no gradient, as .to's
+        casts = cast_joined(dtype, tensors)  # each read once, one launch (chapter 15)
+        if casts is not None:
+            return casts
         return apart(torch.cat([t.reshape(-1) for t in tensors]).to(dtype), ctx.shapes)
 
     @staticmethod
     def backward(ctx, *grads):
         used = [i for i, g in enumerate(grads) if g is not None]
-        flat = torch.cat([grads[i].reshape(-1) for i in used]).to(ctx.dtype)
-        back = dict(zip(used, apart(flat, [ctx.shapes[i] for i in used]), strict=True))
+        casts = cast_joined(ctx.dtype, [grads[i] for i in used])
+        if casts is None:
+            flat = torch.cat([grads[i].reshape(-1) for i in used]).to(ctx.dtype)
+            casts = apart(flat, [ctx.shapes[i] for i in used])
+        back = dict(zip(used, casts, strict=True))
         return None, *(back.get(i) for i in range(len(grads)))
 
 

@@ -157,7 +157,7 @@ if race is not None:
 
 # %%
 # @save ops/adamw
-from stepkernels.runtime.core import DEVICE, check_tensor
+from stepkernels.runtime.core import DEVICE, INTERPRET, check_tensor
 from stepkernels.runtime.launch import lean  # cheap repeated launches: chapter 08
 from stepkernels.runtime.rows import quiet
 import torch
@@ -1357,13 +1357,142 @@ torch.testing.assert_close(losses[True], losses[False], rtol=0, atol=1e-4)
 # chapter 11's kernels three views of one (B, T, 3C) gradient to write into.
 #
 # Under autocast every product cast its weight and its bias to bf16, a launch each, and
-# the backward cast each gradient back to fp32, another. ``cast_all`` joins the weights,
-# casts them and views them apart (a join and a cast, however many), and its backward
-# does the same for their gradients. It reads the weights twice, not once; at the
-# Shakespeare shape the launches it saves cost more than that. And the backward of
+# the backward cast each gradient back to fp32, another. ``cast_all`` casts them all in one
+# launch through a table as the optimizer's (a row per weight: address, size, place in one
+# buffer), and its backward their gradients back the same way. The backward of
 # ``add_layer_norm`` wrote the stream's gradient in fp32, which a cast then read again to
 # give the bf16 update its own: the kernel now writes both (``HAS_DX_LOW``).
 
+# @save ops/adamw
+
+
+# A join, then a cast, read every weight twice: 0.7 GB a step more at GPT-2 small's shape
+# (85 million weights), 0.3 GB for the gradients. Here each program casts a block of one
+# tensor into its place, which starts on 16 elements, so that wide loads and stores apply.
+# Weights stay put: their table is kept. Gradients move between eager steps, and a CUDA
+# graph's recording, which may not pin memory, copies theirs from rows pinned before it.
+
+
+@lean
+@triton.jit
+def cast_joined_kernel(
+    table_ptr,  # int64 rows of 4: address, numel, start in out, first program
+    block_row_ptr,  # int32, per program: the row of the tensor its block belongs to
+    like_ptr,  # a tensor of the sources' dtype
+    out_ptr,
+    ALIGNED: tl.constexpr,  # every address 16-byte aligned, every numel a multiple of 8
+    BF16_BY_HAND: tl.constexpr,  # to bf16 under the interpreter, which truncates
+    BLOCK: tl.constexpr,
+):
+    program_id = tl.program_id(axis=0)
+    row = table_ptr + tl.load(block_row_ptr + program_id).to(tl.int64) * 4
+    source = tl.load(row).to(tl.pointer_type(like_ptr.dtype.element_ty))
+    numel, start, first = tl.load(row + 1), tl.load(row + 2), tl.load(row + 3)
+    if ALIGNED:
+        source, numel = tl.multiple_of(source, 16), tl.multiple_of(numel, 8)
+    start = tl.multiple_of(start, 16)  # CAST_ALIGN
+    offsets = (program_id - first).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offsets < numel
+    x = tl.load(source + offsets, mask=mask)
+    if BF16_BY_HAND:  # to nearest, ties to even, as a GPU's conversion and PyTorch's
+        bits = x.to(tl.float32).to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        x = tl.where(x == x, bits.to(tl.float32, bitcast=True), x)  # NaN kept
+    tl.store(out_ptr + start + offsets, x.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+CAST_BLOCK, CAST_WARPS, CAST_ALIGN = 4096, 4, 16
+CAST_LAYOUTS = {}  # (device, sizes) -> program-to-row map, starts, total
+CAST_TABLES = {}  # (device, (address, numel) of each) -> its table on the device
+CAST_TABLES_KEPT = 8  # sets of tensors
+CAST_RECORDED = []  # tables a CUDA graph reads (and the host rows it copies them from)
+CAST_SPARES = {}  # (device, tensors) -> pinned rows, for a recording to copy a table from
+
+
+def cast_layout(device, sizes):
+    """Each tensor's start in the joined buffer, its size, and each program's row."""
+    starts, block_rows, total = [], [], 0
+    for i, n in enumerate(sizes):
+        starts.append(total)
+        block_rows += [i] * -(-n // CAST_BLOCK)
+        total = -(-(total + n) // CAST_ALIGN) * CAST_ALIGN
+    block_rows = torch.tensor(block_rows, dtype=torch.int32).to(device)
+    return block_rows, starts, total
+
+
+def cast_table(tensors, starts, capturing):
+    """The table of ``tensors`` on their device (None while recording without a spare).
+    Copied from pinned rows without waiting; a recording copies from rows kept for good,
+    which its replays read again."""
+    rows, blocks = [], 0
+    for t, start in zip(tensors, starts, strict=True):
+        rows.append((t.data_ptr(), t.numel(), start, blocks))
+        blocks += -(-t.numel() // CAST_BLOCK)
+    rows, device = torch.tensor(rows, dtype=torch.int64), tensors[0].device
+    if device.type != "cuda":
+        return rows.to(device)
+    spare_key = (device, len(tensors))
+    if not capturing:  # a spare for the next recording: pinning may not be recorded
+        CAST_SPARES.setdefault(spare_key, torch.empty_like(rows).pin_memory())
+        return rows.pin_memory().to(device, non_blocking=True)
+    spare = CAST_SPARES.pop(spare_key, None)
+    if spare is None:
+        return None
+    spare.copy_(rows)
+    table = torch.empty(rows.shape, dtype=torch.int64, device=device)
+    table.copy_(spare, non_blocking=True)
+    CAST_RECORDED.append((table, spare))
+    return table
+
+
+def cast_joined(dtype, tensors):
+    """Contiguous ``tensors`` of one dtype cast to ``dtype`` into one buffer, each read
+    once, in one launch: views of it, of their shapes (None where that cannot be: mixed
+    dtypes, strides, a CUDA-graph recording before any eager call of those sizes)."""
+    if not tensors or any(
+        not t.is_contiguous() or t.dtype != tensors[0].dtype for t in tensors
+    ):
+        return None
+    device = tensors[0].device
+    capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+    sizes = tuple(t.numel() for t in tensors)
+    layout = CAST_LAYOUTS.get((device, sizes))
+    if layout is None:
+        if capturing:
+            return None
+        layout = CAST_LAYOUTS[device, sizes] = cast_layout(device, sizes)
+    block_rows, starts, total = layout
+    key = (device, tuple((t.data_ptr(), t.numel()) for t in tensors))
+    table = CAST_TABLES.get(key)
+    if table is None:
+        table = cast_table(tensors, starts, capturing)
+        if table is None:
+            return None
+        while len(CAST_TABLES) >= CAST_TABLES_KEPT:
+            CAST_TABLES.pop(next(iter(CAST_TABLES)))
+        CAST_TABLES[key] = table
+    if capturing and not any(table is kept for kept, _ in CAST_RECORDED):
+        CAST_RECORDED.append((table, None))  # replayed later: never to be freed
+    out = torch.empty(total, device=device, dtype=dtype)
+    aligned = all(t.data_ptr() % 16 == 0 and t.numel() % 8 == 0 for t in tensors)
+    if len(block_rows):
+        cast_joined_kernel[(len(block_rows),)](
+            table,
+            block_rows,
+            tensors[0],
+            out,
+            ALIGNED=aligned,
+            BF16_BY_HAND=INTERPRET and dtype == torch.bfloat16,
+            BLOCK=CAST_BLOCK,
+            num_warps=CAST_WARPS,
+        )
+    return tuple(
+        out[start : start + t.numel()].view(t.shape)
+        for t, start in zip(tensors, starts, strict=True)
+    )
+
+
+# %%
 with torch.device("meta"):
     model = GPT(shakespeare.model_config(84))
 linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
@@ -1372,7 +1501,7 @@ megabytes = sum(t.numel() for t in weights) * 4 / 1e6
 print(
     f"{len(weights)} weights of products, {megabytes:.0f} MB in fp32. Launches a step"
 )
-print(f"cast one by one: {2 * len(weights)}; at once: 4 (a join and a cast each way)")
+print(f"cast one by one: {2 * len(weights)}; at once: 2 (one each way)")
 
 # The fused backward writes the gradient that autograd made through the views, bit for
 # bit (the same kernels): chapter 12's general path, split views and ``attention``.

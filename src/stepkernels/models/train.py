@@ -400,6 +400,7 @@ class Trainer:
         # Our dropout's seeds: this process's micro-batches start past those before it.
         self.model.seeds.add_(self.seed_offset())
         self.step, self.history, self.graph, self.history_start = 0, [], None, 0
+        self.side = None  # the graph's warm-up and recording stream (capture_stream)
         self.losses = []  # (step, mean training loss since the last log line)
         self.loss_sum = torch.zeros((), device=self.device)
         self.resumed = False
@@ -519,7 +520,7 @@ class Trainer:
         else:
             self.optimizer.zero_grad(set_to_none=True)
             if self.cfg.step == "graph":  # warm-up steps on a side stream, as CUDA asks
-                with side_stream() as side:
+                with side_stream(self.capture_stream()) as side:
                     loss = self.training_step()
                 torch.cuda.current_stream().wait_stream(side)
             else:
@@ -527,11 +528,20 @@ class Trainer:
         self.loss_sum += loss
         self.step += 1
 
+    def capture_stream(self) -> torch.cuda.Stream:
+        """The one side stream of the warm-up steps and the recording. Kernels that share
+        zeros they leave at zero (``core.zeroed``: the split products' counters, the fused
+        dropout's sums) keep them per stream; recorded on the warm-up's stream, the graph
+        finds them made, where on a stream of its own each launch had recorded a fill."""
+        if self.side is None:
+            self.side = torch.cuda.Stream()
+        return self.side
+
     def capture(self) -> torch.Tensor:
         """Record the step as a CUDA graph (recording runs nothing), then replay it."""
         self.optimizer.zero_grad(set_to_none=True)
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
+        with torch.cuda.graph(self.graph, stream=self.capture_stream()):
             self.static_loss = self.training_step()
         self.graph.replay()
         return self.static_loss

@@ -13,10 +13,10 @@ import torch
 
 
 @contextlib.contextmanager
-def side_stream():
-    """Make a new stream current, after the work queued so far. CUDA graphs cannot capture
-    the default stream, so whatever is to be captured runs on one of these."""
-    side = torch.cuda.Stream()
+def side_stream(side: torch.cuda.Stream | None = None):
+    """Make a new stream (or ``side``) current, after the work queued so far. CUDA graphs
+    cannot capture the default stream, so whatever is to be captured runs on one of these."""
+    side = torch.cuda.Stream() if side is None else side
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
         yield side
