@@ -14,25 +14,40 @@ switched). After ``WARM`` steps, for each of ``STEPS`` more:
   GPU's plus the CPU's instead of the larger of the two;
 - Python calls (``sys.setprofile``), by the package's modules, with the interpreted kernels'
   own frames left out (Triton's interpreter and all it calls, which a GPU does not run);
-- ``torch.cuda.synchronize`` calls; the size of every ``plan_cache`` (bound launches) and of
-  the package's ``functools`` caches, and their misses, which should not grow after warm-up.
+- calls of what costs the host dearly or waits for the GPU: Triton's own launch path
+  (``LeanKernel.slow_launch``, ``JITFunction.run``, ``Autotuner.run``), a lean launch's first
+  call of a key (``LeanKernel.first_launch``), a bound launch made (``LeanKernel.bound``),
+  ``Tensor.pin_memory``, thread starts, ``torch.cuda.synchronize`` and ``empty_cache``;
+- the size of every ``plan_cache`` (bound launches), the lean kernels' launch keys, and the
+  misses of the package's ``functools`` caches, none of which should grow after warm-up;
+- Python's garbage collections, and what the step leaves in reference cycles;
+- on a GPU: the operations that ``torch.cuda.set_sync_debug_mode("warn")`` flags, the CUDA
+  caching allocator's cudaMalloc / cudaFree calls and retries, and one more step under
+  cProfile (by own time: the GPU's is the only run where the lean launch path and the
+  descriptor kernels run as they do in the H200's profile).
 
-Run it from a worktree of any commit (it reads what exists):
+Run it from a worktree of any commit (it reads what exists; the CPU log compares 87fc6ed and
+696aedb):
 
-    PYTHONPATH=src python lab/eager_step_cost.py            # > lab/eager_step_cost.log
+    PYTHONPATH=src python lab/eager_step_cost.py              # the small GPT
+    PYTHONPATH=src python lab/eager_step_cost.py gpt2-small   # a GPU: step_profile's shape
 
 Under the interpreter every lean launch takes Triton's path and no bound launch is used
-(``lean_now()`` is False): the counts here cover the host work around the launches.
+(``lean_now()`` is False), nor the descriptor (Hopper) matmul: the CPU's counts cover the
+host work around the launches, not the launch path itself.
 """
 
 from __future__ import annotations
 
 from collections import Counter
+import cProfile
 import functools
+import gc
 import importlib
 import os
 from pathlib import Path
 import pkgutil
+import pstats
 import subprocess
 import sys
 import tempfile
@@ -62,13 +77,17 @@ class Operators(TorchDispatchMode):
         super().__init__()
         self.counts = Counter()
         self.where = Counter()  # (operator, the line that asked for it)
+        self.host = Counter()  # those not dispatched by an interpreted kernel
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         name = func.overloadpacket.__name__
         self.counts[name] += 1
+        where = caller()
+        if where != "(inside an interpreted kernel)":
+            self.host[name] += 1
         if name in READS:
-            self.where[name, caller()] += 1
+            self.where[name, where] += 1
         out = func(*args, **kwargs)
         if name in ("_to_copy", "copy_") and isinstance(out, torch.Tensor):
             sources = [a for a in args if isinstance(a, torch.Tensor)]
@@ -78,19 +97,20 @@ class Operators(TorchDispatchMode):
 
 
 def caller() -> str:
-    """Where a host read comes from: inside an interpreted kernel, or the innermost line of
-    the package (else of any file outside torch) that asked for it."""
-    frame, outside = sys._getframe(2), None
+    """Where an operator is dispatched from: inside an interpreted kernel (Triton's
+    interpreter anywhere on the stack), or the innermost line of the package (else of any
+    file outside torch) that asked for it."""
+    frame, found, outside = sys._getframe(2), None, None
     while frame is not None:
         filename = frame.f_code.co_filename
         if "triton/runtime/interpreter" in filename:
             return "(inside an interpreted kernel)"
-        if filename.startswith(PACKAGE):
-            return f"{Path(filename).stem}.{frame.f_code.co_name}:{frame.f_lineno}"
+        if found is None and filename.startswith(PACKAGE):
+            found = f"{Path(filename).stem}.{frame.f_code.co_name}:{frame.f_lineno}"
         if outside is None and "/torch/" not in filename:
             outside = f"{filename}:{frame.f_code.co_name}:{frame.f_lineno}"
         frame = frame.f_back
-    return outside or "(torch)"
+    return found or outside or "(torch)"
 
 
 class Calls:
@@ -215,6 +235,16 @@ def count_host_work():
     count_calls(torch.cuda, "empty_cache", "torch.cuda.empty_cache")
 
 
+def allocator_counts() -> dict:
+    """The CUDA caching allocator's calls of cudaMalloc and cudaFree, and its retries after
+    a failed cudaMalloc (each frees cached blocks: cudaFree synchronizes the device)."""
+    if not ON_GPU:
+        return {}
+    stats = torch.cuda.memory_stats()
+    names = ("num_device_alloc", "num_device_free", "num_alloc_retries", "num_ooms")
+    return {name: stats.get(name, 0) for name in names}
+
+
 def commit() -> str:
     here = Path(PACKAGE).parent.parent
     out = subprocess.run(
@@ -251,6 +281,9 @@ def main():
         misses = {n: f.cache_info().misses for n, f in cached.items()}
         plans, entries = plan_sizes(), lean_entries()
         CALLED.clear()
+        gc.collect()
+        collections = [g["collections"] for g in gc.get_stats()]
+        memory = allocator_counts()
         operators, calls = Operators(), Calls()
         with operators, warnings.catch_warnings(record=True) as warned:
             warnings.simplefilter("always")
@@ -264,6 +297,13 @@ def main():
                 if ON_GPU:
                     torch.cuda.set_sync_debug_mode("default")
                     torch.cuda.synchronize()
+        memory = {k: v - memory.get(k, 0) for k, v in allocator_counts().items()}
+        collected = [g["collections"] - c for g, c in zip(gc.get_stats(), collections, strict=True)]
+        gc.set_debug(gc.DEBUG_SAVEALL)  # what the step left in reference cycles
+        gc.collect()
+        gc.set_debug(0)
+        cyclic = sum(isinstance(o, torch.Tensor) for o in gc.garbage), len(gc.garbage)
+        gc.garbage.clear()
         waits = Counter(f"{Path(w.filename).name}:{w.lineno}" for w in warned if "synchroniz" in str(w.message))
         missed = {n: f.cache_info().misses - misses[n] for n, f in cached.items() if f.cache_info().misses != misses[n]}
         ours = Counter()
@@ -272,11 +312,17 @@ def main():
                 ours[f"{Path(filename).stem}.{name}:{line}"] += count
         reads = {n: operators.counts[n] for n in (*READS, "(copy to the host)")}
         print(f"\nstep {step} ({'warm-up' if step < WARM else 'after warm-up'})")
-        print(f"  operators dispatched: {sum(operators.counts.values())}")
+        host = sum(operators.host.values())
+        print(
+            f"  operators dispatched: {sum(operators.counts.values())}, of which {host} outside the interpreted kernels"
+        )
         print(f"  host reads: {reads}")
         for (name, line), count in sorted(operators.where.items()):
             print(f"    {count:4d} {name} from {line}")
         print(f"  synchronizing operations (sync debug mode, a GPU): {dict(waits) or 0}")
+        print(f"  garbage collections by generation: {collected}")
+        print(f"  left in reference cycles: {cyclic[1]} objects, {cyclic[0]} tensors")
+        print(f"  the CUDA allocator's calls of the driver (a GPU): {memory or 0}")
         print(f"  counted calls: {dict(sorted(CALLED.items())) or 0}")
         print(f"  Python calls: {sum(calls.counts.values())} (the package's {sum(ours.values())})")
         print(f"  functools cache misses this step: {missed or 0}")
@@ -286,9 +332,18 @@ def main():
             print("  the package's functions by calls this step (25 most called):")
             for name, count in ours.most_common(25):
                 print(f"    {count:6d}  {name}")
-            print("  operators by count this step (20 most dispatched):")
-            for name, count in operators.counts.most_common(20):
+            print("  operators outside the interpreted kernels (20 most dispatched):")
+            for name, count in operators.host.most_common(20):
                 print(f"    {count:6d}  {name}")
+    if ON_GPU:  # where the host's time goes in one more step (a GPU: timings, not counts)
+        profiler = cProfile.Profile()
+        torch.cuda.synchronize()
+        profiler.enable()
+        trainer.run_step()
+        profiler.disable()
+        torch.cuda.synchronize()
+        print("\none more step under cProfile, by own time (a GPU):")
+        pstats.Stats(profiler, stream=sys.stdout).sort_stats("tottime").print_stats(25)
 
 
 if __name__ == "__main__":
