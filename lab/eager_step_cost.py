@@ -277,6 +277,12 @@ def main():
     where = torch.cuda.get_device_name() if ON_GPU else "CPU, Triton's interpreter"
     described = SHAPE if shape == "small" else shape
     print(f"shape: {described}, bf16 autocast, our kernels, eager step; {where}")
+    from stepkernels.runtime import launch
+    import triton
+
+    print(f"torch {torch.__version__}, triton {triton.__version__}")
+    # False on a GPU: every lean launch takes Triton's path (a launch hook is seen as set)
+    print(f"lean_now(): {getattr(launch, 'lean_now', lambda: 'absent')()}")
     for step in range(WARM + STEPS):
         misses = {n: f.cache_info().misses for n, f in cached.items()}
         plans, entries = plan_sizes(), lean_entries()
