@@ -44,6 +44,7 @@ import cProfile
 import functools
 import gc
 import importlib
+import importlib.util
 import os
 from pathlib import Path
 import pkgutil
@@ -53,7 +54,6 @@ import sys
 import tempfile
 import warnings
 
-import stepkernels
 from stepkernels.models import data as datasets
 from stepkernels.models import train
 from stepkernels.models.config import preset
@@ -67,7 +67,8 @@ SHAPE = dict(n_layer=2, n_head=2, n_embd=64, block_size=64, batch_size=2, grad_a
 TEXT = "to be, or not to be: that is the question. whether 'tis nobler in the mind\n" * 40
 # Operators that hand a tensor's value to the host: on a GPU each one waits for the GPU.
 READS = ("_local_scalar_dense", "is_nonzero", "equal", "nonzero", "item")
-PACKAGE = str(Path(stepkernels.__file__).resolve().parent)
+# the package's folder, found by importlib (no private name of the package read)
+PACKAGE = str(Path(importlib.util.find_spec("stepkernels").origin).resolve().parent)
 
 
 class Operators(TorchDispatchMode):
@@ -140,7 +141,7 @@ class Calls:
 def caches():
     """Every functools cache in the package's modules: qualified name -> the function."""
     found = {}
-    for info in pkgutil.walk_packages(stepkernels.__path__, "stepkernels."):
+    for info in pkgutil.walk_packages([PACKAGE], "stepkernels."):
         if ".lessons" in info.name or ".results" in info.name:
             continue
         try:
