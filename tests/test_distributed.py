@@ -161,6 +161,7 @@ def test_both_ranks_train_and_rank_0_alone_writes(kind, runs):
     log = events(runs["folder"] / kind)
     assert [e["event"] for e in log] == ["start", *["log"] * len(steps), "eval", "end"]  # one process's
     assert log[0]["processes"] == 2 and log[0]["parallel"] == kind
+    assert log[0]["tuning"] == sorted(distributed.DEFAULT_TUNING)  # STEPKERNELS_PARALLEL_TUNING unset
     assert [e["step"] for e in log if e["event"] == "log"] == steps
     assert all(math.isfinite(e["loss"]) for e in log if e["event"] == "log")
     losses = [[(h["train_loss"], h["val_loss"]) for h in ranks[rank]["history"]] for rank in (0, 1)]
