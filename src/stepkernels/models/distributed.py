@@ -320,6 +320,25 @@ def wrap(
     return model
 
 
+def reshard(model: torch.nn.Module, parallel: Parallel) -> None:
+    """After forwards with no backward (an evaluation) under FSDP2: free what the blocks'
+    groups keep gathered from forward to backward (``last-block``, ``keep-gathered``), so
+    that the next training step starts as every other does. Left gathered, a block's fp32
+    weights would be plain tensors at the next forward, where the step's casts
+    (``gpt.product_weights``) would take them in, and their gradients would come through
+    the casts' backward at the end; FSDP2 (torch 2.13, gloo) still reduces them alike
+    (tests/test_parallel_tuning.py finds the same numbers with and without this), but
+    that step would be unlike the others. The root's group stays gathered, as FSDP2
+    keeps it."""
+    if parallel.kind != "fsdp":
+        return
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule) and module is not model:
+            module.reshard()
+
+
 def products(block: torch.nn.Module) -> list[torch.nn.Module]:
     """A block's submodules other than its norms: those that hold its products' weights."""
     norms = (torch.nn.LayerNorm, torch.nn.RMSNorm)

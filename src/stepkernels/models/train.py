@@ -567,6 +567,9 @@ class Trainer:
                         total += self.forward(x, y)[1].float()
             distributed.all_mean(total, self.parallel)
             losses[split] = total.item() / (self.cfg.eval_batches * self.cfg.grad_accum)
+        distributed.reshard(
+            self.model, self.parallel
+        )  # FSDP2: gathered for no backward
         self.model.train()
         return losses
 
