@@ -38,11 +38,11 @@ them one at a time, ``lab/data_parallel.py --tunings``):
   all-reduce), is told the graph is the same every step (``static_graph``), and fills a
   bucket with about one block's gradients (``bucket_bytes``); ``static_graph`` only without
   gradient accumulation, which PyTorch's reducer does not support with it.
-* FSDP2 gathers the blocks' parameters in the autocast dtype (a ``MixedPrecisionPolicy``:
-  half the bytes of an fp32 gather, and no cast per product) and reduces their gradients in
-  fp32. A block's products' weights are all it casts: autocast casts them too, so nothing
-  changes; its norms' weights stay fp32 with the embeddings in the root's group, as
-  autocast keeps the norms in fp32. The last block stays gathered for the backward, which
+* FSDP2 gathers the blocks' products' weights in the autocast dtype (a
+  ``MixedPrecisionPolicy``: half the bytes of an fp32 gather, and no cast per product) and
+  reduces their gradients in fp32. The products cast those weights under autocast anyway,
+  so nothing changes; the norms' weights stay fp32 with the embeddings in the root's
+  group, as autocast keeps the norms in fp32 (``products``). The last block stays gathered for the backward, which
   starts with it; the next block's gather is issued as a block starts; the optimizer is
   PyTorch's fused AdamW over the shards; the clip's norm comes from the local shards with
   one all-reduce (``clip_grad_norm``).
@@ -200,7 +200,7 @@ class Parallel:
     device: torch.device = core.DEVICE
     backend: str | None = None
     control: object = None  # a gloo group for CPU-side agreement (None: the default)
-    tuning: frozenset = DEFAULT_TUNING  # TUNINGS' names in use
+    tuning: frozenset = DEFAULT_TUNING  # the names of TUNINGS asked for
 
     @property
     def main(self) -> bool:
