@@ -23,6 +23,35 @@ and ``gpt-data-parallel-loss.csv`` (validation loss by tokens seen, by run) into
 ``src/stepkernels/results/<gpu>/``, which chapter 12 shows. ``--smoke``: the same runs of
 the tiny preset on the CPU (gloo, Triton's interpreter), to check the script; it records
 nothing.
+
+``--tunings ddp|fsdp|all`` measures the wrappers' tunings (``distributed.TUNINGS``; issue
+44: DDP at 1.63x one GPU against a target of 1.85x, FSDP2 at 0.37x DDP against 0.9x) one at a
+time, through ``STEPKERNELS_PARALLEL_TUNING``, into ``--out``/tunings/: the one-GPU eager
+run (the ratio's reference, measured in the same session), then for DDP and FSDP2 each with
+every tuning off (``none``, the recorded runs' wrappers), all on (``default``), and all on
+but one (``default,-NAME``), and FSDP2 with every block kept gathered (``keep-gathered``).
+It prints a table with each run's tokens/s against the one-GPU run, against the kind's
+``none`` and against its ``default``; it records nothing (one session's A/B, read as
+such). The commands for the next session on an nvidia-h200-x2 (two H200s, NV18), from the
+repository root, ~20 minutes of device time for ``all`` at --steps 150::
+
+    make data || true   # or STEPKERNELS_DATA pointing at prepared data
+    PYTHONPATH=src timeout 580 python lab/data_parallel.py --tunings ddp --steps 150 \
+        --time-limit-s 60 --out runs/dp 2>&1 | tee lab/data_parallel_tunings_ddp.log
+    PYTHONPATH=src timeout 580 python lab/data_parallel.py --tunings fsdp --steps 150 \
+        --time-limit-s 60 --out runs/dp 2>&1 | tee lab/data_parallel_tunings_fsdp.log
+    PYTHONPATH=src python lab/data_parallel.py --tunings all --table --out runs/dp
+
+(each call runs the one-GPU reference again: the ratios are to the same call's run. A call
+cut by the 10-minute limit goes on where it stopped with ``--skip-done`` added.) A single
+run by hand, e.g. FSDP2 without the mixed-precision gather::
+
+    STEPKERNELS_PARALLEL_TUNING=default,-mixed-precision PYTHONPATH=src \
+        torchrun --standalone --nproc-per-node 2 -m stepkernels.train --config gpt2-small \
+        --batch-size 32 --parallel fsdp --max-steps 150 --log-interval 12 \
+        --eval-interval 0 --sample-tokens 0 --out-dir runs/dp/by-hand --overwrite
+
+Its ``log.jsonl``'s start event lists the tunings asked for (``tuning``).
 """
 
 import argparse
@@ -50,6 +79,67 @@ RUNS = {  # name: (processes, options beside the common ones)
 # Run last, and a failure does not stop the script: the step compiled in each process, the
 # faster path across processes where the whole-step graph is not recorded.
 COMPILED = {"2 GPUs, DDP, torch.compile": (2, ["--parallel", "ddp", "--step", "compile"])}
+
+
+# --tunings: (processes, options, STEPKERNELS_PARALLEL_TUNING) by run, for ddp and fsdp
+DDP_TUNINGS = ("bucket-view", "static-graph", "bucket-cap")
+FSDP_TUNINGS = ("mixed-precision", "last-block", "prefetch", "fused-adamw", "local-clip")
+REFERENCE = "1 GPU, grad-accum 2"
+
+
+def tuning_runs(which: str) -> dict:
+    runs = {REFERENCE: (1, RUNS[REFERENCE][1], None)}
+    for kind, name, tunings in (("ddp", "DDP", DDP_TUNINGS), ("fsdp", "FSDP2", FSDP_TUNINGS)):
+        if which not in (kind, "all"):
+            continue
+        options = ["--parallel", kind]
+        runs[f"2 GPUs, {name}, none"] = (2, options, "none")
+        runs[f"2 GPUs, {name}, default"] = (2, options, "default")
+        for tuning in tunings:
+            runs[f"2 GPUs, {name}, default -{tuning}"] = (2, options, f"default,-{tuning}")
+        if kind == "fsdp":
+            runs[f"2 GPUs, {name}, default +keep-gathered"] = (2, options, "default,keep-gathered")
+    return runs
+
+
+def run_tunings(args) -> None:
+    for run, (processes, options, tuning) in tuning_runs(args.tunings).items():
+        out = args.out / "tunings" / folder_name(run)
+        if args.skip_done and (out / "log.jsonl").is_file() and summary(out) is not None:
+            print(f"\n=== {run}: done before, in {out}", flush=True)
+            continue
+        full = command(processes, [*common(args), *options, "--overwrite"])
+        execute(run, [*full, "--out-dir", str(out)], args, required=False, tuning=tuning)
+
+
+def tuning_table(args) -> None:
+    runs = {}
+    for run in tuning_runs(args.tunings):
+        log = args.out / "tunings" / folder_name(run) / "log.jsonl"
+        found = summary(log.parent) if log.is_file() else None
+        if found is not None and found["tokens_per_s"]:
+            runs[run] = found
+    reference = runs.get(REFERENCE, {}).get("tokens_per_s")
+    print(f"\n{'run':>40} | tokens/s | x 1 GPU | x none | x default | peak GiB | val loss")
+    for run, s in runs.items():
+        rate = s["tokens_per_s"]
+        kind = run.split(", ")[1] if run != REFERENCE else None
+        ratios = [
+            rate / reference if reference else None,
+            *(
+                rate / runs[base]["tokens_per_s"] if base in runs else None
+                for base in (f"2 GPUs, {kind}, none", f"2 GPUs, {kind}, default")
+            ),
+        ]
+        shown = [f"{r:.3f}" if r is not None and kind else "-" for r in ratios]
+        if not kind:
+            shown[0] = "1.000"
+        peak = s["peak_memory_gib"]
+        peak = f"{peak:.2f}" if peak is not None else "-"
+        print(
+            f"{run:>40} | {rate:>8,.0f} | {shown[0]:>7} | {shown[1]:>6} | {shown[2]:>9} | "
+            f"{peak:>8} | {s['evals'][-1][1]:.4f}"
+        )
 
 
 def folder_name(run: str) -> str:
@@ -98,10 +188,15 @@ def run_all(args) -> None:
     execute(RESUMED, [*command(1, options), "--out-dir", str(resumed)], args)
 
 
-def execute(run: str, argv: list[str], args, required: bool = True) -> None:
-    print(f"\n=== {run}\n$ {' '.join(argv)}", flush=True)
+def execute(run: str, argv: list[str], args, required: bool = True, tuning: str | None = None) -> None:
+    env = dict(os.environ)
+    env.pop("STEPKERNELS_PARALLEL_TUNING", None)
+    if tuning is not None:
+        env["STEPKERNELS_PARALLEL_TUNING"] = tuning
+    shown = f"STEPKERNELS_PARALLEL_TUNING={tuning} " if tuning is not None else ""
+    print(f"\n=== {run}\n$ {shown}{' '.join(argv)}", flush=True)
     try:
-        done = subprocess.run(argv, timeout=args.time_limit_s + 600)
+        done = subprocess.run(argv, timeout=args.time_limit_s + 600, env=env)
     except subprocess.TimeoutExpired:
         done = subprocess.CompletedProcess(argv, "timed out")
     if done.returncode and required:
@@ -191,11 +286,20 @@ def main() -> None:
     parser.add_argument("--smoke", action="store_true", help="the tiny preset on a CPU")
     parser.add_argument("--table", action="store_true", help="only the table of --out")
     parser.add_argument("--compiled", action="store_true", help="only the compiled run, beside the others")
+    parser.add_argument("--tunings", choices=("ddp", "fsdp", "all"), help="A/B the wrappers' tunings (records nothing)")
+    parser.add_argument(
+        "--skip-done", action="store_true", help="with --tunings: leave out the runs --out holds finished"
+    )
     args = parser.parse_args()
-    if args.smoke and args.record:
-        parser.error("--smoke records nothing: the CPU's numbers are no results")
+    if (args.smoke or args.tunings) and args.record:
+        parser.error("--smoke and --tunings record nothing: the CPU's numbers are no results, the A/B one session's")
     if args.smoke:
         os.environ.setdefault("TRITON_INTERPRET", "1")
+    if args.tunings:
+        if not args.table:
+            run_tunings(args)
+        tuning_table(args)
+        return
     if not args.table:
         run_all(args)
     runs = table(args)

@@ -90,15 +90,18 @@ def data_dir(tmp_path_factory):
     return small_text.prepare(tmp_path_factory.mktemp("data"))
 
 
-def torchrun(out_dir: Path, data_dir: Path, *args: str, gpus: bool = False) -> dict:
+def torchrun(out_dir: Path, data_dir: Path, *args: str, gpus: bool = False, tuning: str | None = None) -> dict:
     """Two processes of the command under torchrun (on the CPU, or one GPU each); each
-    rank's dump, by rank, and what rank 0 printed."""
+    rank's dump, by rank, and what rank 0 printed. ``tuning``: STEPKERNELS_PARALLEL_TUNING."""
     dump = out_dir.parent / f"{out_dir.name}-dump"
     dump.mkdir(parents=True)
     env = {k: v for k, v in os.environ.items() if k not in WORLD_VARIABLES}
     env["PYTHONPATH"] = os.pathsep.join([str(Path(stepkernels.__file__).parents[1]), env.get("PYTHONPATH", "")])
     if not gpus:
         env["TRITON_INTERPRET"] = "1"
+    env.pop(distributed.TUNING_VARIABLE, None)
+    if tuning is not None:
+        env[distributed.TUNING_VARIABLE] = tuning
     command = [
         *(sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"),
         *("--standalone", __file__, str(dump)),
@@ -161,6 +164,7 @@ def test_both_ranks_train_and_rank_0_alone_writes(kind, runs):
     log = events(runs["folder"] / kind)
     assert [e["event"] for e in log] == ["start", *["log"] * len(steps), "eval", "end"]  # one process's
     assert log[0]["processes"] == 2 and log[0]["parallel"] == kind
+    assert log[0]["tuning"] == sorted(distributed.DEFAULT_TUNING)  # STEPKERNELS_PARALLEL_TUNING unset
     assert [e["step"] for e in log if e["event"] == "log"] == steps
     assert all(math.isfinite(e["loss"]) for e in log if e["event"] == "log")
     losses = [[(h["train_loss"], h["val_loss"]) for h in ranks[rank]["history"]] for rank in (0, 1)]
@@ -355,6 +359,28 @@ def test_two_gpus_train_as_one_gpu_with_grad_accum(data_dir, tmp_path):
     shutil.copytree(tmp_path / "ddp", tmp_path / "resumed")
     printed = one_process(tmp_path / "resumed", data_dir, *fp32, "--resume", "--max-steps", "3", "--grad-accum", "2")
     assert "written by 2 processes, continued by 1 process" in printed and load("resumed")["step"] == 3
+
+
+@on_two_gpus
+def test_fsdp_in_bf16_trains_alike_with_and_without_its_tunings_on_two_gpus(data_dir, tmp_path):
+    """bf16 autocast on NCCL: FSDP2 with its products gathered in bf16 (the norms fp32), the
+    last block kept, prefetch, fused AdamW and the local clip, against FSDP2 with none of
+    them; DDP with its tunings against none. The same numbers up to the order of the GPU's
+    sums (bit for bit on gloo: tests/test_parallel_tuning.py)."""
+    bf16 = ("--dtype", "bfloat16")
+    for kind in ("fsdp", "ddp"):
+        runs = {
+            tuning: torchrun(
+                tmp_path / f"{kind}-{tuning}", data_dir, *bf16, "--parallel", kind, gpus=True, tuning=tuning
+            )
+            for tuning in ("none", "default")
+        }
+        assert runs["default"][0]["history"][-1]["val_loss"] == pytest.approx(
+            runs["none"][0]["history"][-1]["val_loss"], rel=1e-3
+        )
+        for name, value in runs["none"][0]["params"].items():
+            gap = (runs["default"][0]["params"][name] - value).abs().max().item()
+            assert gap < 1e-3, (kind, name, gap)  # lr 0.01: a step moves a weight ~1e-2
 
 
 if __name__ == "__main__":

@@ -1041,6 +1041,16 @@ if validation and seconds:
 # gathers a block's weights just before the block runs, forward and backward, and
 # reduce-scatters the block's gradients after its backward.
 #
+# Both wrappers are told what they can rely on, none of it changing a number the step
+# computes. DDP's gradients become views of its all-reduce buckets (no copy back), a
+# bucket holds about one block's gradients, and without ``--grad-accum`` the graph is
+# declared static. FSDP2 gathers a block's products' weights in bf16, the dtype autocast
+# would cast them to anyway, so half the bytes cross between GPUs and no product casts its
+# weight; the norms' weights stay fp32 with the embeddings in the model's own group, as
+# autocast keeps the norms in fp32, and the gradients are reduced in fp32. The last block
+# stays gathered from its forward to its backward, which starts with it, and PyTorch's
+# fused AdamW steps the shards (``stepkernels.models.distributed``).
+#
 # Two things are ours to decide. Every step's batch is drawn once from the seed and the step,
 # and process r takes its r-th slice of the rows: two GPUs run the micro-batches that one GPU
 # runs with ``--grad-accum 2`` (two halves a step, each loss scaled by 1/2, the gradients

@@ -29,6 +29,23 @@ What this module decides, and ``train.Trainer`` relies on:
 * Checkpoints hold the whole model and optimizer in one process's layout, written by rank 0
   (``full_state``) and read by every process (``load_full_state``): a run written by N
   processes resumes on any number, FSDP's or DDP's or one process's.
+
+How the wrappers are tuned (``TUNINGS``; none of them changes a number the step computes,
+each is on unless ``STEPKERNELS_PARALLEL_TUNING`` says otherwise, a lab switch to measure
+them one at a time, ``lab/data_parallel.py --tunings``):
+
+* DDP keeps the gradients as views of its all-reduce buckets (no copy back after the
+  all-reduce), is told the graph is the same every step (``static_graph``), and fills a
+  bucket with about one block's gradients (``bucket_bytes``); ``static_graph`` only without
+  gradient accumulation, which PyTorch's reducer does not support with it.
+* FSDP2 gathers the blocks' products' weights in the autocast dtype (a
+  ``MixedPrecisionPolicy``: half the bytes of an fp32 gather, and no cast per product) and
+  reduces their gradients in fp32. The products cast those weights under autocast anyway,
+  so nothing changes; the norms' weights stay fp32 with the embeddings in the root's
+  group, as autocast keeps the norms in fp32 (``products``). The last block stays gathered for the backward, which
+  starts with it; the next block's gather is issued as a block starts; the optimizer is
+  PyTorch's fused AdamW over the shards; the clip's norm comes from the local shards with
+  one all-reduce (``clip_grad_norm``).
 """
 
 from __future__ import annotations
@@ -46,6 +63,44 @@ import torch.distributed as dist
 
 PARALLEL = ("ddp", "fsdp")
 LAUNCH = "torchrun --nproc-per-node N -m stepkernels.train"
+TUNING_VARIABLE = "STEPKERNELS_PARALLEL_TUNING"
+TUNINGS = {  # name: what it does; on by default unless its name is in OFF_BY_DEFAULT
+    "bucket-view": "DDP: the gradients are views of the all-reduce buckets",
+    "static-graph": "DDP: the same graph every step (static_graph)",
+    "bucket-cap": "DDP: a bucket of about one block's gradients",
+    "mixed-precision": "FSDP2: blocks gathered in the autocast dtype, reduced in fp32",
+    "last-block": "FSDP2: the last block stays gathered from forward to backward",
+    "prefetch": "FSDP2: the next block's gather issued as a block starts",
+    "fused-adamw": "FSDP2: PyTorch's fused AdamW over the shards",
+    "local-clip": "FSDP2: the clip's norm from the local shards, one all-reduce",
+    "keep-gathered": "FSDP2: every block stays gathered from forward to backward",
+}
+OFF_BY_DEFAULT = frozenset({"keep-gathered"})  # memory for speed: the user's choice
+DEFAULT_TUNING = frozenset(TUNINGS) - OFF_BY_DEFAULT
+
+
+def tuning_from_environment(environ=None) -> frozenset:
+    """The tunings ``STEPKERNELS_PARALLEL_TUNING`` asks for: unset, the defaults; else a
+    comma-separated list, read left to right, of ``default``, ``none``, a name (on) and
+    ``-name`` (off). ConfigError("parallel") for a name not in ``TUNINGS``."""
+    environ = os.environ if environ is None else environ
+    text = environ.get(TUNING_VARIABLE)
+    if text is None:
+        return DEFAULT_TUNING
+    chosen = set()
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        name = item.removeprefix("-")
+        if item in ("default", "none"):
+            chosen = set(DEFAULT_TUNING if item == "default" else ())
+        elif name in TUNINGS:
+            (chosen.discard if item.startswith("-") else chosen.add)(name)
+        else:
+            raise ConfigError(
+                "parallel",
+                f"{TUNING_VARIABLE} names {item!r}: give a comma-separated list of "
+                f"default, none, and names from {', '.join(TUNINGS)} (-name: off)",
+            )
+    return frozenset(chosen)
 
 
 @dataclass(frozen=True)
@@ -145,6 +200,7 @@ class Parallel:
     device: torch.device = core.DEVICE
     backend: str | None = None
     control: object = None  # a gloo group for CPU-side agreement (None: the default)
+    tuning: frozenset = DEFAULT_TUNING  # the names of TUNINGS asked for
 
     @property
     def main(self) -> bool:
@@ -179,7 +235,14 @@ def start(kind: str, launch: Launch) -> Parallel:
         dist.init_process_group("gloo")
         control, backend = None, "gloo"
     return Parallel(
-        kind, launch.rank, launch.world, launch.local_rank, device, backend, control
+        kind,
+        launch.rank,
+        launch.world,
+        launch.local_rank,
+        device,
+        backend,
+        control,
+        tuning_from_environment(),
     )
 
 
@@ -188,9 +251,17 @@ def stop(parallel: Parallel) -> None:
         dist.destroy_process_group()
 
 
-def wrap(model: torch.nn.Module, parallel: Parallel) -> torch.nn.Module:
+def wrap(
+    model: torch.nn.Module,
+    parallel: Parallel,
+    dtype: torch.dtype | None = None,
+    accumulates: bool = False,
+) -> torch.nn.Module:
     """The module a training step calls: DDP around ``model``, or ``model`` itself sharded
-    in place by FSDP2 (a block a group, the embeddings and output in the root's)."""
+    in place by FSDP2 (a block's products a group; the embeddings, the norms and the output
+    in the root's). ``dtype``: the autocast dtype of the products, None without autocast;
+    ``accumulates``: whether a step has several micro-batches (``gradient_sync``)."""
+    tuning = parallel.tuning
     if parallel.kind == "ddp":
         from torch.nn.parallel import DistributedDataParallel
 
@@ -204,20 +275,85 @@ def wrap(model: torch.nn.Module, parallel: Parallel) -> torch.nn.Module:
             if "forward_sync_buffers" in own
             else "broadcast_buffers"
         )
-        return DistributedDataParallel(model, device_ids=ids, **{name: False})
+        options = {name: False}
+        # After the all-reduce, each gradient is its bucket's view: no copy back.
+        options["gradient_as_bucket_view"] = "bucket-view" in tuning
+        # Every step runs every parameter in the same order (no unused ones to look for).
+        # Not with no_sync's accumulation: PyTorch's reducer then fails its first backward
+        # (an INTERNAL ASSERT, pytorch/pytorch#143580; tests/test_parallel_tuning.py).
+        options["static_graph"] = "static-graph" in tuning and not accumulates
+        if "bucket-cap" in tuning:
+            options["bucket_cap_mb"] = bucket_bytes(model) / 2**20
+        return DistributedDataParallel(model, device_ids=ids, **options)
     if parallel.kind == "fsdp":
         from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         mesh = init_device_mesh(parallel.device.type, (parallel.world,))
-        for block in model.blocks:
-            fully_shard(block, mesh=mesh)
+        half = dtype in (torch.bfloat16, torch.float16)
+        if "mixed-precision" in tuning and half:
+            # The blocks' products in ``dtype``, as autocast would cast them; the rotary
+            # tables a block takes stay fp32 (no cast of its inputs).
+            policy = MixedPrecisionPolicy(
+                param_dtype=dtype, reduce_dtype=torch.float32, cast_forward_inputs=False
+            )
+            # The norms' weights join the root's group, in fp32 as autocast keeps them.
+            groups = [products(block) for block in model.blocks]
+        else:
+            policy, groups = MixedPrecisionPolicy(), list(model.blocks)
+        sharded = []
+        for i, group in enumerate(groups):
+            last = i == len(groups) - 1
+            keep = "keep-gathered" in tuning or (last and "last-block" in tuning)
+            done = fully_shard(
+                group, mesh=mesh, mp_policy=policy, reshard_after_forward=not keep
+            )
+            sharded.append(done[0] if isinstance(done, list) else done)
         fully_shard(model, mesh=mesh)
-        # FSDP2 warns that the root returns a view (the logits): an in-place op on it would
-        # skip a hook. We never change the logits in place.
+        if "prefetch" in tuning:  # block i + 1's gather issued as block i starts
+            for first, then in zip([model, *sharded], sharded, strict=False):
+                first.set_modules_to_forward_prefetch([then])
+        # FSDP2 warns that a group returns a view (the logits, a product): an in-place op
+        # on it would skip a hook. We never change them in place.
         warnings.filterwarnings("ignore", message=".*returned a view tensor.*")
         return model
     return model
+
+
+def reshard(model: torch.nn.Module, parallel: Parallel) -> None:
+    """After forwards with no backward (an evaluation) under FSDP2: free what the blocks'
+    groups keep gathered from forward to backward (``last-block``, ``keep-gathered``), so
+    that the next training step starts as every other does. Left gathered, a block's fp32
+    weights would be plain tensors at the next forward, where the step's casts
+    (``gpt.product_weights``) would take them in, and their gradients would come through
+    the casts' backward at the end; FSDP2 (torch 2.13, gloo) still reduces them alike
+    (tests/test_parallel_tuning.py finds the same numbers with and without this), but
+    that step would be unlike the others. The root's group stays gathered, as FSDP2
+    keeps it."""
+    if parallel.kind != "fsdp":
+        return
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule) and module is not model:
+            module.reshard()
+
+
+def products(block: torch.nn.Module) -> list[torch.nn.Module]:
+    """A block's submodules other than its norms: those that hold its products' weights."""
+    norms = (torch.nn.LayerNorm, torch.nn.RMSNorm)
+    return [m for m in block.children() if not isinstance(m, norms)]
+
+
+def bucket_bytes(model: torch.nn.Module) -> int:
+    """DDP's bucket size for ``model``: the gradients of its largest block (fp32 as the
+    parameters). GPT-2 small: 7.09M parameters, 28.4 MB a block, 12 buckets and the
+    embeddings' remainder; the all-reduce of the last one ready (the backward's exposed
+    tail) is then at most one block's."""
+    return max(
+        sum(p.numel() * p.element_size() for p in block.parameters())
+        for block in model.blocks
+    )
 
 
 def gradient_sync(module: torch.nn.Module, parallel: Parallel, sync: bool):
@@ -243,6 +379,26 @@ def all_mean(tensor: torch.Tensor, parallel: Parallel) -> torch.Tensor:
         dist.all_reduce(tensor)
         tensor /= parallel.world
     return tensor
+
+
+def clip_grad_norm(parameters, max_norm: float, parallel: Parallel) -> torch.Tensor:
+    """Scale the gradients so that their global norm is at most ``max_norm``, as
+    ``torch.nn.utils.clip_grad_norm_`` does; returns the norm before, a tensor (nothing is
+    read on the host). FSDP's gradients are shards (DTensors): the norm's squares are summed
+    over this process's shards and all-reduced, one collective where the clip over DTensors
+    dispatches each of its steps through DTensor."""
+    grads = [p.grad for p in parameters if p.grad is not None]
+    sharded = any(hasattr(g, "to_local") for g in grads)
+    local = [g.to_local() if hasattr(g, "to_local") else g for g in grads]
+    if not local:
+        return torch.zeros((), device=parallel.device)
+    squares = torch.stack(torch._foreach_norm(local)).square().sum()
+    if sharded and parallel.several:  # each process holds its shards' part
+        dist.all_reduce(squares)
+    total = squares.sqrt()
+    scale = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    torch._foreach_mul_(local, scale)
+    return total
 
 
 def agree(flag: bool, parallel: Parallel) -> bool:

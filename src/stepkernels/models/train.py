@@ -226,7 +226,8 @@ def make_optimizer(
     """AdamW with weight decay on matrices only. On one GPU: fused, capturable and with the
     learning rate in a tensor, so a CUDA graph of the step replays it, and with our layers
     (use_triton) chapter 15's FusedAdamW, one launch a group; on several (no graph) the
-    learning rate is a number, fused under DDP, PyTorch's default for FSDP's shards."""
+    learning rate is a number, fused under DDP, and over FSDP's shards (DTensors) unless
+    its tuning is off (``distributed.TUNINGS``: then PyTorch's default, foreach)."""
     matrices = [p for p in model.parameters() if p.dim() >= 2]
     vectors = [p for p in model.parameters() if p.dim() < 2]
     groups = [
@@ -234,9 +235,15 @@ def make_optimizer(
         {"params": vectors, "weight_decay": 0.0},
     ]
     betas = (0.9, cfg.beta2)
+    several = parallel is not None and parallel.several
+    fused_shards = (
+        several and parallel.kind == "fsdp" and "fused-adamw" in parallel.tuning
+    )
+    if fused_shards:  # on the CPU too (PyTorch's fused AdamW has a CPU kernel)
+        return torch.optim.AdamW(groups, lr=cfg.learning_rate, betas=betas, fused=True)
     if not core.ON_GPU:
         return torch.optim.AdamW(groups, lr=cfg.learning_rate, betas=betas)
-    if parallel is not None and parallel.several:
+    if several:
         fused = parallel.kind == "ddp"
         return torch.optim.AdamW(groups, lr=cfg.learning_rate, betas=betas, fused=fused)
     lr = torch.tensor(cfg.learning_rate, device=core.DEVICE)
@@ -368,10 +375,15 @@ class Trainer:
         torch.manual_seed(cfg.seed)  # the same parameters in every process
         self.model = GPT(cfg.model_config(self.data.vocab_size)).to(self.device)
         # What a step calls: DDP around the model, or the model sharded in place by FSDP2.
-        self.wrapped = distributed.wrap(self.model, parallel)
+        autocast = cfg.dtype != "float32"  # check_config: bf16 on a GPU only
+        self.autocast_dtype = getattr(torch, cfg.dtype) if autocast else None
+        self.wrapped = distributed.wrap(
+            self.model, parallel, self.autocast_dtype, accumulates=cfg.grad_accum > 1
+        )
         if parallel.several:  # PyTorch's dropout (--no-use-triton): masks of its own
             torch.manual_seed(cfg.seed + parallel.rank)
         self.optimizer = make_optimizer(self.model, cfg, parallel)
+        self.local_clip = parallel.kind == "fsdp" and "local-clip" in parallel.tuning
         # fp16's narrow range: the loss scaled up, the gradients checked for overflow and
         # scaled down, a step with an inf or nan skipped and the scale halved. Our and
         # PyTorch's fused AdamW do both on the device (GradScaler reads nothing on the
@@ -385,8 +397,6 @@ class Trainer:
             if cfg.step in compiled
             else self.wrapped
         )
-        autocast = cfg.dtype != "float32"  # check_config: bf16 on a GPU only
-        self.autocast_dtype = getattr(torch, cfg.dtype) if autocast else None
         self.splits = {
             name: getattr(self.data, name).to(self.device) for name in ("train", "val")
         }
@@ -493,6 +503,12 @@ class Trainer:
             self.scaler.unscale_(self.optimizer)  # clip the gradients, not their scale
         if self.cfg.grad_clip > 0 and isinstance(self.optimizer, FusedAdamW):
             self.optimizer.clip_grad_norm(self.cfg.grad_clip)  # in its update: ch. 15
+        elif (
+            self.cfg.grad_clip > 0 and self.local_clip
+        ):  # FSDP's shards: one all-reduce
+            distributed.clip_grad_norm(
+                self.model.parameters(), self.cfg.grad_clip, self.parallel
+            )
         elif self.cfg.grad_clip > 0:  # a tensor result: no synchronization
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
         self.scaler.step(self.optimizer)  # skipped where a gradient is inf or nan
@@ -561,6 +577,9 @@ class Trainer:
                         total += self.forward(x, y)[1].float()
             distributed.all_mean(total, self.parallel)
             losses[split] = total.item() / (self.cfg.eval_batches * self.cfg.grad_accum)
+        distributed.reshard(
+            self.model, self.parallel
+        )  # FSDP2: gathered for no backward
         self.model.train()
         return losses
 
@@ -660,6 +679,8 @@ class Trainer:
                 "flops_per_token": flops_per_token(self.model.config),
                 "processes": self.parallel.world,
                 "parallel": self.parallel.kind,
+                # distributed.TUNINGS in use (STEPKERNELS_PARALLEL_TUNING): lab A/B runs
+                "tuning": sorted(self.parallel.tuning) if self.parallel.several else [],
             }
         )
 
