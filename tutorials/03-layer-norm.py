@@ -74,6 +74,7 @@ from stepkernels.runtime.device import profile
 from stepkernels.runtime.launch import (  # cheap repeated launches: chapter 08
     bound_launches,
     cdiv,
+    layout,
     lean,
     lean_now,
     next_power_of_2,
@@ -557,8 +558,7 @@ class LayerNormFunction(torch.autograd.Function):
         want_db = ctx.has_bias and ctx.needs_input_grad[2]
         key = ctx.key if ctx.key is None or type(dy) is torch.Tensor else None
         if key is not None:  # a repeated call: dy's layout too
-            key = (key, dy.shape, dy.stride(), dy.dtype, dy.data_ptr() % 16)
-            key = (*key, want_dw, want_db)
+            key = (key, layout(dy), want_dw, want_db)
             planned = BACKWARD_PLANS.get(key)
             if planned is not None and lean_now():
                 dx, dw, db = planned(x2d, dy, weight, mean, rstd)
@@ -582,14 +582,6 @@ class LayerNormFunction(torch.autograd.Function):
 # read from the call: each tensor's layout, and the other arguments as given.
 FORWARD_PLANS, BACKWARD_PLANS = plan_cache(), plan_cache()
 TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
-
-
-def layout(t) -> tuple | None:
-    return (
-        None
-        if t is None
-        else (t.shape, t.stride(), t.dtype, t.device, t.data_ptr() % 16)
-    )
 
 
 def call_key(x, shape, weight, bias, eps, reduction, block_size) -> tuple | None:
