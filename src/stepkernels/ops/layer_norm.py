@@ -26,7 +26,7 @@ from stepkernels.runtime.launch import (  # cheap repeated launches: chapter 08
     plan_cache,
     recorded_launches,
 )
-from stepkernels.runtime.partials import flush_partials, sum_partials_kernel
+from stepkernels.runtime.partials import flush_partials, sum_partials
 import torch
 import triton
 import triton.language as tl
@@ -301,24 +301,16 @@ def layer_norm_backward(
         layer_norm_backward_kernel[(n_programs,)](
             *tensors, *strides, n_rows, n_cols, num_locks, **options, **config
         )
-    if mode != "none":  # narrow column blocks: two programs per SM whenever N allows
-        block_n = next_power_of_2(cdiv(n_cols, 2 * sm_count()))
-        block_n = min(128, max(16, block_n))
-        n_partials = partials.shape[0]  # in tiles of up to 4,096 sums, loaded together
-        block_p = min(next_power_of_2(n_partials), max(32, 4096 // block_n))
-        sum_partials_kernel[(cdiv(n_cols, block_n),)](
+    if mode != "none":  # the second stage (runtime/partials, below)
+        sum_partials(
             partials,
             locks[num_locks:],
             dx if dw is None else dw,
             dx if db is None else db,
-            n_partials,
             n_cols,
             HAS_COUNTS=mode == "lock",
             HAS_DW=want_dw,
             HAS_DB=want_db,
-            BLOCK_P=block_p,
-            BLOCK_N=block_n,
-            num_warps=4,
         )
     return dx, dw, db
 
