@@ -25,8 +25,9 @@ import itertools
 import sys
 
 from stepkernels.lessons import bench
-from stepkernels.ops.layer_norm import backward_config, layer_norm_backward, layer_norm_forward, sum_partials_kernel
+from stepkernels.ops.layer_norm import backward_config, layer_norm_backward, layer_norm_forward
 from stepkernels.runtime import core
+from stepkernels.runtime.partials import sum_partials_kernel
 import torch
 import triton
 

@@ -27,8 +27,9 @@ import itertools
 import sys
 
 from stepkernels.lessons import bench
-from stepkernels.ops.layer_norm import layer_norm_backward, layer_norm_forward, sum_partials_kernel
+from stepkernels.ops.layer_norm import layer_norm_backward, layer_norm_forward
 from stepkernels.runtime.core import DEVICE, ON_GPU, dtype_name, sm_count
+from stepkernels.runtime.partials import sum_partials_kernel
 from stepkernels.runtime.waiting import MAX_POLLS, publish_and_wait
 import torch
 import triton

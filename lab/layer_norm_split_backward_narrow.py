@@ -29,10 +29,9 @@ from register_caps import LAYER_NORM_BACKWARD_ARGUMENTS
 from softmax_split_way_out import programs_per_sm, registers
 from stepkernels.lessons import bench
 from stepkernels.ops import layer_norm, long_rows
-from stepkernels.ops.layer_norm import sum_partials_kernel
 from stepkernels.ops.long_rows import load_rows
 from stepkernels.runtime.core import DEVICE, ON_GPU, dtype_name
-from stepkernels.runtime.partials import flush_partials
+from stepkernels.runtime.partials import flush_partials, sum_partials_kernel
 from stepkernels.runtime.waiting import MAX_POLLS, publish, wait_for
 import torch
 import triton

@@ -52,6 +52,7 @@ from stepkernels.lessons import bench
 from stepkernels.ops import rms_norm as rms_module
 from stepkernels.ops import rotary as rotary_module
 from stepkernels.ops import swiglu as swiglu_module
+from stepkernels.ops.rotary import rope_tables
 from stepkernels.runtime.core import DEVICE, ON_GPU, dtype_name
 import torch
 import torch.nn.functional as F
@@ -68,13 +69,6 @@ failures = set()
 
 # The layers: inputs, ours, PyTorch's, passes counted (forward, forward + backward), and the
 # launch table each direction varies: (module, table name, key of a call's entry).
-
-
-def rope_tables(positions, dim, dtype):
-    inverse = 10000.0 ** -(torch.arange(0, dim, 2, device=DEVICE) / dim)
-    angles = torch.arange(positions, device=DEVICE)[:, None] * inverse
-    angles = torch.cat([angles, angles], dim=-1)
-    return angles.cos().to(dtype), angles.sin().to(dtype)
 
 
 def rope_reference(x, cos, sin):
@@ -163,7 +157,7 @@ def inputs_of(layer: str, n: int, dtype, backward: bool) -> tuple:
     ]
     inputs = list(leaves)
     if layer == "rotary":
-        inputs += rope_tables(leaves[0].shape[2], HEAD_DIM, dtype)
+        inputs += rope_tables(leaves[0].shape[2], HEAD_DIM, dtype, DEVICE)
     outputs = leaves[:2] if layer == "rotary" else leaves[:1]  # outputs have their shapes
     return leaves, inputs, [torch.randn_like(out) for out in outputs] if backward else []
 
@@ -431,7 +425,7 @@ def check_candidates(layer, backward, dtype, n, module, table, key) -> None:
     leaves = [
         torch.randn(shape, device=DEVICE, dtype=dtype).requires_grad_(wants) for shape, wants in spec["shapes"](n)
     ]
-    tables = rope_tables(leaves[0].shape[2], HEAD_DIM, dtype) if layer == "rotary" else ()
+    tables = rope_tables(leaves[0].shape[2], HEAD_DIM, dtype, DEVICE) if layer == "rotary" else ()
     expected = spec["theirs"](*(t.double() for t in leaves), *(t.double() for t in tables))
     expected = expected if isinstance(expected, tuple) else (expected,)
     grads = [torch.randn_like(e) for e in expected]

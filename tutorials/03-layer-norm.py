@@ -74,13 +74,14 @@ from stepkernels.runtime.device import profile
 from stepkernels.runtime.launch import (  # cheap repeated launches: chapter 08
     bound_launches,
     cdiv,
+    layout,
     lean,
     lean_now,
     next_power_of_2,
     plan_cache,
     recorded_launches,
 )
-from stepkernels.runtime.partials import flush_partials, sum_partials_kernel
+from stepkernels.runtime.partials import flush_partials, sum_partials
 import torch
 import triton
 import triton.language as tl
@@ -335,7 +336,8 @@ def layer_norm_backward_kernel(
 # ``flush_partials`` in ``runtime/partials``: chapter 15's fused norm reduces with it too.
 
 # @save runtime/partials
-from stepkernels.runtime.launch import lean  # noqa: E402
+from stepkernels.runtime.core import sm_count  # noqa: E402
+from stepkernels.runtime.launch import cdiv, lean, next_power_of_2  # noqa: E402
 
 
 @lean
@@ -374,6 +376,28 @@ def sum_partials_kernel(
     if HAS_DB:
         db_sum = tl.sum(db, axis=0).to(db_ptr.dtype.element_ty)
         tl.store(db_ptr + cols, db_sum, mask=col_mask)
+
+
+def sum_partials(partials, visits, dw, db, n_cols, **flags):
+    """``sum_partials_kernel`` over the rows of ``partials`` (one a program of the first
+    stage), with ``flags`` its HAS_COUNTS, HAS_DW and HAS_DB: narrow column blocks, two
+    programs per SM whenever N allows, each program's rows loaded in tiles of up to
+    4,096 sums, all in flight together."""
+    block_n = min(128, max(16, next_power_of_2(cdiv(n_cols, 2 * sm_count()))))
+    n_partials = partials.shape[0]
+    block_p = min(next_power_of_2(n_partials), max(32, 4096 // block_n))
+    sum_partials_kernel[(cdiv(n_cols, block_n),)](
+        partials,
+        visits,
+        dw,
+        db,
+        n_partials,
+        n_cols,
+        **flags,
+        BLOCK_P=block_p,
+        BLOCK_N=block_n,
+        num_warps=4,
+    )
 
 
 # %%
@@ -477,24 +501,16 @@ def layer_norm_backward(
         layer_norm_backward_kernel[(n_programs,)](
             *tensors, *strides, n_rows, n_cols, num_locks, **options, **config
         )
-    if mode != "none":  # narrow column blocks: two programs per SM whenever N allows
-        block_n = next_power_of_2(cdiv(n_cols, 2 * sm_count()))
-        block_n = min(128, max(16, block_n))
-        n_partials = partials.shape[0]  # in tiles of up to 4,096 sums, loaded together
-        block_p = min(next_power_of_2(n_partials), max(32, 4096 // block_n))
-        sum_partials_kernel[(cdiv(n_cols, block_n),)](
+    if mode != "none":  # the second stage (runtime/partials, below)
+        sum_partials(
             partials,
             locks[num_locks:],
             dx if dw is None else dw,
             dx if db is None else db,
-            n_partials,
             n_cols,
             HAS_COUNTS=mode == "lock",
             HAS_DW=want_dw,
             HAS_DB=want_db,
-            BLOCK_P=block_p,
-            BLOCK_N=block_n,
-            num_warps=4,
         )
     return dx, dw, db
 
@@ -557,8 +573,7 @@ class LayerNormFunction(torch.autograd.Function):
         want_db = ctx.has_bias and ctx.needs_input_grad[2]
         key = ctx.key if ctx.key is None or type(dy) is torch.Tensor else None
         if key is not None:  # a repeated call: dy's layout too
-            key = (key, dy.shape, dy.stride(), dy.dtype, dy.data_ptr() % 16)
-            key = (*key, want_dw, want_db)
+            key = (key, layout(dy), want_dw, want_db)
             planned = BACKWARD_PLANS.get(key)
             if planned is not None and lean_now():
                 dx, dw, db = planned(x2d, dy, weight, mean, rstd)
@@ -582,14 +597,6 @@ class LayerNormFunction(torch.autograd.Function):
 # read from the call: each tensor's layout, and the other arguments as given.
 FORWARD_PLANS, BACKWARD_PLANS = plan_cache(), plan_cache()
 TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
-
-
-def layout(t) -> tuple | None:
-    return (
-        None
-        if t is None
-        else (t.shape, t.stride(), t.dtype, t.device, t.data_ptr() % 16)
-    )
 
 
 def call_key(x, shape, weight, bias, eps, reduction, block_size) -> tuple | None:

@@ -80,7 +80,7 @@ from stepkernels.ops.dropout import dropout, dropout_bias_act
 from stepkernels.ops.layer_norm import layer_norm
 from stepkernels.ops.linear import linear
 from stepkernels.ops.rms_norm import rms_norm
-from stepkernels.ops.rotary import rotary_embedding_qk
+from stepkernels.ops.rotary import rope_tables, rotary_embedding_qk
 from stepkernels.ops.swiglu import silu_mul
 from stepkernels.runtime.arguments import classes_in_range, sampling_arguments
 from stepkernels.runtime.core import refuse_double_backward
@@ -216,7 +216,6 @@ CHOICES = {
     "position": ("learned", "rotary"),
     "mlp": ("gelu", "swiglu"),
 }
-ROPE_BASE = 10000.0  # the angles' base (RoFormer's and Llama's)
 
 
 def flops_per_token(config: GPTConfig) -> float:
@@ -412,11 +411,14 @@ class TritonLayers:
 
 
 # @save models/gpt
-def split_heads(qkv: torch.Tensor, n_head: int):
-    """q, k, v (B, H, T, D) of a QKV product (B, T, 3C): strided views, no copies."""
-    batch, time, width = qkv.shape[0], qkv.shape[1], qkv.shape[2] // 3
-    heads = qkv.view(batch, time, 3, n_head, width // n_head)
-    return heads.permute(2, 0, 3, 1, 4).unbind(0)
+def split_heads(qkv: torch.Tensor, n_head: int, n_kv_head: int | None = None):
+    """q (B, H, T, D), k and v (B, H_kv, T, D) of a QKV product (B, T, (H + 2 H_kv) D),
+    H_kv = n_kv_head or H: strided views, no copies."""
+    n_kv_head = n_kv_head or n_head
+    heads = n_head + 2 * n_kv_head  # q's, then k's, then v's
+    batch, time, head_dim = qkv.shape[0], qkv.shape[1], qkv.shape[2] // heads
+    by_head = qkv.view(batch, time, heads, head_dim).transpose(1, 2)
+    return by_head.split([n_head, n_kv_head, n_kv_head], dim=1)
 
 
 class QKVAttention(torch.autograd.Function):
@@ -533,10 +535,7 @@ class CausalSelfAttention(nn.Module):
             # and its backward writes their gradients in that layout (chapter 15)
             y = layers.qkv_attention(qkv, self.n_head)
         else:
-            # (B, T, H + 2 H_kv, D) viewed as (B, H, T, D) and two (B, H_kv, T, D):
-            # strided views, no copies
-            heads = qkv.view(batch, time, -1, width // self.n_head).transpose(1, 2)
-            q, k, v = heads.split([self.n_head, self.n_kv_head, self.n_kv_head], dim=1)
+            q, k, v = split_heads(qkv, self.n_head, self.n_kv_head)
             if rotation is not None:  # rotary: (cos, sin) of the positions
                 q, k = layers.rotary(q, k, *rotation)
             y = layers.attention(q, k, v).transpose(1, 2).reshape(batch, time, width)
@@ -566,16 +565,6 @@ def make_norm(config: GPTConfig) -> nn.Module:
     if config.norm == "rms":
         return nn.RMSNorm(config.n_embd, eps=1e-5)  # as nn.LayerNorm's; Llama's too
     return nn.LayerNorm(config.n_embd, bias=config.bias)
-
-
-def rotary_tables(config: GPTConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin (block_size, head_dim) in fp32: position m turns the pair (i, i + D/2)
-    by m x ROPE_BASE^(-2i / D), the angles repeated over the two halves."""
-    D = config.head_dim
-    inverse = ROPE_BASE ** -(torch.arange(0, D, 2, dtype=torch.float64) / D)
-    angles = torch.arange(config.block_size, dtype=torch.float64)[:, None] * inverse
-    angles = torch.cat([angles, angles], dim=-1)
-    return angles.cos().float(), angles.sin().float()
 
 
 class Block(nn.Module):
@@ -614,7 +603,7 @@ class GPT(nn.Module):
         if config.position == "learned":
             self.positions = nn.Embedding(config.block_size, config.n_embd)
         else:  # rotary: tables, not parameters (nor in the state dict)
-            cos, sin = rotary_tables(config)
+            cos, sin = rope_tables(config.block_size, config.head_dim)  # fp32
             self.register_buffer("cos", cos, persistent=False)
             self.register_buffer("sin", sin, persistent=False)
         self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))

@@ -746,21 +746,24 @@ def rotary_embedding_qk(q, k, cos, sin):
     return rotary(q, k, cos, sin)
 
 
+ROPE_BASE = 10000.0  # the angles' base (RoFormer's and Llama's)
+
+
+def rope_tables(positions, dim, dtype=torch.float32, device=None, base=ROPE_BASE):
+    """cos and sin (positions, dim): position m turns the pair (i, i + dim/2) by
+    m x base^(-2i / dim), the angles repeated over the two halves; computed in fp64,
+    rounded once to ``dtype``."""
+    steps = torch.arange(0, dim, 2, device=device, dtype=torch.float64) / dim
+    places = torch.arange(positions, device=device, dtype=torch.float64)
+    angles = places[:, None] * base**-steps
+    angles = torch.cat([angles, angles], dim=-1)  # the halves repeat
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
 # %%
 # The check runs each function against ``q * cos + rotate_half(q) * sin`` in fp64, forward
 # and backward: q, k and v as views of one projection, a head_dim of 6 (a half of 3, not a
 # power of two), grouped heads, and cos and sin in fp32 beside 16-bit q and k.
-
-
-def rope_tables(positions, dim, dtype=torch.float32, base=10000.0):
-    inverse = base ** -(
-        torch.arange(0, dim, 2, device=DEVICE, dtype=torch.float64) / dim
-    )
-    angles = (
-        torch.arange(positions, device=DEVICE, dtype=torch.float64)[:, None] * inverse
-    )
-    angles = torch.cat([angles, angles], dim=-1)  # the halves repeat
-    return angles.cos().to(dtype), angles.sin().to(dtype)
 
 
 def rope_reference(x, cos, sin):
@@ -775,7 +778,7 @@ def fused_qkv(r, batch, positions, heads, dim):
 
 def rope_case(batch, q_heads, k_heads, positions, dim, fused=False, fp32=False):
     def make(r, dtype):
-        tables = rope_tables(positions, dim, torch.float32 if fp32 else dtype)
+        tables = rope_tables(positions, dim, torch.float32 if fp32 else dtype, DEVICE)
         if fused:
             q, k, _ = fused_qkv(r, batch, positions, q_heads, dim)
         else:
@@ -1054,7 +1057,7 @@ for label, elements in (("forward alone", 4), ("keeping g and u for the backward
 
 x = torch.randn(4, 64, device=DEVICE)
 q = torch.randn(1, 2, 8, 16, device=DEVICE)
-cos, sin = rope_tables(8, 16)
+cos, sin = rope_tables(8, 16, device=DEVICE)
 tutorial.show_refusals(
     "the block's layers",
     {
@@ -1131,7 +1134,7 @@ def make_call(layer, provider, n, dtype, backward):
     ]
     inputs = list(leaves)
     if layer == "rotary":
-        inputs += rope_tables(leaves[0].shape[2], HEAD_DIM, dtype)
+        inputs += rope_tables(leaves[0].shape[2], HEAD_DIM, dtype, DEVICE)
     if provider == "triton (two launches)":
         function = lambda q, k, c, s: (
             rotary_embedding(q, c, s),

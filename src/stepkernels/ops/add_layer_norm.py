@@ -17,7 +17,9 @@ from stepkernels.runtime.core import (
 from stepkernels.runtime.launch import lean
 from stepkernels.runtime.partials import (  # chapter 03: dW and dB in two stages
     flush_partials,
-    sum_partials_kernel,
+)
+from stepkernels.runtime.partials import (
+    sum_partials as second_stage,
 )
 from stepkernels.runtime.rows import as_rows
 import torch
@@ -219,26 +221,11 @@ def add_layer_norm_backward(h, dy, dh, weight, mean, rstd, low_dtype=None):
 def sum_partials(partials):
     """The (2, N) sums of (programs, 2, N) partial sums by chapter 03's second stage:
     narrow column blocks, each program's share of the partials loaded in tiles."""
-    n_partials, _, n_cols = partials.shape
+    n_cols = partials.shape[2]
     sums = partials.new_empty((2, n_cols))
-    block_n = min(
-        128, max(16, triton.next_power_of_2(triton.cdiv(n_cols, 2 * sm_count())))
-    )
-    block_p = min(triton.next_power_of_2(n_partials), max(32, 4096 // block_n))
-    sum_partials_kernel[(triton.cdiv(n_cols, block_n),)](
-        partials,
-        partials,  # no visit counts (HAS_COUNTS False): not read
-        sums[0],
-        sums[1],
-        n_partials,
-        n_cols,
-        HAS_COUNTS=False,
-        HAS_DW=True,
-        HAS_DB=True,
-        BLOCK_P=block_p,
-        BLOCK_N=block_n,
-        num_warps=4,
-    )
+    visits = partials  # no visit counts (HAS_COUNTS False): not read
+    flags = dict(HAS_COUNTS=False, HAS_DW=True, HAS_DB=True)
+    second_stage(partials, visits, *sums, n_cols, **flags)
     return sums
 
 

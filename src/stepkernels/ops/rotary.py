@@ -255,3 +255,17 @@ def rotary_embedding_qk(q, k, cos, sin):
     have fewer heads than q (grouped-query attention); both may be strided views."""
     rotary_arguments({"q": q, "k": k}, cos, sin)
     return rotary(q, k, cos, sin)
+
+
+ROPE_BASE = 10000.0  # the angles' base (RoFormer's and Llama's)
+
+
+def rope_tables(positions, dim, dtype=torch.float32, device=None, base=ROPE_BASE):
+    """cos and sin (positions, dim): position m turns the pair (i, i + dim/2) by
+    m x base^(-2i / dim), the angles repeated over the two halves; computed in fp64,
+    rounded once to ``dtype``."""
+    steps = torch.arange(0, dim, 2, device=device, dtype=torch.float64) / dim
+    places = torch.arange(positions, device=device, dtype=torch.float64)
+    angles = places[:, None] * base**-steps
+    angles = torch.cat([angles, angles], dim=-1)  # the halves repeat
+    return angles.cos().to(dtype), angles.sin().to(dtype)

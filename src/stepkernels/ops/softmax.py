@@ -12,6 +12,7 @@ from stepkernels.runtime.core import refuse_double_backward
 from stepkernels.runtime.launch import (  # cheap repeated launches: chapter 08
     bound_launches,
     cdiv,
+    layout,
     lean,
     lean_now,
     next_power_of_2,
@@ -336,8 +337,7 @@ def softmax_backward_planned(y, dy, log):
     """``softmax_backward``, bound after its first call with dy's layout."""
     fast = type(dy) is torch.Tensor and lean_now()
     if fast:
-        key = (y.shape, y.dtype, y.device, y.data_ptr() % 16, dy.stride(), dy.dtype)
-        key = (*key, dy.data_ptr() % 16, log)
+        key = (layout(y), layout(dy), log)
         launch = BACKWARD_PLANS.get(key)
         if launch is not None:
             dx = torch.empty_like(y, memory_format=torch.contiguous_format)
@@ -357,7 +357,7 @@ def softmax(x: torch.Tensor, dim: int = -1, *, log: bool = False) -> torch.Tenso
     fast = fast and not torch.compiler.is_compiling() and lean_now()
     grad = x.requires_grad and torch.is_grad_enabled() if fast else None
     if fast:  # a call seen before: checked then, its launch bound
-        key = (x.shape, x.stride(), x.dtype, x.device, x.data_ptr() % 16, dim, log)
+        key = (layout(x), dim, log)
         planned = FORWARD_PLANS.get(key)
         if planned is not None:
             return SoftmaxFunction.apply(x, log, planned) if grad else planned(x)

@@ -437,6 +437,14 @@ def plan_cache() -> Plans:
     return plans
 
 
+def layout(t) -> tuple | None:
+    """What a launch reads of a tensor's layout, for an operation's key of bound launches:
+    shape, strides, dtype, device and the alignment of its start (None for None)."""
+    if t is None:
+        return None
+    return t.shape, t.stride(), t.dtype, t.device, t.data_ptr() % 16
+
+
 def lean_now() -> bool:
     """May an operation call a bound launch now: lean launches on, no launch hook set, and
     no launches being recorded (a bound launch is not: an operation recording its own
@@ -444,9 +452,7 @@ def lean_now() -> bool:
     if not ENABLED[0] or INTERPRET or RECORDING:
         return False
     knobs = KNOBS[0] or _knobs()
-    enter, leave = knobs.launch_enter_hook, knobs.launch_exit_hook  # hooked(), inlined
-    unhooked = enter is None or getattr(enter, "calls", True) == []
-    return unhooked and (leave is None or getattr(leave, "calls", True) == [])
+    return not (hooked(knobs.launch_enter_hook) or hooked(knobs.launch_exit_hook))
 
 
 @contextlib.contextmanager

@@ -40,7 +40,8 @@ def flush_partials(buffers, sums, columns, N, slots, REDUCTION: tl.constexpr):
         tl.atomic_xchg(lock, 0, sem="release")
 
 
-from stepkernels.runtime.launch import lean  # noqa: E402
+from stepkernels.runtime.core import sm_count  # noqa: E402
+from stepkernels.runtime.launch import cdiv, lean, next_power_of_2  # noqa: E402
 
 
 @lean
@@ -79,3 +80,25 @@ def sum_partials_kernel(
     if HAS_DB:
         db_sum = tl.sum(db, axis=0).to(db_ptr.dtype.element_ty)
         tl.store(db_ptr + cols, db_sum, mask=col_mask)
+
+
+def sum_partials(partials, visits, dw, db, n_cols, **flags):
+    """``sum_partials_kernel`` over the rows of ``partials`` (one a program of the first
+    stage), with ``flags`` its HAS_COUNTS, HAS_DW and HAS_DB: narrow column blocks, two
+    programs per SM whenever N allows, each program's rows loaded in tiles of up to
+    4,096 sums, all in flight together."""
+    block_n = min(128, max(16, next_power_of_2(cdiv(n_cols, 2 * sm_count()))))
+    n_partials = partials.shape[0]
+    block_p = min(next_power_of_2(n_partials), max(32, 4096 // block_n))
+    sum_partials_kernel[(cdiv(n_cols, block_n),)](
+        partials,
+        visits,
+        dw,
+        db,
+        n_partials,
+        n_cols,
+        **flags,
+        BLOCK_P=block_p,
+        BLOCK_N=block_n,
+        num_warps=4,
+    )
