@@ -233,6 +233,7 @@ from stepkernels.runtime.device import profile
 from stepkernels.runtime.launch import (  # cheap repeated launches: chapter 08
     bound_launches,
     cdiv,
+    layout,
     lean,
     lean_now,
     plan_cache,
@@ -544,16 +545,11 @@ OPERAND_TYPES = (NONE, torch.Tensor, torch.nn.Parameter)
 PRODUCT_PLANS, CHECKED_PRODUCTS = plan_cache(), plan_cache()
 
 
-def layout(t):
-    return None if t is None else (t.shape, t.stride(), t.dtype, t.data_ptr() % 16)
-
-
 def product_key(a, b, activation, bias, return_preactivation, accumulate) -> tuple:
     fp32 = a.dtype == torch.float32
     precision = torch.get_float32_matmul_precision() if fp32 else None
-    key = (a.shape, a.stride(), a.dtype, a.device, a.data_ptr() % 16, b.shape)
-    key = (*key, b.stride(), b.dtype, b.data_ptr() % 16, activation, layout(bias))
-    return (*key, return_preactivation, layout(accumulate), precision)
+    key = (layout(a), layout(b), activation, layout(bias), return_preactivation)
+    return (*key, layout(accumulate), precision)
 
 
 def planned_product(launch, return_preactivation, out_dtype):

@@ -134,7 +134,6 @@ from stepkernels.ops.matmul import (
     OPERAND_TYPES,
     PRODUCT_PLANS,
     copies_for_tf32,
-    layout,
     product,
     product_key,
 )
@@ -144,6 +143,7 @@ from stepkernels.runtime.core import refuse_double_backward, sm_count, zeroed
 from stepkernels.runtime.launch import (
     bound_launches,
     cdiv,
+    layout,
     lean,
     lean_now,
     plan_cache,
@@ -210,7 +210,7 @@ def column_sums(x, dtype=torch.float32):
     launches its kernel bound (chapter 08), under a key of x's layout and ``dtype``."""
     fast = type(x) is torch.Tensor and lean_now()
     if fast:
-        key = (layout(x), x.device, dtype)
+        key = (layout(x), dtype)
         planned = COLUMN_SUMS_PLANS.get(key)
         if planned is not None:
             return planned(x)
@@ -333,7 +333,7 @@ def activation_backward(
     options = (activation, bias_grad, over_z, transposed)
     fast = type(grad_y) is torch.Tensor and type(z) is torch.Tensor and lean_now()
     if fast:
-        key = (layout(grad_y), layout(z), z.device, *options)
+        key = (layout(grad_y), layout(z), *options)
         planned = ACTIVATION_PLANS.get(key)
         if planned is not None:
             grad_z, partial, grad_z_t = planned(grad_y, z)
@@ -550,7 +550,7 @@ def linear(x, weight, bias=None, activation=None, *, recompute=False):
         fp32 = x.dtype == torch.float32
         precision = torch.get_float32_matmul_precision() if fp32 else None
         key = (x.shape, x.stride(), x.dtype, x.device, x.data_ptr() % 16)
-        key = (*key, layout(weight), weight.device, layout(bias), activation)
+        key = (*key, layout(weight), layout(bias), activation)
         key = (*key, recompute, needs_grad, precision)
         planned = FORWARD_PLANS.get(key)
         if planned is not None:

@@ -119,6 +119,7 @@ from stepkernels.runtime.core import (
 from stepkernels.runtime.launch import (  # cheap repeated launches: chapter 08
     bound_launches,
     cdiv,
+    layout,
     lean,
     lean_now,
     next_power_of_2,
@@ -433,10 +434,6 @@ ROWS_PLANS, MEAN_PLANS, REDUCE_PLANS = plan_cache(), plan_cache(), plan_cache()
 TENSOR_OR_NONE = (torch.Tensor, type(None))
 
 
-def layout(t):
-    return None if t is None else (t.shape, t.stride(), t.dtype, t.data_ptr() % 16)
-
-
 def loss_rows(logits, target, options, grad=None, scale=None, launch=None):
     """The loss of each row, fp32. Writes the gradient into ``grad`` if given (laid out
     as ``logits``, or ``logits`` itself: in place), times ``scale``: one value or one
@@ -446,7 +443,7 @@ def loss_rows(logits, target, options, grad=None, scale=None, launch=None):
     fast = fast and type(scale) in TENSOR_OR_NONE and lean_now()
     if fast:
         in_place = grad is logits
-        key = (layout(logits), logits.device, layout(target), options, in_place)
+        key = (layout(logits), layout(target), options, in_place)
         key = (*key, None if in_place else layout(grad), layout(scale))
         planned = ROWS_PLANS.get(key)
         if planned is not None:
@@ -578,7 +575,7 @@ def mean_scale(target, options):
     n_rows, ignore = target.shape[0], options.ignore_index
     fast = type(target) is torch.Tensor and lean_now()
     if fast:
-        key = (layout(target), target.device, ignore)
+        key = (layout(target), ignore)
         planned = MEAN_PLANS.get(key)
         if planned is not None:
             scale = torch.empty((), device=target.device, dtype=torch.float32)
@@ -599,7 +596,7 @@ def reduced_loss(losses, target, options, dtype):
         return losses.to(dtype)
     fast = type(losses) is torch.Tensor and type(target) is torch.Tensor and lean_now()
     if fast:
-        key = (layout(losses), losses.device, layout(target), options, dtype)
+        key = (layout(losses), layout(target), options, dtype)
         planned = REDUCE_PLANS.get(key)
         if planned is not None:
             loss = torch.empty((), device=losses.device, dtype=dtype)

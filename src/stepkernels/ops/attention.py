@@ -20,6 +20,7 @@ from stepkernels.runtime.core import (
 from stepkernels.runtime.launch import (  # cheap repeated launches: chapter 08
     bound_launches,
     cdiv,
+    layout,
     lean,
     lean_now,
     next_power_of_2,
@@ -719,10 +720,6 @@ class AttentionFunction(torch.autograd.Function):
 FORWARD_PLANS, BACKWARD_PLANS = plan_cache(), plan_cache()
 
 
-def layout(t) -> tuple:
-    return t.shape, t.stride(), t.dtype, t.data_ptr() % 16
-
-
 def planned_forward(launches, q, k, v, o, lse, options):
     """``forward_ready`` for one key, its launch bound; None where it cannot be (a copy
     of q, k or v, or a kernel not launched lean)."""
@@ -842,7 +839,7 @@ def attention(q, k, v, causal=False, sm_scale=None, window=None):
         grad = grad and torch.is_grad_enabled()
         fp32 = q.dtype == torch.float32
         precision = torch.get_float32_matmul_precision() if fp32 else None
-        key = (layout(q), q.device, layout(k), k.device, layout(v), v.device, causal)
+        key = (layout(q), layout(k), layout(v), causal)
         key = (*key, sm_scale, window, grad, precision)
         planned = FORWARD_PLANS.get(key)
         if planned is not None:
