@@ -63,6 +63,17 @@ def test_head_dims_a_descriptor_cannot_describe(head_dim, dtype):
     check(*inputs(1, 2, 19, 23, head_dim, dtype), causal=True)
 
 
+@pytest.mark.parametrize("dtype, head_dim", [(torch.float32, 1), (torch.bfloat16, 4)])
+def test_repeated_calls_of_a_layout_a_descriptor_cannot_describe(dtype, head_dim):
+    # q, k, v split from one packed projection, heads 4 or 8 bytes apart: each call copies them
+    # (a repeated call took its bound launch on the GPU and described them as they were)
+    for seed in range(3):
+        qkv = torch.randn(2, 16, 3 * 2 * head_dim, dtype=dtype, device=DEVICE)
+        q, k, v = (t.unflatten(-1, (2, head_dim)).transpose(1, 2) for t in qkv.chunk(3, dim=-1))
+        check(q, k, v, causal=seed % 2 == 1)
+        check(q, k, v, causal=seed % 2 == 1)
+
+
 def test_last_dimension_not_contiguous():
     q, k, v = (t.transpose(2, 3).contiguous().transpose(2, 3) for t in inputs(1, 2, 24, 24, 32))
     assert q.stride(3) != 1

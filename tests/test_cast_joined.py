@@ -62,6 +62,9 @@ def test_refuses_what_it_cannot_join():
     assert adamw.cast_joined(torch.bfloat16, [x.t()]) is None  # strides
     assert adamw.cast_joined(torch.bfloat16, [x, x.half()]) is None  # dtypes
     assert adamw.cast_joined(torch.bfloat16, []) is None
+    if ON_GPU:  # host tensors on a GPU machine, or tensors of two devices: no kernel reads them
+        assert adamw.cast_joined(torch.bfloat16, [x.cpu()]) is None
+        assert adamw.cast_joined(torch.bfloat16, [x, x.cpu()]) is None
 
 
 def test_cast_all_forward_and_backward():
@@ -94,12 +97,13 @@ def test_cast_all_casts_each_way_in_one_launch(monkeypatch):
 def test_a_graph_replays_the_cast_of_the_weights_as_they_are():
     sources = tensors(seed=3)
     adamw.cast_joined(torch.bfloat16, sources)  # the table, written outside the recording
+    other_sizes = tensors(shapes=[(9,), (4, 4)], seed=4)  # made before: no copy while recording
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, stream=side):
         casts = adamw.cast_joined(torch.bfloat16, sources)
-        unknown = adamw.cast_joined(torch.bfloat16, tensors(seed=4))  # no table: refused
+        unknown = adamw.cast_joined(torch.bfloat16, other_sizes)  # sizes never laid out: refused
     assert casts is not None and unknown is None
     for seed in range(5, 5 + adamw.CAST_TABLES_KEPT):  # other tables push the graph's out
         adamw.cast_joined(torch.bfloat16, tensors(seed=seed))

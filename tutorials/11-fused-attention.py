@@ -1009,8 +1009,12 @@ def attention(q, k, v, causal=False, sm_scale=None, window=None):
             out = AttentionFunction.apply(q, k, v, *options, None, key, recorded)
         else:
             out = recorded(q, k, v, *options)[3]
-    if results and (planned := planned_forward(launches, *results[0], options)):
-        FORWARD_PLANS[key] = planned
+    # Bound only where the kernel read q, k and v themselves: a call whose tensors a
+    # descriptor cannot describe (copied by forward_ready) takes this path every time.
+    read = results and [t.data_ptr() for t in results[0][:3]]
+    if read == [q.data_ptr(), k.data_ptr(), v.data_ptr()]:
+        if planned := planned_forward(launches, *results[0], options):
+            FORWARD_PLANS[key] = planned
     return out
 
 

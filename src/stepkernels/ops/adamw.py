@@ -496,11 +496,14 @@ def cast_joined(dtype, tensors):
     """Contiguous ``tensors`` of one dtype cast to ``dtype`` into one buffer, each read
     once, in one launch: views of it, of their shapes (None where that cannot be: mixed
     dtypes, strides, a CUDA-graph recording before any eager call of those sizes)."""
-    if not tensors or any(
-        not t.is_contiguous() or t.dtype != tensors[0].dtype for t in tensors
+    device = tensors[0].device if tensors else None
+    if not tensors or (device.type != "cuda" and not INTERPRET):  # a GPU's kernel
+        return None
+    if any(
+        not t.is_contiguous() or t.dtype != tensors[0].dtype or t.device != device
+        for t in tensors
     ):
         return None
-    device = tensors[0].device
     capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
     sizes = tuple(t.numel() for t in tensors)
     layout = CAST_LAYOUTS.get((device, sizes))

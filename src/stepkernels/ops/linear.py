@@ -3,15 +3,14 @@
 # Generated from tutorials/05-autograd-fused-linear.py by tools/export.py: edit the chapter, then
 # `make export`.
 
-from stepkernels.ops.matmul import (
-    OPERAND_TYPES,
-    PRODUCT_PLANS,
-    copies_for_tf32,
-    product,
-    product_key,
-)
+from stepkernels.ops.matmul import bound_product, copies_for_tf32, product
 from stepkernels.runtime.activations import activation_derivative
-from stepkernels.runtime.arguments import linear_arguments, linear_options
+from stepkernels.runtime.arguments import (
+    OPTIONAL_TENSOR_TYPES,
+    TENSOR_TYPES,
+    linear_arguments,
+    linear_options,
+)
 from stepkernels.runtime.core import refuse_double_backward, sm_count, zeroed
 from stepkernels.runtime.launch import (
     bound_launches,
@@ -368,8 +367,7 @@ FORWARD_PLANS = plan_cache()
 def planned_forward(rows, weight, bias, activation, needs_grad, keep_z):
     """The forward for one key, its product bound; None where the product is not."""
     with_z = activation is not None and keep_z
-    key = product_key(rows, weight.mT, activation, bias, with_z, None)
-    planned = PRODUCT_PLANS.get(key)
+    planned = bound_product(rows, weight.mT, activation, bias, with_z)
     if planned is None:
         return None
     if not needs_grad:  # y alone
@@ -383,8 +381,8 @@ def linear(x, weight, bias=None, activation=None, *, recompute=False):
     """``activation(x @ weight.T + bias)`` in one kernel, differentiable, for weight and
     bias as ``nn.Linear`` holds them; ``recompute``: recompute x @ weight.T + bias in
     the backward instead of keeping it from the forward."""
-    fast = type(x) is torch.Tensor and type(weight) in OPERAND_TYPES
-    fast = fast and type(bias) in OPERAND_TYPES and type(recompute) is bool
+    fast = type(x) is torch.Tensor and type(weight) in TENSOR_TYPES
+    fast = fast and type(bias) in OPTIONAL_TENSOR_TYPES and type(recompute) is bool
     fast = fast and type(activation) in (str, type(None))
     fast = fast and not torch.compiler.is_compiling() and lean_now()
     if fast:  # a call seen before: checked then, its product bound

@@ -10,8 +10,12 @@ from stepkernels.ops.cross_entropy import (
     reduced_loss,
     scale_unless_one,
 )
-from stepkernels.ops.matmul import OPERAND_TYPES, product
-from stepkernels.runtime.arguments import classes_in_range
+from stepkernels.ops.matmul import product
+from stepkernels.runtime.arguments import (
+    OPTIONAL_TENSOR_TYPES,
+    TENSOR_TYPES,
+    classes_in_range,
+)
 from stepkernels.runtime.core import (
     FLOAT_DTYPES,
     check_tensor,
@@ -141,7 +145,7 @@ def linear_cross_entropy(
     tensors, a device-side assert on a GPU."""
     given = (ignore_index, label_smoothing, reduction, chunk_tokens)
     fast = type(x) is torch.Tensor and type(target) is torch.Tensor
-    fast = fast and type(weight) in OPERAND_TYPES and type(bias) in OPERAND_TYPES
+    fast = fast and type(weight) in TENSOR_TYPES and type(bias) in OPTIONAL_TENSOR_TYPES
     fast = fast and type(ignore_index) is int and type(label_smoothing) in (int, float)
     fast = fast and type(reduction) is str and type(chunk_tokens) in (int, type(None))
     fast = fast and not torch.compiler.is_compiling() and lean_now()

@@ -6,7 +6,7 @@
 from stepkernels.ops.matmul_hopper import launch_tma, tma_operands
 from stepkernels.ops.matmul_tuning import splits_k
 from stepkernels.runtime.activations import apply_activation
-from stepkernels.runtime.arguments import accumulate_arguments
+from stepkernels.runtime.arguments import OPTIONAL_TENSOR_TYPES, accumulate_arguments
 from stepkernels.runtime.core import (
     INTERPRET,
     autotune_configs,
@@ -208,7 +208,8 @@ def matmul(
     kernel. ``accumulate``: a contiguous (M, N) tensor, in the output's dtype or fp32
     (a parameter's fp32 gradient), that gets ``a @ b (+ bias)`` added in place."""
     fast = accumulate is None and type(a) is torch.Tensor and type(b) is torch.Tensor
-    fast = fast and type(bias) in OPERAND_TYPES and type(activation) in (str, NONE)
+    fast = fast and type(bias) in OPTIONAL_TENSOR_TYPES
+    fast = fast and type(activation) in (str, NONE)
     fast = fast and type(return_preactivation) is bool
     fast = fast and not torch.compiler.is_compiling() and lean_now()
     if fast:  # a call seen before: checked then, its launch bound
@@ -239,7 +240,6 @@ def launch_matmul(a, b, activation, bias, return_preactivation, accumulate):
 # whether the pre-activation is kept, and fp32's precision. Chapter 07's descriptor kernel
 # is launched by key as before.
 NONE = type(None)
-OPERAND_TYPES = (NONE, torch.Tensor, torch.nn.Parameter)
 PRODUCT_PLANS, CHECKED_PRODUCTS = plan_cache(), plan_cache()
 
 
@@ -248,6 +248,12 @@ def product_key(a, b, activation, bias, return_preactivation, accumulate) -> tup
     precision = torch.get_float32_matmul_precision() if fp32 else None
     key = (layout(a), layout(b), activation, layout(bias), return_preactivation)
     return (*key, layout(accumulate), precision)
+
+
+def bound_product(a, b, activation, bias, return_preactivation, accumulate=None):
+    """The bound ``product`` of a call like this one made before, or None."""
+    key = product_key(a, b, activation, bias, return_preactivation, accumulate)
+    return PRODUCT_PLANS.get(key)
 
 
 def planned_product(launch, return_preactivation, out_dtype):
@@ -276,7 +282,8 @@ def product(
     """``matmul`` for arguments already checked (chapter 05's layer calls it three
     times a step: the checks once, in ``linear``)."""
     fast = type(a) is torch.Tensor and type(b) is torch.Tensor
-    fast = fast and type(bias) in OPERAND_TYPES and type(accumulate) in OPERAND_TYPES
+    optional = OPTIONAL_TENSOR_TYPES
+    fast = fast and type(bias) in optional and type(accumulate) in optional
     fast = fast and lean_now()
     if fast:
         key = product_key(a, b, activation, bias, return_preactivation, accumulate)

@@ -13,6 +13,10 @@ from stepkernels.runtime.core import FLOAT_DTYPES, check_tensor, refuse_autograd
 import torch
 
 BUILTIN_NUMBERS = {numbers.Real: (int, float), numbers.Integral: (int,)}
+# What a repeated call's first test takes as a tensor, or a tensor or None, by exact type
+# (one tuple lookup; a subclass takes the checked path)
+TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
+OPTIONAL_TENSOR_TYPES = (type(None), *TENSOR_TYPES)
 
 
 def is_number(value, kind=numbers.Real) -> bool:
