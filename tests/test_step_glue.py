@@ -56,16 +56,20 @@ def test_a_product_it_cannot_read_in_place_takes_the_general_path():
 
 
 class Operators(TorchDispatchMode):
-    """The names of the operators called inside, with the dtype and shape of the first."""
+    """The names of the operators called inside, with the shape of the first tensor; and
+    the casts among them (``_to_copy`` of a floating-point tensor: not a table of integers
+    copied to the GPU)."""
 
     def __init__(self):
         super().__init__()
-        self.calls = []
+        self.calls, self.casts = [], 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         first = next((a for a in args if isinstance(a, torch.Tensor)), None)
         shape = None if first is None else tuple(first.shape)
         self.calls.append((func.overloadpacket.__name__, shape))
+        if func.overloadpacket.__name__ == "_to_copy" and first is not None:
+            self.casts += first.is_floating_point()
         return func(*args, **(kwargs or {}))
 
 
@@ -91,7 +95,9 @@ def test_the_map_charges_each_operator_to_a_line_of_the_package(tmp_path):
     found = step_glue.main(["--layers", "1", "--width", "8", "--data", str(small_text.prepare(tmp_path))])
     casts = [where for (name, where, _) in found if name == "_to_copy"]
     # the weights and their gradients cast by cast_joined's kernel, no join nor cast of PyTorch
-    assert not any("cast_all" in where for (name, where, _) in found if name in ("_to_copy", "cat"))
+    # (on a GPU its tables of int32 and int64 rows are copied there: no cast)
+    ours = [(name, shape) for (name, where, shape) in found if "cast_all" in where]
+    assert not [(n, shape) for n, shape in ours if n == "cat" or (n == "_to_copy" and not shape.startswith("int"))]
     assert any("gpt.py" in where and "[backward: ToCopyBackward0" in where for where in casts)
     assert not any("(linear)" in where and "gpt.py" in where for where in casts), "no cast apiece"
     assert all(count > 0 for count in found.values())
@@ -126,7 +132,7 @@ def step_of(model, idx, cast_at_once: bool, monkeypatch):
         loss.backward()
     monkeypatch.undo()
     grads = {name: p.grad.clone() for name, p in model.named_parameters()}
-    return loss.detach(), grads, [name for name, _ in operators.calls]
+    return loss.detach(), grads, operators.casts
 
 
 def test_weights_cast_at_once_give_the_same_step_in_fewer_casts(monkeypatch):
@@ -137,13 +143,14 @@ def test_weights_cast_at_once_give_the_same_step_in_fewer_casts(monkeypatch):
     config = gpt.GPTConfig(vocab_size=11, block_size=8, n_layer=2, n_head=2, n_embd=16)
     model = gpt.GPT(config).to(DEVICE)
     idx = torch.randint(11, (2, 8), device=DEVICE)
-    loss, grads, calls = step_of(model, idx, True, monkeypatch)
-    want_loss, want_grads, want_calls = step_of(model, idx, False, monkeypatch)
+    loss, grads, casts = step_of(model, idx, True, monkeypatch)
+    want_loss, want_grads, want_casts = step_of(model, idx, False, monkeypatch)
     assert torch.equal(loss, want_loss)
     for name, grad in grads.items():
         assert torch.equal(grad, want_grads[name]), name
     weights = 1 + 4 * 2 * config.n_layer  # the output layer's, and each linear's w and b
-    assert want_calls.count("_to_copy") - calls.count("_to_copy") >= 2 * weights - 2
+    # (on a GPU cast_joined also copies its tables there: integers, not counted)
+    assert want_casts - casts >= 2 * weights - 2
 
 
 @pytest.mark.parametrize("x_dtype, residual_dtype", [(torch.float32, torch.bfloat16), (torch.float16, torch.bfloat16)])
