@@ -1358,9 +1358,10 @@ for name in ("attention-forward-d128", "attention-backward-d128"):
 # TMA copies while two consumer warp groups take turns on the tensor cores and the
 # exponentials. Ours do the two in turn, overlapped only across the programs an SM holds;
 # Triton 3.6's ``warp_specialize`` did not make our forward faster. Called from Python, our
-# functions cost the CPU more than SDPA (the two calls printed above): up to twelve
-# descriptors a backward, and launches through Triton's own path, since chapter 08's lean
-# launcher does not take descriptors yet.
+# functions cost the CPU more than SDPA (the two calls printed above), though a repeated
+# call's launches are bound as chapter 08 binds them, its descriptors rebuilt from the first
+# call's fields: SDPA's call is C++ from end to end, ours is Python around an autograd
+# ``Function``.
 #
 # Each benchmark at N = 4,096, every provider, GPU time and the call from Python:
 
