@@ -14,10 +14,12 @@ group per provider and shape, plus an "(other kernels)" row; chapter 15 shows it
     python lab/step_profile.py --shape toy --csv /tmp/profile.csv   # a CPU: checks the script
     python lab/step_profile.py --ablate      # also ours replayed without each fusion of ch. 15
 
-``--ablate`` adds two providers: ours replayed from a CUDA graph with PyTorch's fused AdamW
+``--ablate`` adds three providers: ours replayed from a CUDA graph with PyTorch's fused AdamW
 instead of ``FusedAdamW``, and with the residual addition apart from the norm (PyTorch's
 addition, then chapter 03's ``layer_norm``) instead of ``add_layer_norm``: what each fusion
-gives the whole step.
+gives the whole step; and ours keeping the MLP's pre-activation from the forward instead of
+recomputing it in the backward (as PyTorch's layers keep it; no change without dropout's
+fused path, so Shakespeare's dropout layers are as before): what the recompute costs.
 
 Shapes: ``shakespeare`` (nanoGPT's: 6 layers, 6 heads, 384 wide, context 256, batch 64),
 ``gpt2-small`` (12 layers, 12 heads, 768 wide, context 1,024, batch 8), ``toy`` (1 layer of 16,
@@ -64,10 +66,12 @@ PROVIDERS = {  # name: (use_triton, step)
     "triton": (True, "eager"),
     "triton + CUDA graph": (True, "graph"),
 }
-# Ours replayed without one of chapter 15's fusions (--ablate): provider -> what is undone.
+# Ours replayed without one of chapter 15's fusions, or keeping the pre-activation
+# (--ablate): provider -> what is changed.
 ABLATIONS = {
     "triton + CUDA graph, PyTorch's AdamW": "adamw",
     "triton + CUDA graph, add then norm": "add_norm",
+    "triton + CUDA graph, pre-activation kept": "keep_z",
 }
 TOP = 25
 # The CPU's calls that start work on the GPU (a replayed graph is one call).
@@ -145,13 +149,32 @@ class AddThenNorm(gpt.TritonLayers):
         return x, self.norm(x, norm)
 
 
+class KeptPreactivation(gpt.TritonLayers):
+    """Our layers with the MLP's pre-activation kept from the forward (chapter 05's
+    ``recompute=False``: one product a layer fewer, 4C values a token more held), as
+    PyTorch's layers keep it. Dropout's path (p > 0) is unchanged."""
+
+    def linear(self, x, layer, activation=None, p=0.0, seed=None):
+        bias = getattr(layer, "bias", None)
+        if activation is None or (p > 0 and bias is not None):
+            return super().linear(x, layer, activation, p, seed)
+        dtype = gpt.compute_dtype(x)
+        weight = self.cast(layer.weight, dtype)
+        bias = None if bias is None else self.cast(bias, dtype)
+        return gpt.linear(x.to(dtype), weight, bias, activation, recompute=False)
+
+
+SWAPPED = {"add_norm": AddThenNorm, "keep_z": KeptPreactivation}
+
+
 @contextlib.contextmanager
 def undone(fusion: str | None):
-    """The GPT's layers without the add + norm fusion while inside, for "add_norm"."""
-    if fusion != "add_norm":
+    """The GPT's layers changed while inside: without the add + norm fusion ("add_norm"),
+    or keeping the MLP's pre-activation ("keep_z")."""
+    if fusion not in SWAPPED:
         yield
         return
-    original, gpt.TritonLayers = gpt.TritonLayers, AddThenNorm
+    original, gpt.TritonLayers = gpt.TritonLayers, SWAPPED[fusion]
     try:
         yield
     finally:
