@@ -19,6 +19,7 @@ backward recomputes it).
     python lab/step_products.py --before    # as before issue 41: dW on the portable kernel
     python lab/step_products.py --shape gpt2-small --candidates  # GPT-2 small's products
     python lab/step_products.py --long-k 3  # splits_k's LONG_K set to 3 for this run
+    python lab/step_products.py --shape gpt2-small --candidates --only dW  # some products
     STEPKERNELS_DEVICE_PROFILE=sm90 python lab/step_products.py --shape gpt2-small --compile
         # no GPU: every candidate's launch compiled for sm_90 (shared memory, registers, spills)
     python lab/step_products.py --compile-flat  # no GPU: the flat variant (below) for sm_90
@@ -145,9 +146,10 @@ def flat(config: dict):
         yield
 
 
-def products(shape: dict, dtype: torch.dtype, seed: int = 0, values: bool = True):
+def products(shape: dict, dtype: torch.dtype, seed: int = 0, values: bool = True, only=()):
     """(name, a, b, runs a step) for every product of a step, as ``linear`` calls them
-    (``values``: random, else left as allocated)."""
+    (``values``: random, else left as allocated; ``only``: the products whose names hold
+    one of these words, every product if none)."""
     generator = torch.Generator().manual_seed(seed)
 
     def rand(*size):
@@ -166,7 +168,7 @@ def products(shape: dict, dtype: torch.dtype, seed: int = 0, values: bool = True
         found.append((f"{name} forward", x, weight.mT, forwards * runs))
         found.append((f"{name} dX", grad_y, weight, runs))
         found.append((f"{name} dW", grad_y.mT, x, runs))
-    return found
+    return [product for product in found if not only or any(w in product[0] for w in only)]
 
 
 def route(a, b) -> str:
@@ -286,12 +288,12 @@ def tile_kwargs(block_m, block_n, block_k, stages, warps, per_sm):
             "num_stages": stages, "num_warps": warps, "PROGRAMS_PER_SM": per_sm}  # fmt: skip
 
 
-def time_products(shape_name, candidates: bool):
+def time_products(shape_name, candidates: bool, only=()):
     shape, dtype = SHAPES[shape_name], torch.bfloat16
     total_ours = total_torch = 0.0
     print(f"{'product':22} {'M x N x K':>20} {'kernel':20} {'ours us':>8} {'TFLOP/s':>8} "
           f"{'torch us':>8} {'TFLOP/s':>8} {'torch/ours':>10}  config")  # fmt: skip
-    for name, a, b, runs in products(shape, dtype):
+    for name, a, b, runs in products(shape, dtype, only=only):
         ours, theirs = functools.partial(matmul, a, b), functools.partial(torch.matmul, a, b)
         torch.testing.assert_close(ours().float(), theirs().float(), rtol=2e-2, atol=2e-1)
         ours_ms, torch_ms = bench.measure_ms(ours)[0], bench.measure_ms(theirs)[0]
@@ -307,7 +309,8 @@ def time_products(shape_name, candidates: bool):
         )
         if candidates and descriptor_operands(a, b) is not None:
             candidate_lines(name, a, b, torch_ms, shape_name)
-    print(f"a step's products (each times its runs): ours {total_ours:.3f} ms, torch "
+    which = f"the products of {' or '.join(only)}" if only else "a step's products"
+    print(f"{which} (each times its runs): ours {total_ours:.3f} ms, torch "
           f"{total_torch:.3f} ms, torch/ours {total_torch / total_ours:.2f}")  # fmt: skip
 
 
@@ -397,6 +400,7 @@ def main(argv=None):
     parser.add_argument("--long-k", type=int, help="matmul_tuning.LONG_K for this run")
     parser.add_argument("--compile", action="store_true", help="compile the candidates")
     parser.add_argument("--compile-flat", action="store_true", help="compile the flat variant")
+    parser.add_argument("--only", nargs="+", default=(), help="products whose names hold a word")
     args = parser.parse_args(argv)
     with contextlib.ExitStack() as rules:
         if args.before:
@@ -410,7 +414,7 @@ def main(argv=None):
         elif args.configs:
             print_configs(args.shape, args.candidates)
         elif ON_GPU:
-            time_products(args.shape, args.candidates)
+            time_products(args.shape, args.candidates, args.only)
         else:
             check(TOY)
 
