@@ -1437,7 +1437,7 @@ def cast_joined(dtype, tensors):
     once, in one launch: views of it, of their shapes (None where that cannot be: mixed
     dtypes, strides, a CUDA-graph recording before any eager call of those sizes)."""
     device = tensors[0].device if tensors else None
-    if not tensors or (device.type != "cuda" and not INTERPRET):  # a GPU's kernel
+    if not tensors or device.type != DEVICE.type:  # host tensors on a GPU machine
         return None
     if any(
         not t.is_contiguous() or t.dtype != tensors[0].dtype or t.device != device
