@@ -37,11 +37,13 @@ def pytest_xdist_make_scheduler(config, log):
 
     class NotebooksWhole(LoadScopeScheduling):
         # LoadScopeScheduling hands out the largest units first: the notebooks, then the tests.
-        # test_targets.py and test_distributed.py go whole too: their tests share one
-        # module fixture (every launch recorded; the torchrun runs, 70 s of both cores).
+        # test_targets.py, test_distributed.py and test_parallel_tuning.py go whole too:
+        # their tests share one module fixture (every launch recorded; the torchrun runs,
+        # 70 to 120 s of both cores, which two processes would each make).
         def _split_scope(self, nodeid):
             path = nodeid.split("::", 1)[0]
-            whole = path.endswith((".ipynb", "test_targets.py", "test_distributed.py"))
+            wholes = ("test_targets.py", "test_distributed.py", "test_parallel_tuning.py")
+            whole = path.endswith((".ipynb", *wholes))
             return path if whole else nodeid
 
     return NotebooksWhole(config, log)
