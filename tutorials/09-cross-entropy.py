@@ -536,8 +536,7 @@ def scale_unless_one(tensor, factor):
     repeated call launches its kernel bound, under a key of the tensors' layouts."""
     fast = type(tensor) is torch.Tensor and type(factor) is torch.Tensor and lean_now()
     if fast:
-        key = (tensor.shape, tensor.stride(), tensor.dtype, tensor.device)
-        key = (*key, tensor.data_ptr() % 16, factor.dtype, factor.data_ptr() % 16)
+        key = (layout(tensor), layout(factor))
         launch = SCALE_PLANS.get(key)
         if launch is not None:  # the kernel reads the address alone: flat or not
             launch(tensor, factor)
@@ -672,16 +671,15 @@ def planned_loss(bound, options, with_grad, dtype):
     launch_scale = bound[0] if scaled else None
     launch_rows, *launch_reduce = bound[1:] if scaled else bound
 
+    loss_rows_bound = planned_rows(launch_rows)
+
     def loss_and_grad_bound(logits, target, *_):
         device, scale = logits.device, None
         if scaled:
             scale = torch.empty((), device=device, dtype=torch.float32)
             launch_scale(target, scale)
         grad = empty_rows_like(logits) if with_grad else None
-        losses = torch.empty(logits.shape[0], device=device, dtype=torch.float32)
-        written = logits if grad is None else grad
-        per_row = losses if scale is None else scale
-        launch_rows(logits, target, written, losses, per_row, losses, losses)
+        losses = loss_rows_bound(logits, target, grad, scale)
         if not launch_reduce:  # reduction "none"
             return losses.to(dtype), grad, scale, losses
         loss = torch.empty((), device=device, dtype=dtype)
@@ -722,10 +720,8 @@ def cross_entropy(
     if fast:  # a call seen before: checked then, its launches bound
         want_grad = logits.requires_grad and torch.is_grad_enabled()
         dtype = loss_dtype(logits)
-        key = (logits.shape, logits.stride(), logits.dtype, logits.device)
-        key = (*key, logits.data_ptr() % 16, target.shape, target.stride())
-        key = (*key, target.dtype, target.device, target.data_ptr() % 16)
-        key = (*key, ignore_index, label_smoothing, reduction, want_grad, dtype)
+        key = (layout(logits), layout(target), ignore_index, label_smoothing)
+        key = (*key, reduction, want_grad, dtype)
         planned = LOSS_PLANS.get(key)
         if planned is not None:
             classes_in_range(target, logits.shape[1], "target", ignore_index)  # CPU's

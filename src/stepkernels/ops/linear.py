@@ -393,8 +393,7 @@ def linear(x, weight, bias=None, activation=None, *, recompute=False):
         )
         fp32 = x.dtype == torch.float32
         precision = torch.get_float32_matmul_precision() if fp32 else None
-        key = (x.shape, x.stride(), x.dtype, x.device, x.data_ptr() % 16)
-        key = (*key, layout(weight), layout(bias), activation)
+        key = (layout(x), layout(weight), layout(bias), activation)
         key = (*key, recompute, needs_grad, precision)
         planned = FORWARD_PLANS.get(key)
         if planned is not None:
