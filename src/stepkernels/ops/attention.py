@@ -866,12 +866,11 @@ def attention(q, k, v, causal=False, sm_scale=None, window=None):
             out = AttentionFunction.apply(q, k, v, *options, None, key, recorded)
         else:
             out = recorded(q, k, v, *options)[3]
-    # Bound only where the kernel read q, k and v themselves: a call whose tensors a
-    # descriptor cannot describe (copied by forward_ready) takes this path every time.
-    read = results and [t.data_ptr() for t in results[0][:3]]
-    if read == [q.data_ptr(), k.data_ptr(), v.data_ptr()]:
-        if planned := planned_forward(launches, *results[0], options):
-            FORWARD_PLANS[key] = planned
+    # The caller's q, k, v, not forward_ready's: where it copied them for the descriptors,
+    # the launch read the copies, bound_launches finds other addresses, and nothing is bound.
+    planned = results and planned_forward(launches, q, k, v, *results[0][3:], options)
+    if planned:
+        FORWARD_PLANS[key] = planned
     return out
 
 
